@@ -1,0 +1,51 @@
+"""gradsync: data-parallel gradient averaging through files in a shared directory.
+
+Every rank calls :func:`average_grads_file_sync` (or :meth:`GradSync.average`)
+once per optimizer step and gets back the same element-wise mean, bit for bit.
+"""
+
+from __future__ import annotations
+
+from ._api import GradSync, average_grads_file_sync
+from ._config import FileGradSyncConfig
+from ._errors import (
+    ConfigError,
+    CorruptFileError,
+    GradSyncError,
+    InvalidGradsError,
+    MismatchError,
+    NonFiniteGradError,
+    PeerAbortedError,
+    PeerLostError,
+    PeerTimeoutError,
+    RendezvousError,
+    SyncDirError,
+)
+from ._fsio import atomic_write_bytes, wait_for_path
+from ._reduce import average_host_grads, shard_indices
+from ._stats import StepStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "CorruptFileError",
+    "FileGradSyncConfig",
+    "GradSync",
+    "GradSyncError",
+    "InvalidGradsError",
+    "MismatchError",
+    "NonFiniteGradError",
+    "PeerAbortedError",
+    "PeerLostError",
+    "PeerTimeoutError",
+    "RendezvousError",
+    "StepStats",
+    "SyncDirError",
+    "__version__",
+    "atomic_write_bytes",
+    "average_grads_file_sync",
+    "average_host_grads",
+    "shard_indices",
+    "wait_for_path",
+]

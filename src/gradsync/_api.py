@@ -1,0 +1,216 @@
+"""The public entry points: :class:`GradSync` and :func:`average_grads_file_sync`."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._config import FileGradSyncConfig
+from ._errors import ConfigError, GradSyncError
+from ._protocol import StepEngine, validate_grads
+from ._rendezvous import Generation, leave, rendezvous
+from ._stats import StepStats
+
+if TYPE_CHECKING:
+    from ._wgpu import WgpuBridge
+
+__all__ = ["GradSync", "average_grads_file_sync"]
+
+_log = logging.getLogger("gradsync")
+
+
+class GradSync:
+    """Averages gradients with the other ranks of a job, once per optimizer step.
+
+    The ranks meet on the first :meth:`average` call (a rendezvous that ignores
+    files of earlier runs in ``cfg.sync_dir``). Use as a context manager, or call
+    :meth:`close`, so that the run's files are removed when every rank is done.
+
+    After any failed step the instance is unusable (its peers have given up on the
+    step too): every rank must create a new one.
+    """
+
+    def __init__(self, cfg: FileGradSyncConfig) -> None:
+        if not isinstance(cfg, FileGradSyncConfig):
+            raise ConfigError(f"cfg must be a FileGradSyncConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.last_stats: StepStats | None = None
+        self._gen: Generation | None = None
+        self._engine: StepEngine | None = None
+        self._bridge: WgpuBridge | None = None
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._next_step = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> GradSync:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "failed" if self._failure else "open"
+        return (
+            f"GradSync(rank={self.cfg.rank}, world_size={self.cfg.world_size}, "
+            f"sync_dir={str(self.cfg.sync_dir)!r}, {state})"
+        )
+
+    @property
+    def generation_dir(self) -> str | None:
+        """This job's directory inside ``sync_dir``, once the ranks have met."""
+        return None if self._gen is None else str(self._gen.path)
+
+    def average(
+        self,
+        grads: Sequence[Any],
+        *,
+        step: int | None = None,
+        device: Any = None,
+        dtype: npt.DTypeLike | Sequence[npt.DTypeLike] | None = None,
+    ) -> StepStats:
+        """Replace every gradient with its mean over all ranks, in place.
+
+        Args:
+            grads: numpy arrays (float16/32/64, C-contiguous, writeable) when
+                ``device`` is None; wgpu ``GPUBuffer``s when ``device`` is a wgpu
+                ``GPUDevice``. Every rank passes the same shapes and dtypes in the
+                same order.
+            step: The optimizer step; every rank must pass the same number. Default:
+                0, 1, 2... counted by this instance.
+            device: A wgpu ``GPUDevice`` owning the buffers in ``grads``, or None.
+            dtype: Element type of GPU buffers (one for all, or one per buffer);
+                float32 by default. Ignored for numpy arrays.
+
+        Returns:
+            The step's timings (also kept in :attr:`last_stats`).
+
+        Raises:
+            InvalidGradsError: the gradients cannot be averaged in place.
+            MismatchError: ranks passed different layouts or step numbers.
+            PeerLostError: a peer died; PeerTimeoutError: live peers did not publish
+                within ``max_wait_s``; PeerAbortedError: a peer failed the step.
+            SyncDirError: the sync directory could not be read or written.
+            GradSyncError: this instance is closed or an earlier step failed.
+        """
+        with self._lock:
+            if self._closed:
+                raise GradSyncError(f"this GradSync (rank {self.cfg.rank}) is closed")
+            if self._failure is not None:
+                raise GradSyncError(
+                    f"an earlier step of this GradSync (rank {self.cfg.rank}) failed "
+                    f"({self._failure}); every rank must create a new GradSync",
+                    ranks=[self.cfg.rank],
+                ) from self._failure
+            if step is None:
+                step = self._next_step
+            elif isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+                raise ConfigError(f"step must be an int, got {step!r}")
+            step = int(step)
+            self._next_step = step + 1
+            try:
+                if device is None:
+                    stats = self._average_host(grads, step)
+                else:
+                    stats = self._average_device(grads, device, dtype, step)
+            except BaseException as exc:
+                if self._engine is not None or isinstance(exc, GradSyncError):
+                    self._failure = exc
+                raise
+            self.last_stats = stats
+            return stats
+
+    def _average_host(self, grads: Sequence[Any], step: int) -> StepStats:
+        arrays = validate_grads(grads)
+        if not self.cfg.enabled:
+            nbytes = sum(a.nbytes for a in arrays)
+            return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
+        if self._engine is None:
+            self._gen = rendezvous(self.cfg)
+            self._engine = StepEngine(self.cfg, self._gen)
+        return self._engine.step(arrays, step)
+
+    def _average_device(
+        self, buffers: Sequence[Any], device: Any, dtype: Any, step: int
+    ) -> StepStats:
+        from ._wgpu import WgpuBridge, resolve_dtypes
+
+        if self._bridge is None or self._bridge.device is not device:
+            if self._bridge is not None:
+                self._bridge.close()
+            self._bridge = WgpuBridge(device)
+        dtypes = resolve_dtypes(buffers, np.float32 if dtype is None else dtype)
+        host = self._bridge.download(buffers, dtypes)
+        stats = self._average_host(host, step)
+        if self.cfg.enabled:
+            self._bridge.upload(buffers, host)
+        return stats
+
+    def close(self) -> None:
+        """Leave the job. The last rank to close removes the job's directory. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._engine is not None:
+                self._engine.close()
+            if self._gen is not None:
+                leave(self._gen)
+            if self._bridge is not None:
+                self._bridge.close()
+            _registry_forget(self)
+
+
+_registry: dict[FileGradSyncConfig, GradSync] = {}
+_registry_lock = threading.Lock()
+
+
+def _registry_forget(sync: GradSync) -> None:
+    with _registry_lock:
+        if _registry.get(sync.cfg) is sync:
+            del _registry[sync.cfg]
+
+
+@atexit.register
+def _close_all() -> None:
+    with _registry_lock:
+        syncs = list(_registry.values())
+    for sync in syncs:
+        try:
+            sync.close()
+        except Exception:  # noqa: BLE001 - at exit, one failure must not hide the others
+            _log.exception("closing %r at exit failed", sync)
+
+
+def average_grads_file_sync(
+    grads: Sequence[Any],
+    device: Any,
+    cfg: FileGradSyncConfig,
+    step: int,
+    *,
+    dtype: npt.DTypeLike | Sequence[npt.DTypeLike] | None = None,
+) -> StepStats:
+    """Average ``grads`` in place over all ranks of ``cfg``'s job; call once per step.
+
+    The first call for a given ``cfg`` meets the other ranks; later calls reuse
+    that session, which is closed at interpreter exit. ``device`` is None for
+    numpy arrays, or the wgpu ``GPUDevice`` that owns the ``GPUBuffer``s in
+    ``grads``. See :meth:`GradSync.average` for arguments, return value and errors.
+    """
+    with _registry_lock:
+        sync = _registry.get(cfg)
+        if sync is None:
+            sync = _registry[cfg] = GradSync(cfg)
+    return sync.average(grads, step=step, device=device, dtype=dtype)

@@ -1,0 +1,177 @@
+"""The job's configuration: who this rank is, where ranks meet, how long to wait."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from ._errors import ConfigError
+
+__all__ = ["FileGradSyncConfig", "Strategy"]
+
+Strategy = Literal["sharded", "root"]
+_STRATEGIES: tuple[str, ...] = ("sharded", "root")
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class FileGradSyncConfig:
+    """Where and how one rank averages gradients with its peers.
+
+    Args:
+        world_size: Number of ranks in the job, >= 1.
+        rank: This process's rank, ``0 <= rank < world_size``.
+        sync_dir: Directory every rank can read and write: tmpfs (``/dev/shm``) on one
+            machine, a shared filesystem across machines. Created if missing.
+        max_wait_s: Seconds to wait for live peers before a step fails with
+            :class:`PeerTimeoutError`. Dead peers are reported much sooner.
+        strategy: ``"sharded"`` (each rank reduces 1/world_size of the elements) or
+            ``"root"`` (rank 0 reduces everything). Both give the same bits.
+        heartbeat_interval_s: Seconds between this rank's heartbeats, which tell peers
+            on other hosts that it is alive.
+        heartbeat_timeout_s: A peer on another host whose heartbeat has not advanced
+            for this many seconds (measured on this host's clock) is declared lost.
+        warn_after_s: While waiting, log a warning naming the slow ranks every this
+            many seconds.
+        check_finite: Check every published gradient for NaN/Inf and fail the step on
+            every rank, naming the rank and param, if one is found. Off by default:
+            NaN/Inf then propagate into the mean as IEEE arithmetic says.
+        run_id: Optional name of the job. Ranks only join peers with the same run_id,
+            so concurrent jobs sharing one sync_dir stay apart. ``gradsync launch`` sets
+            one; without it, a fresh rendezvous still keeps earlier runs' files out.
+
+    Raises:
+        ConfigError: (a ``ValueError``) naming the field and showing the bad value.
+    """
+
+    world_size: int
+    rank: int
+    sync_dir: Path
+    max_wait_s: float = 600.0
+    strategy: Strategy = "sharded"
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 15.0
+    warn_after_s: float = 10.0
+    check_finite: bool = False
+    run_id: str | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        _check_int("world_size", self.world_size, minimum=1)
+        _check_int("rank", self.rank, minimum=0)
+        if self.rank >= self.world_size:
+            raise ConfigError(
+                f"rank must satisfy 0 <= rank < world_size, got rank={self.rank!r} "
+                f"with world_size={self.world_size!r}"
+            )
+        if not isinstance(self.sync_dir, (str, os.PathLike)) or not os.fspath(self.sync_dir):
+            raise ConfigError(f"sync_dir must be a non-empty path, got {self.sync_dir!r}")
+        object.__setattr__(self, "sync_dir", Path(self.sync_dir))
+        for name in ("max_wait_s", "heartbeat_interval_s", "heartbeat_timeout_s", "warn_after_s"):
+            _check_seconds(name, getattr(self, name))
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ConfigError(
+                "heartbeat_timeout_s must be at least twice heartbeat_interval_s, got "
+                f"heartbeat_timeout_s={self.heartbeat_timeout_s!r} and "
+                f"heartbeat_interval_s={self.heartbeat_interval_s!r}"
+            )
+        if self.strategy not in _STRATEGIES:
+            raise ConfigError(f"strategy must be one of {_STRATEGIES}, got {self.strategy!r}")
+        if not isinstance(self.check_finite, bool):
+            raise ConfigError(f"check_finite must be a bool, got {self.check_finite!r}")
+        if self.run_id is not None and (
+            not isinstance(self.run_id, str) or not _RUN_ID_RE.match(self.run_id)
+        ):
+            raise ConfigError(
+                "run_id must be 1-64 characters from [A-Za-z0-9._-] or None, "
+                f"got {self.run_id!r}"
+            )
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, **overrides: object
+    ) -> FileGradSyncConfig:
+        """Build a config from environment variables, as set by ``gradsync launch``.
+
+        Reads ``GRADSYNC_WORLD_SIZE`` and ``GRADSYNC_RANK`` (falling back to torchrun's
+        ``WORLD_SIZE`` and ``RANK``), ``GRADSYNC_SYNC_DIR`` (required), and optionally
+        ``GRADSYNC_MAX_WAIT_S`` and ``GRADSYNC_RUN_ID`` (falling back to
+        ``TORCHELASTIC_RUN_ID``). Keyword ``overrides`` win over the environment.
+
+        Raises:
+            ConfigError: naming the variable that is missing or bad, and its value.
+        """
+        source = os.environ if env is None else env
+        values: dict[str, object] = {}
+        used: list[str] = []
+        for key, names in (
+            ("world_size", ("GRADSYNC_WORLD_SIZE", "WORLD_SIZE")),
+            ("rank", ("GRADSYNC_RANK", "RANK")),
+        ):
+            name, raw = _first(source, names)
+            values[key] = _parse_int(name, raw)
+            used.append(f"{name}={raw!r}")
+        name, raw = _first(source, ("GRADSYNC_SYNC_DIR",))
+        if not raw.strip():
+            raise ConfigError(f"environment variable {name} is empty")
+        values["sync_dir"] = raw
+        if "GRADSYNC_MAX_WAIT_S" in source:
+            raw = source["GRADSYNC_MAX_WAIT_S"]
+            values["max_wait_s"] = _parse_float("GRADSYNC_MAX_WAIT_S", raw)
+            used.append(f"GRADSYNC_MAX_WAIT_S={raw!r}")
+        for name in ("GRADSYNC_RUN_ID", "TORCHELASTIC_RUN_ID"):
+            if source.get(name):
+                values["run_id"] = source[name]
+                used.append(f"{name}={source[name]!r}")
+                break
+        values.update(overrides)
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except ConfigError as exc:
+            raise ConfigError(
+                f"invalid configuration from the environment ({', '.join(used)}): {exc}"
+            ) from exc
+
+    @property
+    def enabled(self) -> bool:
+        """Whether there is more than one rank (with one, averaging is a no-op)."""
+        return self.world_size > 1
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+def _check_seconds(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+
+
+def _first(source: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str]:
+    for name in names:
+        if name in source:
+            return name, source[name]
+    raise ConfigError(f"environment variable {' or '.join(names)} is not set")
+
+
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def _parse_float(name: str, raw: str) -> float:
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"environment variable {name} must be a number, got {raw!r}") from None

@@ -1,0 +1,141 @@
+"""Exceptions raised by gradsync.
+
+Every runtime failure of an averaging call is a :class:`GradSyncError`. Each
+subclass also inherits the built-in exception a caller would naturally catch
+(``TimeoutError``, ``ValueError``, ``OSError``...), so ``except TimeoutError``
+keeps working for code that does not know about gradsync.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = [
+    "ConfigError",
+    "CorruptFileError",
+    "GradSyncError",
+    "InvalidGradsError",
+    "MismatchError",
+    "NonFiniteGradError",
+    "PeerAbortedError",
+    "PeerLostError",
+    "PeerTimeoutError",
+    "RendezvousError",
+    "SyncDirError",
+]
+
+
+class GradSyncError(Exception):
+    """Base class of every error gradsync raises.
+
+    Attributes are ``None`` where they do not apply: ``step`` is the caller's
+    step number, ``ranks`` the ranks the error is about, ``path`` the file or
+    directory involved.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        ranks: Sequence[int] = (),
+        path: str | Path | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.step = step
+        self.ranks: tuple[int, ...] = tuple(ranks)
+        self.path: str | None = None if path is None else str(path)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keep the keyword attributes when an error crosses a process boundary.
+        return (_rebuild, (type(self), self.message, self.step, self.ranks, self.path))
+
+
+def _rebuild(
+    cls: type[GradSyncError],
+    message: str,
+    step: int | None,
+    ranks: tuple[int, ...],
+    path: str | None,
+) -> GradSyncError:
+    return cls(message, step=step, ranks=ranks, path=path)
+
+
+class ConfigError(GradSyncError, ValueError):
+    """A configuration value (argument or environment variable) is invalid."""
+
+
+class InvalidGradsError(GradSyncError, ValueError):
+    """The gradients handed to this rank cannot be averaged (dtype, layout...)."""
+
+
+class MismatchError(GradSyncError, ValueError):
+    """Ranks disagree on what they average: param count, shapes, dtypes, step or world size."""
+
+
+class NonFiniteGradError(GradSyncError, FloatingPointError):
+    """A rank published NaN or Inf while the finite-check was enabled."""
+
+
+class CorruptFileError(GradSyncError, ValueError):
+    """A file in the sync directory is not a valid gradsync file (truncated, garbled)."""
+
+
+class PeerTimeoutError(GradSyncError, TimeoutError):
+    """Live peers did not publish within ``max_wait_s``."""
+
+
+class PeerLostError(GradSyncError, ConnectionError):
+    """A peer's process exited, or its host stopped beating, before the step completed."""
+
+
+class PeerAbortedError(GradSyncError, RuntimeError):
+    """A peer gave up on the step and said why; its reason is in the message."""
+
+
+class RendezvousError(GradSyncError, RuntimeError):
+    """Ranks could not form a job: a rank claimed twice, or another job holds the directory."""
+
+
+class SyncDirError(GradSyncError, OSError):
+    """Reading or writing the sync directory failed (missing, unwritable, disk full...).
+
+    ``errno`` is that of the underlying ``OSError`` (``ENOSPC``, ``EACCES``...).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        errno: int | None = None,
+        step: int | None = None,
+        ranks: Sequence[int] = (),
+        path: str | Path | None = None,
+    ) -> None:
+        super().__init__(message, step=step, ranks=ranks, path=path)
+        self.errno = errno
+        self.strerror = None if errno is None else _errno.errorcode.get(errno, str(errno))
+        self.filename = self.path
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_oserror,
+            (type(self), self.message, self.errno, self.step, self.ranks, self.path),
+        )
+
+
+def _rebuild_oserror(
+    cls: type[SyncDirError],
+    message: str,
+    errno: int | None,
+    step: int | None,
+    ranks: tuple[int, ...],
+    path: str | None,
+) -> SyncDirError:
+    return cls(message, errno=errno, step=step, ranks=ranks, path=path)

@@ -1,0 +1,181 @@
+"""The on-disk format of published files: a checked header, then the payload.
+
+Layout of every file (little-endian)::
+
+    fixed header (88 bytes, ``_FIXED``)
+    meta: UTF-8 JSON of ``meta_len`` bytes (param layout, non-finite params)
+    zero padding up to ``payload_offset`` (a multiple of 64)
+    payload: ``payload_len`` bytes of gradient elements
+
+The header's CRC-32 covers the fixed fields and the meta, so a torn or garbled
+header is caught before anything is read. Decoding raises only
+:class:`CorruptFileError`, whatever the bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import CorruptFileError
+
+__all__ = [
+    "HEADER_READ_BYTES",
+    "KIND_INPUT",
+    "KIND_OUTPUT",
+    "Header",
+    "Layout",
+    "decode_header",
+    "encode_header",
+    "layout_hash",
+]
+
+MAGIC = b"GSYN"
+VERSION = 1
+KIND_INPUT = 1  # a rank's whole gradient, as handed in
+KIND_OUTPUT = 2  # a rank's reduced shard of the mean
+_KINDS = (KIND_INPUT, KIND_OUTPUT)
+FLAG_NONFINITE = 1
+_FIXED = struct.Struct("<4sHBBIIQq16s16sIQQ")
+_CRC = struct.Struct("<I")
+FIXED_SIZE = _FIXED.size + _CRC.size
+_ALIGN = 64
+_MAX_META = 16 << 20
+_MAX_PARAMS = 1 << 20
+_DTYPE_STRS = frozenset({"<f2", "<f4", "<f8", ">f2", ">f4", ">f8"})
+# One read of this many bytes gets the header of any ordinary job.
+HEADER_READ_BYTES = 16384
+
+# (dtype string such as "<f4", shape) per param, in the caller's order.
+Layout = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Header:
+    """The decoded header of a published file."""
+
+    kind: int
+    flags: int
+    rank: int
+    world_size: int
+    seq: int
+    step: int
+    generation: bytes
+    layout_digest: bytes
+    meta: dict[str, Any]
+    payload_offset: int
+    payload_len: int
+
+    def layout(self) -> Layout:
+        """The param layout carried in the meta (input files only)."""
+        raw = self.meta.get("layout", [])
+        return tuple((str(d), tuple(int(x) for x in s)) for d, s in raw)
+
+
+def layout_hash(layout: Layout) -> bytes:
+    """A 16-byte digest of a layout; equal layouts, equal digests."""
+    text = json.dumps([[d, list(s)] for d, s in layout], separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def encode_header(
+    *,
+    kind: int,
+    rank: int,
+    world_size: int,
+    seq: int,
+    step: int,
+    generation: bytes,
+    layout_digest: bytes,
+    meta: dict[str, Any],
+    payload_len: int,
+    flags: int = 0,
+) -> bytes:
+    """Encode a header, padded so the payload starts at a multiple of 64 bytes."""
+    meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+    offset = -(-(FIXED_SIZE + len(meta_bytes)) // _ALIGN) * _ALIGN
+    fixed = _FIXED.pack(
+        MAGIC,
+        VERSION,
+        kind,
+        flags,
+        rank,
+        world_size,
+        seq,
+        step,
+        generation,
+        layout_digest,
+        len(meta_bytes),
+        offset,
+        payload_len,
+    )
+    crc = zlib.crc32(meta_bytes, zlib.crc32(fixed))
+    head = fixed + _CRC.pack(crc) + meta_bytes
+    return head + bytes(offset - len(head))
+
+
+def decode_header(data: bytes, path: str) -> Header:
+    """Decode the header at the start of ``data`` (at least the whole header).
+
+    Raises:
+        CorruptFileError: naming ``path`` and what is wrong; nothing else, for any input.
+    """
+    if len(data) < FIXED_SIZE:
+        raise CorruptFileError(
+            f"{path} is truncated: {len(data)} bytes, a header needs {FIXED_SIZE}", path=path
+        )
+    (magic, version, kind, flags, rank, world, seq, step, gen, digest, meta_len, offset, plen) = (
+        _FIXED.unpack_from(data)
+    )
+    if magic != MAGIC:
+        raise CorruptFileError(f"{path} is not a gradsync file (magic {magic!r})", path=path)
+    if version != VERSION:
+        raise CorruptFileError(
+            f"{path} has format version {version}; this gradsync reads version {VERSION}",
+            path=path,
+        )
+    if meta_len > _MAX_META or offset < FIXED_SIZE + meta_len:
+        raise CorruptFileError(
+            f"{path} has an inconsistent header (meta {meta_len} bytes, payload at {offset})",
+            path=path,
+        )
+    end = FIXED_SIZE + meta_len
+    if len(data) < end:
+        raise CorruptFileError(
+            f"{path} is truncated: {len(data)} bytes, its header needs {end}", path=path
+        )
+    (crc,) = _CRC.unpack_from(data, _FIXED.size)
+    meta_bytes = bytes(data[FIXED_SIZE:end])
+    if zlib.crc32(meta_bytes, zlib.crc32(bytes(data[: _FIXED.size]))) != crc:
+        raise CorruptFileError(f"{path} has a corrupt header (checksum mismatch)", path=path)
+    if kind not in _KINDS:
+        raise CorruptFileError(f"{path} has unknown kind {kind}", path=path)
+    try:
+        meta = json.loads(meta_bytes)
+    except ValueError:
+        raise CorruptFileError(f"{path} has an unreadable header meta", path=path) from None
+    if not isinstance(meta, dict) or not _valid_meta(meta):
+        raise CorruptFileError(f"{path} has a malformed header meta", path=path)
+    return Header(kind, flags, rank, world, seq, step, gen, digest, meta, offset, plen)
+
+
+def _valid_meta(meta: dict[str, Any]) -> bool:
+    layout = meta.get("layout", [])
+    nonfinite = meta.get("nonfinite", [])
+    if not isinstance(layout, list) or not isinstance(nonfinite, list):
+        return False
+    if len(layout) > _MAX_PARAMS:
+        return False
+    for item in layout:
+        if not (isinstance(item, list) and len(item) == 2):
+            return False
+        dtype, shape = item
+        if not isinstance(dtype, str) or not isinstance(shape, list):
+            return False
+        if dtype not in _DTYPE_STRS or not all(type(x) is int and 0 <= x < 1 << 62 for x in shape):
+            return False
+    return all(type(x) is int and 0 <= x < len(layout) for x in nonfinite)

@@ -1,0 +1,213 @@
+"""File primitives safe on tmpfs and on shared filesystems (NFS, Lustre, JuiceFS).
+
+Publication is always write-to-temp, close, rename within one directory, so a
+reader sees a whole file or none. Readers poll by listing or opening, never by
+``exists()``, which NFS answers from a negative-lookup cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from ._errors import SyncDirError
+
+__all__ = [
+    "Backoff",
+    "atomic_write_bytes",
+    "list_names",
+    "read_exact_into",
+    "read_small",
+    "translate_oserror",
+    "wait_for_path",
+    "write_atomic",
+]
+
+_IOV_BATCH = 512  # well under IOV_MAX (1024 on Linux)
+
+
+def translate_oserror(
+    exc: OSError, what: str, path: str | Path, *, step: int | None = None
+) -> SyncDirError:
+    """Turn an ``OSError`` into a :class:`SyncDirError` saying what was being done."""
+    reason = exc.strerror or str(exc)
+    hint = ""
+    if exc.errno == errno.ENOSPC:
+        hint = " (the sync directory's filesystem is full)"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = " (the sync directory is not writable by this process)"
+    prefix = "" if step is None else f"step {step}: "
+    return SyncDirError(
+        f"{prefix}{what} {path} failed: {reason}{hint}", errno=exc.errno, step=step, path=path
+    )
+
+
+def write_atomic(path: Path, chunks: Sequence[bytes | memoryview]) -> int:
+    """Write ``chunks`` to ``path`` so that readers see all of it or nothing.
+
+    The data goes to a hidden temporary file in the same directory, which is
+    closed (surfacing deferred write errors, e.g. NFS's ENOSPC at close) and then
+    renamed over ``path``. Returns the number of bytes written.
+
+    Raises:
+        OSError: as the system reported it; the temporary file is removed.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    total = 0
+    try:
+        try:
+            total = _writev_all(fd, chunks)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return total
+
+
+def _writev_all(fd: int, chunks: Sequence[bytes | memoryview]) -> int:
+    views = [memoryview(c).cast("B") for c in chunks if len(c)]
+    total = 0
+    while views:
+        batch = views[:_IOV_BATCH]
+        n = os.writev(fd, batch)
+        total += n
+        # A short write leaves the rest of the batch to go again.
+        while n:
+            head = batch[0]
+            if n >= len(head):
+                n -= len(head)
+                batch.pop(0)
+                views.pop(0)
+            else:
+                views[0] = head[n:]
+                n = 0
+    return total
+
+
+def read_exact_into(fd: int, offset: int, buf: memoryview, path: str | Path) -> None:
+    """Fill ``buf`` from ``fd`` starting at byte ``offset``.
+
+    Raises:
+        EOFError: the file ends before ``buf`` is full (a truncated file).
+        OSError: as the system reported it.
+    """
+    view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+    got = 0
+    size = len(view)
+    while got < size:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise EOFError(f"{path} ends at byte {offset + got}, expected {offset + size}")
+        got += n
+
+
+def read_small(path: Path, limit: int = 1 << 20) -> bytes | None:
+    """Read a whole small file, or return ``None`` if it does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        parts = []
+        size = 0
+        while True:
+            part = os.read(fd, 65536)
+            if not part:
+                break
+            parts.append(part)
+            size += len(part)
+            if size > limit:
+                raise OSError(errno.EFBIG, f"file is larger than {limit} bytes", str(path))
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def list_names(directory: Path) -> set[str]:
+    """Names in ``directory``; empty if it does not exist (yet, or any more)."""
+    try:
+        return set(os.listdir(directory))
+    except FileNotFoundError:
+        return set()
+
+
+class Backoff:
+    """Polling cadence: yield the CPU for about a millisecond, then sleep with backoff.
+
+    Yielding first reacts within microseconds when the peer is about to publish
+    without stealing its core on a busy machine; the sleeps keep an idle wait
+    around a thousand cheap wake-ups per second, and far fewer after a while.
+    """
+
+    def __init__(self, *, spin_s: float = 0.001, first_sleep_s: float = 5e-5) -> None:
+        self._start = time.monotonic()
+        self._spin_s = spin_s
+        self._sleep_s = first_sleep_s
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self._start
+
+    def pause(self) -> None:
+        elapsed = self.elapsed_s()
+        if elapsed < self._spin_s:
+            os.sched_yield()
+            return
+        # Sub-millisecond reaction for the first second, then gentler polling for
+        # long waits (stragglers, slow starts): 5 ms is still invisible next to them.
+        cap = 0.0005 if elapsed < 1.0 else 0.005
+        self._sleep_s = min(self._sleep_s * 1.5, cap)
+        time.sleep(self._sleep_s)
+
+
+def _poll(deadline_s: float) -> Iterator[None]:
+    backoff = Backoff()
+    while True:
+        yield
+        if backoff.elapsed_s() >= deadline_s:
+            return
+        backoff.pause()
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: readers see the old file, or all of ``data``.
+
+    Parent directories are created. The temporary file lives beside ``path`` (a
+    rename is only atomic within one filesystem) and is removed on failure.
+
+    Raises:
+        SyncDirError: (an ``OSError``) naming the path, with the system's errno.
+    """
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(target, [data])
+    except OSError as exc:
+        raise translate_oserror(exc, "writing", target) from exc
+
+
+def wait_for_path(path: str | os.PathLike[str], max_wait_s: float) -> bool:
+    """Wait until ``path`` can be opened; ``True`` if it could within ``max_wait_s`` seconds.
+
+    Polls by opening the file (not ``exists()``), yielding the CPU for the first
+    millisecond and then sleeping at most 0.5 ms between tries for the first
+    second and 5 ms after that. ``max_wait_s`` may be 0 (one try).
+    """
+    target = os.fspath(path)
+    for _ in _poll(max_wait_s):
+        try:
+            fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        os.close(fd)
+        return True
+    return False

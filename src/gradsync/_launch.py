@@ -1,0 +1,562 @@
+"""``gradsync launch``: start one node's ranks, prefix their output, stop them together.
+
+POSIX only: each rank runs in its own session (process group), which the launcher
+signals with :func:`os.killpg`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+from ._errors import ConfigError
+
+__all__ = ["launch"]
+
+logger = logging.getLogger("gradsync.launch")
+
+# Same rule as FileGradSyncConfig.run_id; checked here so a bad id fails before any rank starts.
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_TAIL_LINES = 10  # lines of the failing rank's stderr shown in the failure summary
+_MAX_LINE_BYTES = 64 * 1024  # longer lines are split, so one rank cannot exhaust memory
+_POLL_S = 0.05  # how often the supervisor looks at launcher signals and deadlines
+_DRAIN_S = 2.0  # after the ranks exit, how long to wait for their pipes to reach EOF
+_ABANDON_S = 10.0  # after SIGKILL, how long to wait for ranks before giving up on them
+
+
+def launch(
+    script_argv: Sequence[str],
+    *,
+    nproc: int,
+    sync_dir: str | os.PathLike[str] | None = None,
+    max_wait_s: float | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    python: str = sys.executable,
+    grace_period_s: float = 5.0,
+    run_id: str | None = None,
+    module: bool = False,
+) -> int:
+    """Run ``nproc`` ranks of ``python SCRIPT ARGS`` on this node and wait for all of them.
+
+    Rank ``local_rank`` of node ``node_rank`` gets global rank
+    ``node_rank * nproc + local_rank`` in a world of ``nnodes * nproc`` ranks, and sees
+    it in ``GRADSYNC_RANK``/``RANK``, ``GRADSYNC_WORLD_SIZE``/``WORLD_SIZE``,
+    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, along with ``GRADSYNC_SYNC_DIR``,
+    ``GRADSYNC_RUN_ID``, ``GRADSYNC_MAX_WAIT_S`` (if given) and ``PYTHONUNBUFFERED=1``.
+    Each line a rank writes is copied to the launcher's stdout or stderr (the same one)
+    prefixed with ``[rank N] ``. When a rank fails, the others get SIGTERM, then SIGKILL
+    after ``grace_period_s``, and a summary of the first failure goes to stderr. SIGINT,
+    SIGTERM and SIGHUP to the launcher stop the ranks the same way (when called from
+    the main thread, which is where signal handlers can be installed).
+
+    Args:
+        script_argv: ``SCRIPT`` (a path, or a module name if ``module``) and its arguments.
+        nproc: Ranks to start on this node, >= 1.
+        sync_dir: Directory shared by all ranks; created if missing and never removed.
+            ``None``: a fresh directory under ``/dev/shm`` (else the temp dir), removed
+            when the job ends. Required when ``nnodes > 1``.
+        max_wait_s: Exported as ``GRADSYNC_MAX_WAIT_S``; ``None`` leaves it unset.
+        nnodes: Nodes in the job, each running its own launcher, >= 1.
+        node_rank: This node's index, ``0 <= node_rank < nnodes``.
+        python: Interpreter that runs the ranks.
+        grace_period_s: Seconds between SIGTERM and SIGKILL when stopping ranks, >= 0.
+        run_id: Job name shared by all nodes (required when ``nnodes > 1``);
+            ``None``: a fresh random one.
+        module: Run ``python -m SCRIPT`` instead of ``python SCRIPT``.
+
+    Returns:
+        The launcher's exit code: 0 if every rank exited 0; else the exit code of the
+        rank that failed first, or 128 + N if signal N killed it; 128 + N if the launcher
+        itself was stopped by signal N (130 for SIGINT, 143 for SIGTERM).
+
+    Raises:
+        ConfigError: an argument is invalid, or ``sync_dir`` cannot be created.
+        OSError: a rank could not be started (the ranks already started are stopped).
+    """
+    script_argv = list(script_argv)
+    _validate(
+        script_argv,
+        nproc=nproc,
+        max_wait_s=max_wait_s,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        python=python,
+        grace_period_s=grace_period_s,
+        run_id=run_id,
+        sync_dir=sync_dir,
+        module=module,
+    )
+    if run_id is None:
+        run_id = uuid.uuid4().hex[:16]
+    signals = _SignalCatcher()
+    signals.install()
+    own_dir: Path | None = None
+    try:
+        if sync_dir is None:
+            own_dir = _make_default_sync_dir(run_id)
+            directory = own_dir
+        else:
+            directory = _prepare_sync_dir(sync_dir)
+        world_size = nnodes * nproc
+        envs = []
+        for local_rank in range(nproc):
+            env = dict(os.environ)
+            rank = node_rank * nproc + local_rank
+            env.update(
+                GRADSYNC_RANK=str(rank),
+                GRADSYNC_WORLD_SIZE=str(world_size),
+                GRADSYNC_SYNC_DIR=str(directory),
+                GRADSYNC_RUN_ID=run_id,
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(local_rank),
+                LOCAL_WORLD_SIZE=str(nproc),
+                PYTHONUNBUFFERED="1",
+            )
+            if max_wait_s is not None:
+                env["GRADSYNC_MAX_WAIT_S"] = repr(float(max_wait_s))
+            envs.append((rank, env))
+        argv = [python, "-m", *script_argv] if module else [python, *script_argv]
+        first = node_rank * nproc
+        logger.info(
+            "starting ranks %d-%d of %d: run id %s, sync dir %s",
+            first,
+            first + nproc - 1,
+            world_size,
+            run_id,
+            directory,
+        )
+        job = _Job(signals, grace_period_s)
+        job.start(argv, envs)
+        return job.supervise()
+    finally:
+        # Remove the directory before restoring the signal handlers, so that a second
+        # Ctrl-C cannot interrupt the removal halfway.
+        if own_dir is not None:
+            _remove_tree(own_dir)
+        signals.restore()
+
+
+def _validate(
+    script_argv: list[str],
+    *,
+    nproc: int,
+    max_wait_s: float | None,
+    nnodes: int,
+    node_rank: int,
+    python: str,
+    grace_period_s: float,
+    run_id: str | None,
+    sync_dir: str | os.PathLike[str] | None,
+    module: bool,
+) -> None:
+    """Raise :class:`ConfigError` naming the first invalid argument and its value."""
+    _check_int("--nproc", nproc, minimum=1)
+    _check_int("--nnodes", nnodes, minimum=1)
+    _check_int("--node-rank", node_rank, minimum=0)
+    if node_rank >= nnodes:
+        raise ConfigError(f"--node-rank must be < --nnodes ({nnodes}), got {node_rank!r}")
+    if max_wait_s is not None:
+        _check_seconds("--max-wait-s", max_wait_s, allow_zero=False)
+    _check_seconds("--grace-period-s", grace_period_s, allow_zero=True)
+    if run_id is not None and (not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id)):
+        raise ConfigError(f"--run-id must be 1-64 characters from [A-Za-z0-9._-], got {run_id!r}")
+    if nnodes > 1 and run_id is None:
+        raise ConfigError(
+            f"--nnodes {nnodes} needs --run-id: pass the same id to the launcher on every node"
+        )
+    if nnodes > 1 and sync_dir is None:
+        raise ConfigError(
+            f"--nnodes {nnodes} needs --sync-dir: a directory on a filesystem every node shares"
+        )
+    if sync_dir is not None and not os.fspath(sync_dir):
+        raise ConfigError(f"--sync-dir must be a non-empty path, got {sync_dir!r}")
+    if not python or shutil.which(python) is None:
+        raise ConfigError(f"python interpreter {python!r} is not an executable")
+    if not script_argv:
+        raise ConfigError("SCRIPT is missing: give the script to run, then its arguments")
+    script = script_argv[0]
+    if module:
+        if not script or script.startswith("-"):
+            raise ConfigError(f"SCRIPT must be a module name with --module, got {script!r}")
+    elif not os.path.isfile(script):
+        raise ConfigError(f"SCRIPT {script!r} is not a file")
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+def _check_seconds(name: str, value: object, *, allow_zero: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name} must be a finite number {bound}, got {value!r}")
+
+
+def _make_default_sync_dir(run_id: str) -> Path:
+    """Create a fresh private directory on tmpfs if possible, else in the temp dir."""
+    shm = "/dev/shm"
+    usable = os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK)
+    base = shm if usable else tempfile.gettempdir()
+    return Path(tempfile.mkdtemp(prefix=f"gradsync-{run_id}-", dir=base))
+
+
+def _prepare_sync_dir(sync_dir: str | os.PathLike[str]) -> Path:
+    """Create ``sync_dir`` if missing and return its absolute path."""
+    path = Path(os.path.abspath(sync_dir))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"--sync-dir {os.fspath(sync_dir)!r} cannot be created: {exc.strerror or exc}"
+        ) from exc
+    return path
+
+
+def _remove_tree(path: Path) -> None:
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("could not remove sync dir %s: %s", path, exc)
+    else:
+        logger.info("removed sync dir %s", path)
+
+
+def _describe(returncode: int) -> str:
+    """``exit code 3`` or ``killed by SIGKILL`` for a :class:`subprocess.Popen` return code."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    return f"killed by {_signal_name(-returncode)}"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class _SignalCatcher:
+    """Records SIGINT/SIGTERM/SIGHUP sent to the launcher instead of dying of them.
+
+    The handler only appends to a list: it runs between bytecodes of the main thread,
+    possibly while that thread holds a lock, so it must not take any.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.debug("not in the main thread: launcher signals are not handled")
+            return
+        for signum in _STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+
+
+class _Output:
+    """Writes whole lines to the launcher's stdout or stderr, one line at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._broken: set[str] = set()
+
+    def write(self, dest: str, text: str) -> None:
+        """Write ``text`` to ``sys.stdout`` (``dest="stdout"``) or ``sys.stderr`` and flush."""
+        stream = sys.stdout if dest == "stdout" else sys.stderr
+        with self._lock:
+            if dest in self._broken:
+                return
+            try:
+                try:
+                    stream.write(text)
+                except UnicodeEncodeError:
+                    encoding = stream.encoding or "utf-8"
+                    stream.write(text.encode(encoding, "replace").decode(encoding))
+                stream.flush()
+            except (OSError, ValueError):
+                # Closed or broken (e.g. `gradsync launch ... | head`): keep draining the
+                # ranks' pipes so they never block, but drop their output.
+                self._broken.add(dest)
+
+
+@dataclass
+class _Rank:
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    stderr_tail: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
+    )
+    readers: list[threading.Thread] = field(default_factory=list)
+    returncode: int | None = None
+    stopped: bool = False  # still running when the launcher began stopping the job
+
+
+def _pump(
+    pipe: IO[bytes],
+    prefix: str,
+    dest: str,
+    output: _Output,
+    tail: collections.deque[str] | None,
+) -> None:
+    """Copy ``pipe`` line by line to ``dest`` with ``prefix``, until EOF."""
+    with pipe:
+        while True:
+            chunk = pipe.readline(_MAX_LINE_BYTES)
+            if not chunk:
+                return
+            line = chunk.decode("utf-8", errors="replace").removesuffix("\n").removesuffix("\r")
+            if tail is not None:
+                tail.append(line)
+            output.write(dest, f"{prefix}{line}\n")
+
+
+def _killpg(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass
+    except PermissionError as exc:
+        logger.debug("cannot send %s to process group %d: %s", _signal_name(signum), pgid, exc)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Job:
+    """The ranks of one node: starts them, watches them, stops them together."""
+
+    def __init__(self, signals: _SignalCatcher, grace_period_s: float) -> None:
+        self._signals = signals
+        self._grace_period_s = grace_period_s
+        self._output = _Output()
+        self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
+        self.ranks: list[_Rank] = []
+
+    def start(self, argv: list[str], envs: list[tuple[int, dict[str, str]]]) -> None:
+        """Start one rank per ``(rank, env)``; stop early if the launcher got a signal."""
+        for local_rank, (rank, env) in enumerate(envs):
+            if self._signals.received:
+                return
+            try:
+                # Each rank gets its own session, hence its own process group, so that:
+                # - Ctrl-C in a terminal (SIGINT to the foreground group) reaches only the
+                #   launcher, which then stops every rank in one orderly way (SIGTERM,
+                #   SIGKILL after the grace period) instead of N ranks each raising
+                #   KeyboardInterrupt wherever they happen to be and printing N tracebacks;
+                # - killpg() reaches what a rank started itself (data loader workers...);
+                # - ranks never touch the terminal (stdin is /dev/null), so they cannot be
+                #   stopped by SIGTTIN.
+                # The cost: if the launcher is SIGKILLed it cannot stop the ranks; they die
+                # of SIGPIPE at their next write to stdout/stderr, or their peers time out.
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+            except OSError:
+                logger.error("could not start rank %d; stopping the ranks already started", rank)
+                self._stop_now()
+                raise
+            info = _Rank(rank=rank, local_rank=local_rank, proc=proc)
+            prefix = f"[rank {rank}] "
+            assert proc.stdout is not None
+            assert proc.stderr is not None
+            for pipe, dest, tail in (
+                (proc.stdout, "stdout", None),
+                (proc.stderr, "stderr", info.stderr_tail),
+            ):
+                reader = threading.Thread(
+                    target=_pump,
+                    args=(pipe, prefix, dest, self._output, tail),
+                    name=f"gradsync-launch-rank{rank}-{dest}",
+                    daemon=True,
+                )
+                reader.start()
+                info.readers.append(reader)
+            threading.Thread(
+                target=self._wait,
+                args=(local_rank, proc),
+                name=f"gradsync-launch-rank{rank}-wait",
+                daemon=True,
+            ).start()
+            self.ranks.append(info)
+            logger.debug("started rank %d as pid %d", rank, proc.pid)
+
+    def _wait(self, index: int, proc: subprocess.Popen[bytes]) -> None:
+        self._exits.put((index, proc.wait()))
+
+    def _signal_all(self, signum: int) -> None:
+        # Also the groups whose leader already exited: what the rank started may live on.
+        for info in self.ranks:
+            _killpg(info.proc.pid, signum)
+
+    def _stop_now(self) -> None:
+        """SIGKILL every rank started so far and reap them (used when starting fails)."""
+        self._signal_all(signal.SIGKILL)
+        for info in self.ranks:
+            try:
+                info.proc.wait(timeout=_ABANDON_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("rank %d (pid %d) survived SIGKILL", info.rank, info.proc.pid)
+
+    def supervise(self) -> int:
+        """Wait for every rank, stopping all of them at the first failure or signal.
+
+        Returns:
+            The launcher's exit code, as documented in :func:`launch`.
+        """
+        running = {info.local_rank for info in self.ranks}
+        first_failure: _Rank | None = None
+        stop_signal: int | None = None
+        stopping = False
+        signals_seen = 0
+        kill_at = 0.0
+        abandon_at: float | None = None
+
+        def begin_stop(reason: str) -> None:
+            nonlocal stopping, kill_at, signals_seen
+            stopping = True
+            signals_seen = len(self._signals.received)
+            kill_at = time.monotonic() + self._grace_period_s
+            for info in self.ranks:
+                info.stopped = info.returncode is None
+            names = ", ".join(str(i.rank) for i in self.ranks if i.stopped) or "none"
+            logger.warning(
+                "%s; stopping ranks (still running: %s) with SIGTERM, SIGKILL after %g s",
+                reason,
+                names,
+                self._grace_period_s,
+            )
+            self._signal_all(signal.SIGTERM)
+
+        if self._signals.received:
+            # A signal arrived while the ranks were starting.
+            stop_signal = self._signals.received[0]
+            begin_stop(f"received {_signal_name(stop_signal)}")
+        while True:
+            if not stopping and self._signals.received:
+                stop_signal = self._signals.received[0]
+                begin_stop(f"received {_signal_name(stop_signal)}")
+            try:
+                index, returncode = self._exits.get(timeout=_POLL_S)
+            except queue.Empty:
+                pass
+            else:
+                info = self.ranks[index]
+                info.returncode = returncode
+                running.discard(index)
+                logger.info("rank %d exited: %s", info.rank, _describe(returncode))
+                if returncode != 0 and not stopping:
+                    first_failure = info
+                    begin_stop(f"rank {info.rank} failed ({_describe(returncode)})")
+                continue  # collect every exit already queued before looking at the clock
+            now = time.monotonic()
+            if not stopping:
+                if not running:
+                    break
+                continue
+            if abandon_at is None:
+                hurry = len(self._signals.received) > signals_seen
+                if not running and not any(_group_alive(i.proc.pid) for i in self.ranks):
+                    break
+                if hurry or now >= kill_at:
+                    left = ", ".join(str(self.ranks[i].rank) for i in sorted(running))
+                    logger.warning(
+                        "sending SIGKILL (%s); ranks still running: %s",
+                        "launcher signalled again" if hurry else "grace period over",
+                        left or "none, only processes they started",
+                    )
+                    self._signal_all(signal.SIGKILL)
+                    abandon_at = now + _ABANDON_S
+            elif not running:
+                break
+            elif now >= abandon_at:
+                left = ", ".join(str(self.ranks[i].rank) for i in sorted(running))
+                logger.error("ranks %s survived SIGKILL; leaving them behind", left)
+                break
+
+        drain_until = time.monotonic() + _DRAIN_S
+        for info in self.ranks:
+            for reader in info.readers:
+                reader.join(timeout=max(0.0, drain_until - time.monotonic()))
+
+        if first_failure is not None:
+            self._output.write("stderr", self._summary(first_failure))
+            code = first_failure.returncode
+            assert code is not None
+            return code if code > 0 else 128 - code
+        if stop_signal is not None:
+            return 128 + stop_signal
+        return 0
+
+    def _summary(self, failed: _Rank) -> str:
+        """The root-cause report printed when a rank fails."""
+        assert failed.returncode is not None
+        lines = [
+            f"gradsync launch: rank {failed.rank} failed first: {_describe(failed.returncode)}"
+            f" (local rank {failed.local_rank}, pid {failed.proc.pid})"
+        ]
+        others = []
+        for info in self.ranks:
+            if info is failed:
+                continue
+            state = "still running" if info.returncode is None else _describe(info.returncode)
+            others.append(
+                f"rank {info.rank}: {state}{' (stopped by the launcher)' if info.stopped else ''}"
+            )
+        if others:
+            lines.append(f"gradsync launch: other ranks: {'; '.join(others)}")
+        tail = list(failed.stderr_tail)
+        if tail:
+            lines.append(f"gradsync launch: last {len(tail)} lines of rank {failed.rank}'s stderr:")
+            lines.extend(f"    {line}" for line in tail)
+        else:
+            lines.append(f"gradsync launch: rank {failed.rank} wrote nothing to stderr")
+        return "\n".join(lines) + "\n"

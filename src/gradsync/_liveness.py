@@ -1,0 +1,205 @@
+"""Is a peer still alive? Process checks on this host, heartbeats across hosts.
+
+A peer on this host (same boot, same PID namespace) is checked through
+``/proc``: gone, a zombie, or a different process under a reused pid all count
+as dead, within milliseconds. A peer on another host cannot be checked that way,
+and flock does not exclude across NFS clients, so each rank rewrites a small
+heartbeat counter; a peer whose counter has not moved for ``heartbeat_timeout_s``
+of this host's monotonic clock is lost. No wall-clock times are compared
+across hosts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Heartbeat", "HeartbeatWatch", "MemberInfo", "process_state"]
+
+_log = logging.getLogger("gradsync")
+_COUNTER = struct.Struct("<Q")
+
+
+@cache
+def _host_id() -> str:
+    """Identifies one kernel and PID namespace: pids are only comparable within one."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "no-boot-id"
+    try:
+        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        pidns = "no-pidns"
+    return f"{socket.gethostname()}/{boot}/{pidns}"
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None if it is gone."""
+    state = process_state(pid)
+    return None if state is None else state[1]
+
+
+def process_state(pid: int) -> tuple[str, int] | None:
+    """``(state letter, start ticks)`` of a process on this host, or None if there is none."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return None
+    # The command name may hold spaces or parentheses: parse after the last ')'.
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    try:
+        return fields[0].decode(), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """Who a rank is: enough to tell whether it is alive and to name it in errors."""
+
+    rank: int
+    nonce: str
+    hostname: str
+    host_id: str
+    pid: int
+    start_ticks: int | None
+
+    @classmethod
+    def for_self(cls, rank: int, nonce: str) -> MemberInfo:
+        pid = os.getpid()
+        return cls(rank, nonce, socket.gethostname(), _host_id(), pid, _start_ticks(pid))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "nonce": self.nonce,
+            "hostname": self.hostname,
+            "host_id": self.host_id,
+            "pid": self.pid,
+            "start_ticks": self.start_ticks,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MemberInfo:
+        start = data.get("start_ticks")
+        return cls(
+            int(data["rank"]),
+            str(data["nonce"]),
+            str(data["hostname"]),
+            str(data["host_id"]),
+            int(data["pid"]),
+            None if start is None else int(start),
+        )
+
+    @property
+    def same_host(self) -> bool:
+        return self.host_id == _host_id()
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.hostname}"
+
+    def local_death(self) -> str | None:
+        """Why this same-host process is dead, or None if it runs (or is on another host)."""
+        if not self.same_host:
+            return None
+        state = process_state(self.pid)
+        if state is None:
+            return "has exited"
+        letter, ticks = state
+        if self.start_ticks is not None and ticks != self.start_ticks:
+            return "has exited (its pid now belongs to another process)"
+        if letter in ("Z", "X", "x"):
+            return "has exited"
+        return None
+
+
+class Heartbeat:
+    """A daemon thread that rewrites this rank's counter every ``interval_s`` seconds.
+
+    The file keeps one name and is rewritten in place (open, write, close): close
+    makes the new value visible to other hosts' next open on NFS, and no rename
+    is involved, whose replaced names some filesystems serve stale.
+    """
+
+    def __init__(self, path: Path, interval_s: float) -> None:
+        self._path = path
+        self._interval_s = interval_s
+        self._count = 0
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="gradsync-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        self._count += 1
+        try:
+            fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                os.pwrite(fd, _COUNTER.pack(self._count), 0)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            # Peers will notice a silent heartbeat and name this rank; the step's own
+            # I/O reports the cause (full disk, removed directory) on this rank.
+            _log.debug("heartbeat %s failed: %s", self._path, exc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._beat()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+
+def read_counter(path: Path) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_COUNTER.size)
+    except OSError:
+        return None
+    if len(data) != _COUNTER.size:
+        return None
+    return int(_COUNTER.unpack(data)[0])
+
+
+class HeartbeatWatch:
+    """Tracks peers' heartbeat counters against this host's monotonic clock."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._seen: dict[Path, tuple[int | None, float]] = {}
+        self._moved: set[Path] = set()
+
+    def silent_for_s(self, path: Path) -> float:
+        """Seconds since the counter at ``path`` was last seen to change (0 when it just did)."""
+        now = time.monotonic()
+        value = read_counter(path)
+        last = self._seen.get(path)
+        if last is None or last[0] != value:
+            if last is not None:
+                self._moved.add(path)
+            self._seen[path] = (value, now)
+            return 0.0
+        return now - last[1]
+
+    def moved(self, path: Path) -> bool:
+        """Whether the counter at ``path`` has changed since it was first read."""
+        return path in self._moved
+
+    def is_lost(self, path: Path) -> float | None:
+        """Seconds of silence if the peer is past the timeout, else None."""
+        silent = self.silent_for_s(path)
+        return silent if silent >= self._timeout_s else None

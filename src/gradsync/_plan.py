@@ -1,0 +1,95 @@
+"""Where every element lives: params grouped by dtype, payload offsets, shard ranges.
+
+A rank's input payload is the concatenation of dtype groups (in order of first
+appearance), each the concatenation of its params in the caller's order. Each
+group is split into contiguous shards, one per rank; a rank's output payload is
+its shard of every group, in group order. Everything here is derived from the
+layout alone, so every rank computes the same plan without talking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._format import Layout, layout_hash
+from ._reduce import shard_range
+
+__all__ = ["Group", "Plan", "Segment"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements ``[start, stop)`` of param ``param``, at element ``at`` of a flat range."""
+
+    param: int
+    start: int
+    stop: int
+    at: int
+
+
+@dataclass(frozen=True)
+class Group:
+    dtype: np.dtype[Any]
+    params: tuple[tuple[int, int, int], ...]  # (param index, first element, element count)
+    size: int
+    in_offset: int  # bytes into the input payload
+    shards: tuple[tuple[int, int], ...]  # per rank: element range [lo, hi)
+    out_offsets: tuple[int, ...]  # per rank: bytes into that rank's output payload
+
+    def segments(self, lo: int, hi: int) -> list[Segment]:
+        """The params' pieces covering group elements ``[lo, hi)``."""
+        out: list[Segment] = []
+        for index, first, count in self.params:
+            a, b = max(lo, first), min(hi, first + count)
+            if a < b:
+                out.append(Segment(index, a - first, b - first, a - lo))
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    digest: bytes
+    groups: tuple[Group, ...]
+    in_len: int  # input payload bytes
+    out_lens: tuple[int, ...]  # per rank: output payload bytes
+
+    @classmethod
+    def build(cls, layout: Layout, world_size: int, root_only: bool) -> Plan:
+        order: list[str] = []
+        members: dict[str, list[int]] = {}
+        for index, (dtype, _shape) in enumerate(layout):
+            if dtype not in members:
+                order.append(dtype)
+                members[dtype] = []
+            members[dtype].append(index)
+        groups: list[Group] = []
+        in_offset = 0
+        out_lens = [0] * world_size
+        for dtype_str in order:
+            dtype = np.dtype(dtype_str)
+            params: list[tuple[int, int, int]] = []
+            size = 0
+            for index in members[dtype_str]:
+                count = int(np.prod(layout[index][1], dtype=np.int64))
+                params.append((index, size, count))
+                size += count
+            if root_only:
+                shards = tuple((0, size) if q == 0 else (size, size) for q in range(world_size))
+            else:
+                shards = tuple(shard_range(size, q, world_size) for q in range(world_size))
+            out_offsets = tuple(out_lens)
+            for q, (lo, hi) in enumerate(shards):
+                out_lens[q] += (hi - lo) * dtype.itemsize
+            groups.append(
+                Group(dtype, tuple(params), size, in_offset, shards, out_offsets)
+            )
+            in_offset += size * dtype.itemsize
+        return cls(layout, layout_hash(layout), tuple(groups), in_offset, tuple(out_lens))
+
+    def ordered_params(self) -> list[int]:
+        """Param indices in payload order."""
+        return [index for g in self.groups for index, _, _ in g.params]

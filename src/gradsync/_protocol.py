@@ -1,0 +1,539 @@
+"""One averaging step over files: publish, wait, reduce a shard, gather the mean.
+
+In generation directory ``gen-<id>/``, call number ``seq`` of every rank uses
+``s-<seq>/``::
+
+    in-<r>     rank r's whole gradient (header + payload), published by rename
+    out-<r>    rank r's shard of the mean, published once all inputs are read
+    abort-<r>  why rank r gave up on this step (peers raise it at once)
+
+Rank q's call seq+1 starts only after it has gathered call seq, which needs
+every rank's ``out`` of seq, written after that rank read all inputs of seq and
+finished seq-1. So when rank 0 starts call seq, nobody will touch ``s-<seq-2>``
+again and rank 0 removes it: at most three steps are ever on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._config import FileGradSyncConfig
+from ._errors import (
+    CorruptFileError,
+    GradSyncError,
+    InvalidGradsError,
+    MismatchError,
+    NonFiniteGradError,
+    PeerAbortedError,
+    PeerLostError,
+    PeerTimeoutError,
+)
+from ._format import (
+    FLAG_NONFINITE,
+    HEADER_READ_BYTES,
+    KIND_INPUT,
+    KIND_OUTPUT,
+    Header,
+    Layout,
+    decode_header,
+    encode_header,
+)
+from ._fsio import Backoff, list_names, read_exact_into, translate_oserror, write_atomic
+from ._liveness import Heartbeat, HeartbeatWatch
+from ._plan import Group, Plan
+from ._reduce import check_dtype, mean_into
+from ._rendezvous import Generation
+from ._stats import StepStats
+
+__all__ = ["StepEngine", "validate_grads"]
+
+_log = logging.getLogger("gradsync")
+_LIVENESS_EVERY_S = 0.1
+
+
+def validate_grads(grads: object) -> list[np.ndarray]:
+    """Check that ``grads`` can be averaged in place; return them as a list.
+
+    Raises:
+        InvalidGradsError: naming the param index and what is wrong with it.
+    """
+    if isinstance(grads, np.ndarray) or not isinstance(grads, Sequence):
+        raise InvalidGradsError(
+            f"grads must be a sequence (list or tuple) of numpy arrays, got {type(grads).__name__}"
+        )
+    if len(grads) == 0:
+        raise InvalidGradsError("grads is empty: pass at least one gradient array")
+    arrays: list[np.ndarray] = []
+    for i, g in enumerate(grads):
+        if not isinstance(g, np.ndarray):
+            raise InvalidGradsError(
+                f"param {i} is a {type(g).__name__}, not a numpy array (averaging is in place, "
+                "so a converted copy would never reach you)"
+            )
+        check_dtype(g.dtype, f"param {i}")
+        if not g.dtype.isnative:
+            raise InvalidGradsError(f"param {i} has non-native byte order {g.dtype.str}")
+        if not g.flags.c_contiguous:
+            raise InvalidGradsError(
+                f"param {i} (shape {g.shape}) is not C-contiguous; averaging is in place, so "
+                "pass np.ascontiguousarray(...) and use that array"
+            )
+        if not g.flags.writeable:
+            raise InvalidGradsError(f"param {i} (shape {g.shape}) is read-only")
+        arrays.append(g)
+    return arrays
+
+
+def _layout_of(arrays: Sequence[np.ndarray]) -> Layout:
+    return tuple((a.dtype.str, tuple(int(x) for x in a.shape)) for a in arrays)
+
+
+@dataclass
+class _Peer:
+    fd: int
+    header: Header
+    path: Path
+
+
+class StepEngine:
+    """Runs averaging steps for one rank of one generation."""
+
+    def __init__(self, cfg: FileGradSyncConfig, gen: Generation) -> None:
+        self.cfg = cfg
+        self.gen = gen
+        self.rank = cfg.rank
+        self.world = cfg.world_size
+        self.seq = 0
+        self._gen_bytes = bytes.fromhex(gen.gen_id).ljust(16, b"\0")[:16]
+        self._plan: Plan | None = None
+        self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
+        self._heartbeat = Heartbeat(gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s)
+
+    def close(self) -> None:
+        self._heartbeat.stop()
+
+    # -- the step -----------------------------------------------------------------
+
+    def step(self, arrays: list[np.ndarray], step: int) -> StepStats:
+        """Average ``arrays`` in place with every rank's call of the same sequence number.
+
+        On any error this rank tells its peers (``abort-<rank>``) before raising.
+        """
+        self.seq += 1
+        step_dir = self.gen.path / f"s-{self.seq}"
+        try:
+            return self._step(arrays, step, step_dir)
+        except BaseException as exc:
+            reason = str(exc) if isinstance(exc, GradSyncError) else f"{type(exc).__name__}: {exc}"
+            with contextlib.suppress(OSError):
+                step_dir.mkdir(exist_ok=True)
+                write_atomic(step_dir / f"abort-{self.rank}", [reason.encode()])
+            raise
+
+    def _step(self, arrays: list[np.ndarray], step: int, step_dir: Path) -> StepStats:
+        t0 = time.perf_counter()
+        if self.rank == 0 and self.seq > 2:
+            shutil.rmtree(self.gen.path / f"s-{self.seq - 2}", ignore_errors=True)
+        plan = self._plan_for(_layout_of(arrays))
+        flats = [a.reshape(-1) for a in arrays]
+        nonfinite = (
+            [i for i, f in enumerate(flats) if not np.isfinite(f).all()]
+            if self.cfg.check_finite
+            else []
+        )
+        self._publish(step_dir, plan, flats, step, nonfinite)
+        t1 = time.perf_counter()
+        peers: dict[int, _Peer] = {}
+        outs: dict[int, _Peer] = {}
+        try:
+            last_in = self._await(step_dir, "in", range(self.world), step, peers)
+            self._check_inputs(plan, step, peers, step_dir)
+            t2 = time.perf_counter()
+            shard = self._reduce(plan, flats, peers, step_dir, step)
+            if plan.out_lens[self.rank]:
+                self._write(step_dir / f"out-{self.rank}", [self._header(KIND_OUTPUT, step, plan, len(shard))[0], shard], step)
+            t3 = time.perf_counter()
+            publishers = [q for q in range(self.world) if plan.out_lens[q] and q != self.rank]
+            self._await(step_dir, "out", publishers, step, outs)
+            t4 = time.perf_counter()
+            self._gather(plan, flats, shard, outs, step)
+            t5 = time.perf_counter()
+        finally:
+            for peer in (*peers.values(), *outs.values()):
+                with contextlib.suppress(OSError):
+                    os.close(peer.fd)
+        stats = StepStats(
+            step=step,
+            world_size=self.world,
+            bytes_per_rank=plan.in_len,
+            publish_s=t1 - t0,
+            wait_inputs_s=t2 - t1,
+            reduce_s=t3 - t2,
+            wait_outputs_s=t4 - t3,
+            gather_s=t5 - t4,
+            total_s=t5 - t0,
+            last_rank=last_in,
+        )
+        _log.debug("%s", stats)
+        return stats
+
+    def _plan_for(self, layout: Layout) -> Plan:
+        if self._plan is None or self._plan.layout != layout:
+            self._plan = Plan.build(layout, self.world, self.cfg.strategy == "root")
+        return self._plan
+
+    def _header(
+        self, kind: int, step: int, plan: Plan, payload_len: int, nonfinite: Sequence[int] = ()
+    ) -> tuple[bytes, int]:
+        meta: dict[str, Any] = {}
+        if kind == KIND_INPUT:
+            meta = {"layout": [[d, list(s)] for d, s in plan.layout], "nonfinite": list(nonfinite)}
+        head = encode_header(
+            kind=kind,
+            rank=self.rank,
+            world_size=self.world,
+            seq=self.seq,
+            step=step,
+            generation=self._gen_bytes,
+            layout_digest=plan.digest,
+            meta=meta,
+            payload_len=payload_len,
+            flags=FLAG_NONFINITE if nonfinite else 0,
+        )
+        return head, len(head)
+
+    def _write(self, path: Path, chunks: Sequence[bytes | memoryview | np.ndarray], step: int) -> None:
+        try:
+            write_atomic(path, [c if not isinstance(c, np.ndarray) else memoryview(c) for c in chunks])
+        except OSError as exc:
+            raise translate_oserror(exc, "publishing", path, step=step) from exc
+
+    def _publish(
+        self,
+        step_dir: Path,
+        plan: Plan,
+        flats: list[np.ndarray],
+        step: int,
+        nonfinite: list[int],
+    ) -> None:
+        try:
+            step_dir.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise translate_oserror(exc, "creating the step directory", step_dir, step=step) from exc
+        head, _ = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite)
+        chunks: list[bytes | memoryview | np.ndarray] = [head]
+        chunks.extend(flats[i] for i in plan.ordered_params() if flats[i].size)
+        self._write(step_dir / f"in-{self.rank}", chunks, step)
+
+    # -- waiting --------------------------------------------------------------------
+
+    def _await(
+        self,
+        step_dir: Path,
+        prefix: str,
+        ranks: Sequence[int] | range,
+        step: int,
+        found: dict[int, _Peer],
+    ) -> int | None:
+        """Open ``<prefix>-<q>`` for every rank q in ``ranks``; return the last to arrive."""
+        kind = KIND_INPUT if prefix == "in" else KIND_OUTPUT
+        what = "its gradients" if prefix == "in" else "its shard of the mean"
+        missing = [q for q in ranks if q not in found]
+        last: int | None = None
+        first_look = True
+        backoff = Backoff()
+        next_check = 0.0
+        next_warn = self.cfg.warn_after_s
+        while missing:
+            names = list_names(step_dir)
+            for q in [q for q in missing if f"{prefix}-{q}" in names]:
+                found[q] = self._open(step_dir / f"{prefix}-{q}", q, kind, step)
+                missing.remove(q)
+                if not first_look:
+                    last = q
+            first_look = False
+            aborted = [q for q in range(self.world) if q != self.rank and f"abort-{q}" in names]
+            if aborted:
+                self._raise_abort(step_dir, aborted[0], step)
+            if not missing:
+                break
+            elapsed = backoff.elapsed_s()
+            if elapsed >= next_check:
+                next_check = elapsed + _LIVENESS_EVERY_S
+                self._check_alive(missing, step, step_dir, what, elapsed)
+            if elapsed >= self.cfg.max_wait_s:
+                raise PeerTimeoutError(
+                    f"step {step}: ranks {missing} published nothing in {step_dir} within "
+                    f"{self.cfg.max_wait_s} s (still alive, but not publishing {what[4:]})",
+                    step=step,
+                    ranks=missing,
+                    path=step_dir,
+                )
+            if elapsed >= next_warn:
+                _log.warning(
+                    "step %d: rank %d has waited %.1f s for ranks %s (alive) to publish %s in %s",
+                    step,
+                    self.rank,
+                    elapsed,
+                    missing,
+                    what[4:],
+                    step_dir,
+                )
+                next_warn += self.cfg.warn_after_s
+            backoff.pause()
+        return last
+
+    def _open(self, path: Path, rank: int, kind: int, step: int) -> _Peer:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            # Listed a moment ago: only a removed sync directory explains it.
+            raise translate_oserror(exc, "opening", path, step=step) from exc
+        except OSError as exc:
+            raise translate_oserror(exc, "opening", path, step=step) from exc
+        try:
+            head = os.pread(fd, HEADER_READ_BYTES, 0)
+            header = decode_header(head, str(path))
+            if len(head) < header.payload_offset and header.payload_offset > HEADER_READ_BYTES:
+                head = os.pread(fd, header.payload_offset, 0)
+                header = decode_header(head, str(path))
+            size = os.fstat(fd).st_size
+        except CorruptFileError as exc:
+            os.close(fd)
+            raise CorruptFileError(
+                f"step {step}: rank {rank}'s file is unusable: {exc}", step=step, ranks=[rank], path=path
+            ) from exc
+        except OSError as exc:
+            os.close(fd)
+            raise translate_oserror(exc, "reading", path, step=step) from exc
+        problem = None
+        if header.kind != kind or header.rank != rank:
+            problem = f"holds kind {header.kind} of rank {header.rank}"
+        elif header.generation != self._gen_bytes or header.seq != self.seq:
+            problem = "belongs to another run or call"
+        elif header.world_size != self.world:
+            problem = f"was written with world_size {header.world_size}"
+        elif size != header.payload_offset + header.payload_len:
+            problem = (
+                f"is {size} bytes, its header promises {header.payload_offset + header.payload_len}"
+            )
+        if problem is not None:
+            os.close(fd)
+            raise CorruptFileError(
+                f"step {step}: rank {rank}'s file {path} {problem}", step=step, ranks=[rank], path=path
+            )
+        return _Peer(fd, header, path)
+
+    def _raise_abort(self, step_dir: Path, rank: int, step: int) -> None:
+        path = step_dir / f"abort-{rank}"
+        try:
+            reason = path.read_bytes().decode(errors="replace")
+        except OSError:
+            reason = "(reason unreadable)"
+        member = self.gen.members[rank]
+        raise PeerAbortedError(
+            f"step {step}: rank {rank} ({member.describe()}) gave up on this step: {reason}",
+            step=step,
+            ranks=[rank],
+            path=path,
+        )
+
+    def _check_alive(
+        self, missing: Sequence[int], step: int, step_dir: Path, what: str, elapsed: float
+    ) -> None:
+        names = list_names(self.gen.path)
+        for q in missing:
+            member = self.gen.members[q]
+            reason: str | None
+            if f"left-{q}" in names:
+                reason = "closed its gradsync session"
+            elif member.same_host:
+                reason = member.local_death()
+            else:
+                silent = self._watch.is_lost(self.gen.heartbeat_path(q))
+                reason = None if silent is None else f"stopped its heartbeat {silent:.1f} s ago"
+            if reason is not None:
+                raise PeerLostError(
+                    f"step {step}: rank {q} ({member.describe()}) {reason} before publishing "
+                    f"{what} in {step_dir} (waited {elapsed:.1f} s)",
+                    step=step,
+                    ranks=[q],
+                    path=step_dir,
+                )
+
+    def _check_inputs(self, plan: Plan, step: int, peers: dict[int, _Peer], step_dir: Path) -> None:
+        steps = {q: p.header.step for q, p in peers.items()}
+        if len(set(steps.values())) > 1:
+            raise MismatchError(
+                f"ranks disagree on the step number in {step_dir}: "
+                + ", ".join(f"rank {q} is at step {s}" for q, s in sorted(steps.items())),
+                step=step,
+                ranks=sorted(steps),
+                path=step_dir,
+            )
+        for q in range(self.world):
+            other = peers[q].header
+            if other.layout_digest != plan.digest:
+                raise self._mismatch(plan.layout, other.layout(), q, step, step_dir)
+        bad = [(q, i) for q in range(self.world) for i in peers[q].header.meta.get("nonfinite", [])]
+        if bad:
+            ranks = sorted({q for q, _ in bad})
+            listing = ", ".join(f"rank {q} param {i}" for q, i in bad)
+            raise NonFiniteGradError(
+                f"step {step}: non-finite gradients (NaN or Inf) in {listing}",
+                step=step,
+                ranks=ranks,
+                path=step_dir,
+            )
+
+    def _mismatch(
+        self, mine: Layout, theirs: Layout, q: int, step: int, step_dir: Path
+    ) -> MismatchError:
+        lo, hi = sorted((self.rank, q))
+        first, second = (mine, theirs) if self.rank == lo else (theirs, mine)
+        if len(first) != len(second):
+            detail = f"rank {lo} has {len(first)} params but rank {hi} has {len(second)}"
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+            detail = (
+                f"param {i}: rank {lo} has shape {first[i][1]} {np.dtype(first[i][0])} but rank "
+                f"{hi} has shape {second[i][1]} {np.dtype(second[i][0])}"
+            )
+        return MismatchError(f"step {step}: {detail}", step=step, ranks=[lo, hi], path=step_dir)
+
+    # -- reducing and gathering -------------------------------------------------------
+
+    def _reduce(
+        self, plan: Plan, flats: list[np.ndarray], peers: dict[int, _Peer], step_dir: Path, step: int
+    ) -> np.ndarray:
+        """This rank's shard of every group, as one byte array (the output payload)."""
+        shard = np.empty(plan.out_lens[self.rank], dtype=np.uint8)
+        for group in plan.groups:
+            lo, hi = group.shards[self.rank]
+            if lo == hi:
+                continue
+            start = group.out_offsets[self.rank]
+            out = shard[start : start + (hi - lo) * group.dtype.itemsize].view(group.dtype)
+            fetch = [self._fetcher(group, q, lo, hi, flats, peers, step) for q in range(self.world)]
+            mean_into(fetch, hi - lo, out)
+        return shard
+
+    def _fetcher(
+        self,
+        group: Group,
+        q: int,
+        lo: int,
+        hi: int,
+        flats: list[np.ndarray],
+        peers: dict[int, _Peer],
+        step: int,
+    ) -> Any:
+        if q == self.rank:
+            segments = group.segments(lo, hi)
+
+            def own(start: int, stop: int, buf: np.ndarray) -> np.ndarray:
+                pieces = [s for s in segments if s.at < stop and s.at + s.stop - s.start > start]
+                if len(pieces) == 1:
+                    s = pieces[0]
+                    base = s.start + (start - s.at)
+                    return flats[s.param][base : base + (stop - start)]
+                out = buf[: stop - start]
+                for s in pieces:
+                    a, b = max(start, s.at), min(stop, s.at + s.stop - s.start)
+                    out[a - start : b - start] = flats[s.param][s.start + a - s.at : s.start + b - s.at]
+                return out
+
+            return own
+        peer = peers[q]
+        base = peer.header.payload_offset + group.in_offset + lo * group.dtype.itemsize
+        itemsize = group.dtype.itemsize
+
+        def theirs(start: int, stop: int, buf: np.ndarray) -> np.ndarray:
+            out = buf[: stop - start]
+            try:
+                read_exact_into(peer.fd, base + start * itemsize, memoryview(out), peer.path)
+            except EOFError as exc:
+                raise CorruptFileError(
+                    f"step {step}: rank {q}'s file {peer.path} is truncated: {exc}",
+                    step=step,
+                    ranks=[q],
+                    path=peer.path,
+                ) from exc
+            except OSError as exc:
+                raise translate_oserror(exc, "reading", peer.path, step=step) from exc
+            return out
+
+        return theirs
+
+    def _gather(
+        self,
+        plan: Plan,
+        flats: list[np.ndarray],
+        shard: np.ndarray,
+        outs: dict[int, _Peer],
+        step: int,
+    ) -> None:
+        """Copy every rank's shard of the mean into the arrays.
+
+        All shards are published before the first byte is copied, so only an I/O
+        error can stop this half-way; the arrays are then restored from this
+        rank's own published input, so a failed call never leaves a mixed result.
+        """
+        try:
+            for group in plan.groups:
+                for q in range(self.world):
+                    lo, hi = group.shards[q]
+                    if lo == hi:
+                        continue
+                    for s in group.segments(lo, hi):
+                        dst = flats[s.param][s.start : s.stop]
+                        offset = group.out_offsets[q] + s.at * group.dtype.itemsize
+                        if q == self.rank:
+                            dst.view(np.uint8)[:] = shard[offset : offset + dst.nbytes]
+                            continue
+                        peer = outs[q]
+                        try:
+                            read_exact_into(
+                                peer.fd, peer.header.payload_offset + offset, memoryview(dst), peer.path
+                            )
+                        except EOFError as exc:
+                            raise CorruptFileError(
+                                f"step {step}: rank {q}'s file {peer.path} is truncated: {exc}",
+                                step=step,
+                                ranks=[q],
+                                path=peer.path,
+                            ) from exc
+                        except OSError as exc:
+                            raise translate_oserror(exc, "reading", peer.path, step=step) from exc
+        except GradSyncError:
+            self._restore(plan, flats)
+            raise
+
+    def _restore(self, plan: Plan, flats: list[np.ndarray]) -> None:
+        path = self.gen.path / f"s-{self.seq}" / f"in-{self.rank}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            _log.error("could not restore the gradients from %s after a failed step", path)
+            return
+        try:
+            offset = decode_header(os.pread(fd, HEADER_READ_BYTES, 0), str(path)).payload_offset
+            for i in plan.ordered_params():
+                view = memoryview(flats[i])
+                if flats[i].size:
+                    read_exact_into(fd, offset, view, path)
+                offset += flats[i].nbytes
+        except (OSError, EOFError, GradSyncError):
+            _log.error("could not restore the gradients from %s after a failed step", path)
+        finally:
+            os.close(fd)

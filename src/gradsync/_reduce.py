@@ -1,0 +1,175 @@
+"""The averaging maths: dtype rules, shard boundaries and the deterministic mean.
+
+Every rank, strategy and helper computes the mean with :func:`mean_into`, which
+adds ranks in fixed order 0, 1, ..., W-1 in a wider accumulator and divides once
+by W. The operation is element-wise, so how elements are split into shards or
+chunks never changes a bit of the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import ConfigError, InvalidGradsError, MismatchError
+
+__all__ = [
+    "ACCUMULATOR",
+    "SUPPORTED_DTYPES",
+    "average_host_grads",
+    "check_dtype",
+    "mean_into",
+    "shard_indices",
+    "shard_range",
+]
+
+# float16 is summed in float32 and float32 in float64: the result is then within
+# one rounding of the exact mean, whatever the order of magnitude of the inputs.
+ACCUMULATOR: dict[np.dtype[Any], np.dtype[Any]] = {
+    np.dtype(np.float16): np.dtype(np.float32),
+    np.dtype(np.float32): np.dtype(np.float64),
+    np.dtype(np.float64): np.dtype(np.float64),
+}
+SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = tuple(ACCUMULATOR)
+
+# Elements per chunk of the reduction: the accumulator and one input chunk stay in
+# L2 cache while W inputs are added into it.
+CHUNK_ELEMS = 1 << 16
+
+# Shard boundaries fall on multiples of this many elements (64 bytes of float32),
+# so ranks never write to the same cache line of a shared mapping.
+_SHARD_ALIGN = 16
+
+Fetch = Callable[[int, int, np.ndarray], np.ndarray]
+
+
+def check_dtype(dtype: npt.DTypeLike, where: str) -> np.dtype[Any]:
+    """Return ``dtype`` normalised to native byte order, or raise if unsupported."""
+    dt = np.dtype(dtype)
+    native = dt.newbyteorder("=")
+    if native not in ACCUMULATOR:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise InvalidGradsError(f"{where} has dtype {dt}; gradsync averages only {names}")
+    return native
+
+
+def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The contiguous element range ``[lo, hi)`` of ``n`` elements that ``rank`` reduces.
+
+    Ranges of ranks 0..world_size-1 tile ``[0, n)`` in order, differ in size by at
+    most one alignment block, and start on multiples of 16 elements.
+    """
+
+    def boundary(q: int) -> int:
+        if q <= 0:
+            return 0
+        if q >= world_size:
+            return n
+        return (n * q // world_size) // _SHARD_ALIGN * _SHARD_ALIGN
+
+    return boundary(rank), boundary(rank + 1)
+
+
+def shard_indices(n: int, rank: int, world_size: int) -> npt.NDArray[np.int64]:
+    """Indices of the ``n`` samples that ``rank`` trains on: ``rank, rank + W, rank + 2W...``.
+
+    With ``world_size <= 1`` every index is returned. The shards of all ranks
+    partition ``range(n)``.
+
+    Raises:
+        ConfigError: (a ``ValueError``) if ``n < 0`` or ``rank`` is outside ``[0, world_size)``.
+    """
+    if n < 0:
+        raise ConfigError(f"n must be >= 0, got {n!r}")
+    if world_size <= 1:
+        return np.arange(n, dtype=np.int64)
+    if not 0 <= rank < world_size:
+        raise ConfigError(
+            f"rank must satisfy 0 <= rank < world_size, got rank={rank!r} "
+            f"with world_size={world_size!r}"
+        )
+    return np.arange(rank, n, world_size, dtype=np.int64)
+
+
+def mean_into(
+    fetch: Sequence[Fetch],
+    n: int,
+    out: np.ndarray,
+    scratch: np.ndarray | None = None,
+) -> None:
+    """Write the element-wise mean of ``len(fetch)`` inputs of ``n`` elements into ``out``.
+
+    ``fetch[q](start, stop, buf)`` returns rank q's elements ``[start, stop)``: a
+    view, or ``buf[: stop - start]`` after filling it. ``buf`` has ``out``'s dtype.
+    Ranks are added in index order in the accumulator dtype, then divided by W
+    and rounded once to ``out.dtype``.
+    """
+    world = len(fetch)
+    acc_dtype = ACCUMULATOR[out.dtype]
+    chunk = min(CHUNK_ELEMS, max(n, 1))
+    acc_buf = np.empty(chunk, dtype=acc_dtype)
+    in_buf = scratch if scratch is not None and scratch.size >= chunk else None
+    if in_buf is None:
+        in_buf = np.empty(chunk, dtype=out.dtype)
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        size = stop - start
+        acc = acc_buf[:size]
+        np.copyto(acc, fetch[0](start, stop, in_buf))
+        for q in range(1, world):
+            np.add(acc, fetch[q](start, stop, in_buf), out=acc)
+        np.divide(acc, world, out=acc)
+        np.copyto(out[start:stop], acc, casting="same_kind")
+
+
+def average_host_grads(
+    per_rank: Sequence[Sequence[npt.ArrayLike]],
+) -> list[np.ndarray]:
+    """The mean over ranks of each param, computed exactly as the file protocol does.
+
+    ``per_rank[r][i]`` is rank r's gradient of param i (float16, float32 or
+    float64). Returns new arrays, one per param, of each param's shape and dtype,
+    bit-identical to what :func:`average_grads_file_sync` gives every rank.
+
+    Raises:
+        InvalidGradsError: no ranks, or an unsupported dtype.
+        MismatchError: ranks disagree on param count, shape or dtype; the message
+            names the param index and the ranks.
+    """
+    if len(per_rank) == 0:
+        raise InvalidGradsError("per_rank is empty: need the gradients of at least one rank")
+    arrays = [[np.asarray(g) for g in grads] for grads in per_rank]
+    count = len(arrays[0])
+    for r, grads in enumerate(arrays):
+        if len(grads) != count:
+            raise MismatchError(
+                f"rank 0 has {count} params but rank {r} has {len(grads)}", ranks=[0, r]
+            )
+    result: list[np.ndarray] = []
+    for i in range(count):
+        ref = arrays[0][i]
+        dtype = check_dtype(ref.dtype, f"param {i} of rank 0")
+        for r in range(1, len(arrays)):
+            other = arrays[r][i]
+            if other.shape != ref.shape or other.dtype != ref.dtype:
+                raise MismatchError(
+                    f"param {i}: rank 0 has shape {ref.shape} {ref.dtype} but rank {r} has "
+                    f"shape {other.shape} {other.dtype}",
+                    ranks=[0, r],
+                )
+        flat = [np.ascontiguousarray(arrays[r][i], dtype=dtype).reshape(-1) for r in range(len(arrays))]
+        out = np.empty(ref.shape, dtype=dtype)
+        fetchers: list[Fetch] = [_view_fetch(f) for f in flat]
+        mean_into(fetchers, out.size, out.reshape(-1))
+        result.append(out)
+    return result
+
+
+def _view_fetch(flat: np.ndarray) -> Fetch:
+    def fetch(start: int, stop: int, _buf: np.ndarray) -> np.ndarray:
+        return flat[start:stop]
+
+    return fetch

@@ -1,0 +1,484 @@
+"""Forming a job: every rank registers a fresh nonce, rank 0 admits them into a new generation.
+
+Nothing an earlier run left in the directory can be joined by mistake, and the
+user passes no id:
+
+1. Rank r > 0 writes ``rdzv/join-<r>-<nonce>.json`` with a nonce of its own.
+2. Rank 0 makes ``gen-<its nonce>/`` and answers every join with
+   ``rdzv/offer-<nonce>.json`` naming that generation.
+3. A rank that reads an offer for *its* nonce confirms with
+   ``gen-<id>/member-<r>-<nonce>.json``. Joins of dead runs get offers too, but
+   nobody is left to confirm them.
+4. Once every rank has confirmed, rank 0 writes ``gen-<id>/roster.json``; a rank
+   whose nonce is not in it lost a race for its rank and says so.
+
+Problems found by rank 0 (two processes for one rank, another live rank 0 with
+the same run id, a world-size mismatch) are written to ``gen-<id>/abort.json``
+so that every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._config import FileGradSyncConfig
+from ._errors import (
+    GradSyncError,
+    MismatchError,
+    PeerAbortedError,
+    PeerLostError,
+    PeerTimeoutError,
+    RendezvousError,
+)
+from ._fsio import Backoff, list_names, read_small, translate_oserror, write_atomic
+from ._liveness import HeartbeatWatch, MemberInfo
+
+__all__ = ["Generation", "leave", "rendezvous"]
+
+_log = logging.getLogger("gradsync")
+RDZV = "rdzv"
+GEN_PREFIX = "gen-"
+ROSTER = "roster.json"
+ABORT = "abort.json"
+_CHECK_EVERY_S = 0.2
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One formed job: its directory and its members, indexed by rank."""
+
+    path: Path
+    gen_id: str
+    members: tuple[MemberInfo, ...]
+    rank: int
+
+    @property
+    def me(self) -> MemberInfo:
+        return self.members[self.rank]
+
+    def heartbeat_path(self, rank: int) -> Path:
+        return self.path / f"hb-{self.members[rank].nonce}"
+
+    def left_path(self, rank: int) -> Path:
+        return self.path / f"left-{rank}"
+
+
+def _dump(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    """A JSON object from ``path``; None if missing or not one (torn writes never happen)."""
+    try:
+        raw = read_small(path)
+    except OSError:
+        return None
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _member(data: dict[str, Any] | None) -> MemberInfo | None:
+    if data is None or not isinstance(data.get("member"), dict):
+        return None
+    try:
+        return MemberInfo.from_json(data["member"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def rendezvous(cfg: FileGradSyncConfig) -> Generation:
+    """Form a new generation with ``cfg.world_size`` live ranks; block until it exists.
+
+    Raises:
+        PeerTimeoutError: ranks did not arrive within ``cfg.max_wait_s``; names them.
+        PeerLostError: rank 0 died during the rendezvous.
+        RendezvousError: a rank is claimed twice, or a live job with the same run id
+            already uses the directory.
+        MismatchError: ranks were started with different world sizes.
+        SyncDirError: the sync directory cannot be created or written.
+    """
+    nonce = secrets.token_hex(8)
+    me = MemberInfo.for_self(cfg.rank, nonce)
+    rdzv = cfg.sync_dir / RDZV
+    try:
+        rdzv.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise translate_oserror(exc, "creating the rendezvous directory", rdzv) from exc
+    if cfg.rank == 0:
+        return _Leader(cfg, me).run()
+    return _join(cfg, me)
+
+
+def _write(path: Path, data: dict[str, Any], what: str) -> None:
+    try:
+        write_atomic(path, [_dump(data)])
+    except OSError as exc:
+        raise translate_oserror(exc, what, path) from exc
+
+
+class _Leader:
+    def __init__(self, cfg: FileGradSyncConfig, me: MemberInfo) -> None:
+        self.cfg = cfg
+        self.me = me
+        self.rdzv = cfg.sync_dir / RDZV
+        self.gen_path = cfg.sync_dir / f"{GEN_PREFIX}{me.nonce}"
+        self.leader_file = self.rdzv / f"leader-{me.nonce}.json"
+        self.offered: set[str] = set()
+        self.confirmed: dict[int, MemberInfo] = {}
+        self.rivals: dict[str, MemberInfo] = {}
+        self.watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
+
+    def _info(self) -> dict[str, Any]:
+        return {
+            "member": self.me.to_json(),
+            "world_size": self.cfg.world_size,
+            "run_id": self.cfg.run_id,
+            "gen": self.me.nonce,
+        }
+
+    def run(self) -> Generation:
+        try:
+            self.gen_path.mkdir()
+        except OSError as exc:
+            raise translate_oserror(exc, "creating the generation directory", self.gen_path) from exc
+        _write(self.leader_file, self._info(), "registering rank 0 in")
+        try:
+            return self._admit()
+        except GradSyncError as exc:
+            # Requesters that already confirmed learn the reason instead of timing out.
+            with contextlib.suppress(OSError):
+                write_atomic(self.gen_path / ABORT, [_dump({"message": str(exc)})])
+            with contextlib.suppress(OSError):
+                self.leader_file.unlink()
+            raise
+
+    def _admit(self) -> Generation:
+        cfg = self.cfg
+        backoff = Backoff()
+        next_check = 0.0
+        next_warn = cfg.warn_after_s
+        while True:
+            self._offer()
+            self._collect()
+            elapsed = backoff.elapsed_s()
+            if elapsed >= next_check:
+                self._check_rivals()
+                next_check = elapsed + _CHECK_EVERY_S
+            missing = [r for r in range(1, cfg.world_size) if r not in self.confirmed]
+            if not missing and not self.rivals:
+                break
+            if elapsed >= cfg.max_wait_s:
+                if missing:
+                    raise PeerTimeoutError(
+                        f"rendezvous: ranks {missing} did not join within {cfg.max_wait_s} s "
+                        f"in {cfg.sync_dir} (are they running, with the same sync_dir and "
+                        f"run_id {cfg.run_id!r}?)",
+                        ranks=missing,
+                        path=cfg.sync_dir,
+                    )
+                rival = next(iter(self.rivals.values()))
+                raise RendezvousError(
+                    f"rendezvous: another rank 0 ({rival.describe()}) with run_id "
+                    f"{cfg.run_id!r} uses {cfg.sync_dir}; give each job its own sync_dir or "
+                    "run_id",
+                    ranks=[0],
+                    path=cfg.sync_dir,
+                )
+            if elapsed >= next_warn:
+                _log.warning(
+                    "rendezvous: rank 0 has waited %.1f s for ranks %s to join in %s",
+                    elapsed,
+                    missing,
+                    cfg.sync_dir,
+                )
+                next_warn += cfg.warn_after_s
+            backoff.pause()
+        members = (self.me, *(self.confirmed[r] for r in range(1, cfg.world_size)))
+        roster = {"members": [m.to_json() for m in members], "world_size": cfg.world_size}
+        _write(self.gen_path / ROSTER, roster, "publishing the roster to")
+        self._tidy()
+        return Generation(self.gen_path, self.me.nonce, members, 0)
+
+    def _offer(self) -> None:
+        for name in list_names(self.rdzv):
+            if not name.startswith("join-") or not name.endswith(".json"):
+                continue
+            nonce = name[:-5].rsplit("-", 1)[-1]
+            if nonce in self.offered:
+                continue
+            data = _load(self.rdzv / name)
+            if data is None or data.get("run_id") != self.cfg.run_id:
+                continue
+            offer = {"gen": self.me.nonce, "member": self.me.to_json(), "run_id": self.cfg.run_id}
+            _write(self.rdzv / f"offer-{nonce}.json", offer, "answering a join in")
+            self.offered.add(nonce)
+
+    def _collect(self) -> None:
+        cfg = self.cfg
+        for name in list_names(self.gen_path):
+            if not name.startswith("member-") or not name.endswith(".json"):
+                continue
+            data = _load(self.gen_path / name)
+            member = _member(data)
+            if data is None or member is None:
+                continue
+            known = self.confirmed.get(member.rank)
+            if known is not None and known.nonce == member.nonce:
+                continue
+            world = data.get("world_size")
+            if world != cfg.world_size:
+                raise MismatchError(
+                    f"rendezvous: rank 0 has world_size {cfg.world_size} but rank "
+                    f"{member.rank} ({member.describe()}) has world_size {world} in "
+                    f"{cfg.sync_dir}",
+                    ranks=[0, member.rank],
+                    path=cfg.sync_dir,
+                )
+            if not 0 < member.rank < cfg.world_size:
+                raise RendezvousError(
+                    f"rendezvous: {member.describe()} joined as rank {member.rank}, outside "
+                    f"1..{cfg.world_size - 1}",
+                    ranks=[member.rank],
+                    path=cfg.sync_dir,
+                )
+            if known is not None:
+                raise RendezvousError(
+                    f"rendezvous: two processes claim rank {member.rank}: "
+                    f"{known.describe()} and {member.describe()} in {cfg.sync_dir}",
+                    ranks=[member.rank],
+                    path=cfg.sync_dir,
+                )
+            self.confirmed[member.rank] = member
+
+    def _check_rivals(self) -> None:
+        """Find other live rank-0s of the same run id; stale ones are removed."""
+        for name in list_names(self.rdzv):
+            if not name.startswith("leader-") or name == self.leader_file.name:
+                continue
+            path = self.rdzv / name
+            data = _load(path)
+            member = _member(data)
+            if data is None or member is None:
+                continue
+            if data.get("run_id") != self.cfg.run_id:
+                continue
+            if member.same_host:
+                if member.local_death() is not None:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                    self.rivals.pop(member.nonce, None)
+                    continue
+                raise RendezvousError(
+                    f"rendezvous: another rank 0 ({member.describe()}) with run_id "
+                    f"{self.cfg.run_id!r} is running in {self.cfg.sync_dir}; give each job "
+                    "its own sync_dir or run_id",
+                    ranks=[0],
+                    path=self.cfg.sync_dir,
+                )
+            hb = self.cfg.sync_dir / f"{GEN_PREFIX}{data.get('gen')}" / f"hb-{member.nonce}"
+            silent = self.watch.silent_for_s(hb)
+            if self.watch.moved(hb):
+                raise RendezvousError(
+                    f"rendezvous: another rank 0 ({member.describe()}) with run_id "
+                    f"{self.cfg.run_id!r} is beating in {self.cfg.sync_dir}; give each job "
+                    "its own sync_dir or run_id",
+                    ranks=[0],
+                    path=self.cfg.sync_dir,
+                )
+            if silent >= self.cfg.heartbeat_timeout_s:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                self.rivals.pop(member.nonce, None)
+            else:
+                # Undecided until its heartbeat either moves or stays silent long enough.
+                self.rivals[member.nonce] = member
+
+    def _tidy(self) -> None:
+        """Remove this rendezvous's join/offer files and generations of dead runs."""
+        for member in self.confirmed.values():
+            for name in (f"join-{member.rank}-{member.nonce}.json", f"offer-{member.nonce}.json"):
+                with contextlib.suppress(OSError):
+                    (self.rdzv / name).unlink()
+        for name in list_names(self.rdzv):
+            if name.startswith(("join-", "offer-")):
+                member = _member(_load(self.rdzv / name))
+                if member is not None and member.local_death() is not None:
+                    with contextlib.suppress(OSError):
+                        (self.rdzv / name).unlink()
+        for name in list_names(self.cfg.sync_dir):
+            if name.startswith(GEN_PREFIX) and name != self.gen_path.name:
+                _remove_if_dead(self.cfg.sync_dir / name)
+
+
+def _remove_if_dead(gen_path: Path) -> None:
+    """Remove an old generation whose members all exited on this host or left cleanly."""
+    roster = _load(gen_path / ROSTER)
+    if roster is None:
+        leader = _member(_load(gen_path.parent / RDZV / f"leader-{gen_path.name[4:]}.json"))
+        if leader is not None and leader.local_death() is None:
+            return
+        if leader is None and not _older_than(gen_path, 3600.0):
+            # Could be a rank 0 that has just made it and not yet registered.
+            return
+    else:
+        members = roster.get("members")
+        if not isinstance(members, list):
+            return
+        for i, raw in enumerate(members):
+            try:
+                member = MemberInfo.from_json(raw)
+            except (KeyError, TypeError, ValueError):
+                return
+            left = (gen_path / f"left-{i}").exists()
+            if not left and member.local_death() is None:
+                return
+    _log.debug("removing %s: every member of that run has exited", gen_path)
+    shutil.rmtree(gen_path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        (gen_path.parent / RDZV / f"leader-{gen_path.name[4:]}.json").unlink()
+
+
+def _older_than(path: Path, age_s: float) -> bool:
+    # Local filesystem times only: this compares this host's clock with itself.
+    try:
+        return time.time() - path.stat().st_mtime > age_s
+    except OSError:
+        return False
+
+
+def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
+    rdzv = cfg.sync_dir / RDZV
+    join = rdzv / f"join-{cfg.rank}-{me.nonce}.json"
+    offer_path = rdzv / f"offer-{me.nonce}.json"
+    _write(join, {"member": me.to_json(), "world_size": cfg.world_size, "run_id": cfg.run_id},
+           "registering a join in")
+    backoff = Backoff()
+    next_warn = cfg.warn_after_s
+    leader: MemberInfo | None = None
+    gen_path: Path | None = None
+    watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
+    next_check = 0.0
+    try:
+        while True:
+            elapsed = backoff.elapsed_s()
+            if gen_path is None:
+                offer = _load(offer_path)
+                if offer is not None and offer.get("run_id") == cfg.run_id:
+                    leader = _member(offer)
+                    candidate = cfg.sync_dir / f"{GEN_PREFIX}{offer.get('gen')}"
+                    if leader is not None and candidate.is_dir():
+                        gen_path = candidate
+                        _write(
+                            gen_path / f"member-{cfg.rank}-{me.nonce}.json",
+                            {"member": me.to_json(), "world_size": cfg.world_size},
+                            "confirming membership in",
+                        )
+            if gen_path is not None and leader is not None:
+                abort = _load(gen_path / ABORT)
+                if abort is not None:
+                    raise PeerAbortedError(
+                        f"rendezvous failed on rank 0: {abort.get('message')}",
+                        ranks=[0],
+                        path=gen_path,
+                    )
+                roster = _load(gen_path / ROSTER)
+                if roster is not None:
+                    return _accept(cfg, me, gen_path, roster)
+                if elapsed >= next_check:
+                    next_check = elapsed + _CHECK_EVERY_S
+                    _check_leader(cfg, leader, gen_path, watch)
+            if elapsed >= cfg.max_wait_s:
+                what = "admit" if gen_path is None else "complete the roster for"
+                raise PeerTimeoutError(
+                    f"rendezvous: rank 0 did not {what} rank {cfg.rank} within "
+                    f"{cfg.max_wait_s} s in {cfg.sync_dir} (is rank 0 running, with the same "
+                    f"sync_dir and run_id {cfg.run_id!r}?)",
+                    ranks=[0],
+                    path=cfg.sync_dir,
+                )
+            if elapsed >= next_warn:
+                _log.warning(
+                    "rendezvous: rank %d has waited %.1f s for rank 0 in %s",
+                    cfg.rank,
+                    elapsed,
+                    cfg.sync_dir,
+                )
+                next_warn += cfg.warn_after_s
+            backoff.pause()
+    finally:
+        for path in (join, offer_path):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _check_leader(
+    cfg: FileGradSyncConfig, leader: MemberInfo, gen_path: Path, watch: HeartbeatWatch
+) -> None:
+    if leader.same_host:
+        death = leader.local_death()
+        if death is None:
+            return
+        reason = f"{death}"
+    else:
+        silent = watch.is_lost(gen_path / f"hb-{leader.nonce}")
+        if silent is None:
+            return
+        reason = f"stopped its heartbeat {silent:.1f} s ago"
+    raise PeerLostError(
+        f"rendezvous: rank 0 ({leader.describe()}) {reason} before completing the "
+        f"rendezvous in {gen_path}",
+        ranks=[0],
+        path=gen_path,
+    )
+
+
+def _accept(
+    cfg: FileGradSyncConfig, me: MemberInfo, gen_path: Path, roster: dict[str, Any]
+) -> Generation:
+    raw = roster.get("members")
+    try:
+        members = tuple(MemberInfo.from_json(m) for m in raw)  # type: ignore[union-attr]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RendezvousError(f"rendezvous: unreadable roster in {gen_path}", path=gen_path) from exc
+    if len(members) != cfg.world_size:
+        raise MismatchError(
+            f"rendezvous: the roster in {gen_path} has {len(members)} ranks but rank "
+            f"{cfg.rank} has world_size {cfg.world_size}",
+            ranks=[cfg.rank],
+            path=gen_path,
+        )
+    holder = members[cfg.rank]
+    if holder.nonce != me.nonce:
+        raise RendezvousError(
+            f"rendezvous: rank {cfg.rank} is already taken by {holder.describe()} in "
+            f"{gen_path}; this process ({me.describe()}) claimed the same rank",
+            ranks=[cfg.rank],
+            path=gen_path,
+        )
+    return Generation(gen_path, gen_path.name[len(GEN_PREFIX) :], members, cfg.rank)
+
+
+def leave(gen: Generation) -> None:
+    """Mark this rank as gone; the last rank to leave removes the generation directory."""
+    try:
+        write_atomic(gen.left_path(gen.rank), [b"{}"])
+    except OSError:
+        return
+    names = list_names(gen.path)
+    if all(f"left-{r}" in names for r in range(len(gen.members))):
+        shutil.rmtree(gen.path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (gen.path.parent / RDZV / f"leader-{gen.gen_id}.json").unlink()

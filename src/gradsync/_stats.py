@@ -1,0 +1,38 @@
+"""What one averaging call cost, phase by phase."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["StepStats"]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Timings of one averaging call on this rank, in seconds.
+
+    ``publish_s`` writes this rank's gradients; ``wait_inputs_s`` waits for the
+    peers' (``last_rank`` is the one that arrived last, None when there was no
+    wait); ``reduce_s`` computes this rank's shard of the mean; ``wait_outputs_s``
+    waits for the other shards and ``gather_s`` copies them into the arrays.
+    """
+
+    step: int
+    world_size: int
+    bytes_per_rank: int
+    publish_s: float = 0.0
+    wait_inputs_s: float = 0.0
+    reduce_s: float = 0.0
+    wait_outputs_s: float = 0.0
+    gather_s: float = 0.0
+    total_s: float = 0.0
+    last_rank: int | None = None
+
+    def __str__(self) -> str:
+        return (
+            f"step {self.step}: {self.bytes_per_rank} B/rank, total {self.total_s * 1e3:.2f} ms "
+            f"(publish {self.publish_s * 1e3:.2f}, wait {self.wait_inputs_s * 1e3:.2f}"
+            f"{'' if self.last_rank is None else f' for rank {self.last_rank}'}, "
+            f"reduce {self.reduce_s * 1e3:.2f}, wait {self.wait_outputs_s * 1e3:.2f}, "
+            f"gather {self.gather_s * 1e3:.2f})"
+        )

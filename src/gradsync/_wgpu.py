@@ -1,0 +1,592 @@
+"""Moving gradients between wgpu ``GPUBuffer``s and host numpy arrays.
+
+wgpu is imported lazily: ``import gradsync`` never loads it.
+
+Why not ``queue.read_buffer``: in wgpu-py it creates, maps and destroys a staging
+buffer on every call (wgpu-py issue #727), about 9x slower for large gradients than
+one persistent staging buffer. :class:`WgpuBridge` keeps one staging layout per set
+of buffers, encodes all copies into one command buffer, submits once and maps once.
+
+WebGPU moves buffer data in whole 4-byte words (``COPY_BUFFER_ALIGNMENT``): a copy,
+a ``write_buffer`` and a map must all have sizes that are multiples of 4 and may not
+run past ``buffer.size``. The last ``size % 4`` bytes of a buffer whose size is not a
+multiple of 4 (a float16 buffer of 3 elements is 6 bytes) can therefore never be read
+or written by a transfer, so such buffers are rejected: allocate them with the size
+rounded up to a multiple of 4 bytes (the padding elements are then averaged too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import ConfigError, GradSyncError, InvalidGradsError
+
+if TYPE_CHECKING:
+    import wgpu
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "WgpuBridge",
+    "WgpuBridgeError",
+    "choose_adapter_index",
+    "request_device_for_rank",
+    "resolve_dtypes",
+    "select_adapter",
+]
+
+_log = logging.getLogger("gradsync")
+
+COPY_BUFFER_ALIGNMENT = 4
+# read_mapped/write_mapped offsets must be multiples of 8 in wgpu-py, and 8 also keeps
+# every float64 host view aligned.
+_SLOT_ALIGNMENT = 8
+
+SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = (
+    np.dtype(np.float16),
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+)
+
+# wgpu BufferUsage bits (WebGPU spec values), so validation needs no wgpu import.
+_MAP_READ = 0x0001
+_MAP_WRITE = 0x0002
+_COPY_SRC = 0x0004
+_COPY_DST = 0x0008
+
+_BACKEND_ORDER = ("Vulkan", "Metal", "D3D12", "OpenGL")
+_TYPE_ORDER = {
+    "high-performance": ("DiscreteGPU", "IntegratedGPU", "VirtualGPU", "Unknown", "CPU"),
+    "low-power": ("IntegratedGPU", "DiscreteGPU", "VirtualGPU", "Unknown", "CPU"),
+}
+
+
+class WgpuBridgeError(GradSyncError, RuntimeError):
+    """wgpu failed while copying gradients, or no usable adapter exists.
+
+    Raised ``from`` the original wgpu exception, which stays in ``__cause__``.
+    """
+
+
+def _import_wgpu() -> Any:
+    # Deferred so that ``import gradsync`` works (and stays fast) without wgpu.
+    return importlib.import_module("wgpu")
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def _describe(index: int, buffer: Any) -> str:
+    label = getattr(buffer, "label", "") or ""
+    return f"param {index} (label {label!r})" if label else f"param {index}"
+
+
+def _check_dtype(dtype: npt.DTypeLike, where: str) -> np.dtype[Any]:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise InvalidGradsError(
+            f"{where}: {dtype!r} is not a numpy dtype; supported: float16, float32, float64"
+        ) from exc
+    if dt.newbyteorder("=") not in SUPPORTED_DTYPES or not dt.isnative:
+        raise InvalidGradsError(
+            f"{where}: unsupported dtype {dt}; supported: float16, float32, float64 "
+            "(native byte order)"
+        )
+    return dt
+
+
+def resolve_dtypes(
+    buffers: Sequence[wgpu.GPUBuffer],
+    dtype: npt.DTypeLike | Sequence[npt.DTypeLike] = np.float32,
+) -> list[np.dtype[Any]]:
+    """Return one numpy dtype per buffer.
+
+    Args:
+        buffers: The gradient buffers.
+        dtype: One dtype for all buffers (float32 by default; float16 and float64 are
+            also supported) or a sequence with one dtype per buffer.
+
+    Raises:
+        InvalidGradsError: naming the param index (and label) for an unsupported
+            dtype, a dtype count that differs from the buffer count, or a buffer size
+            in bytes that is not a whole number of elements.
+    """
+    if isinstance(dtype, Sequence) and not isinstance(dtype, (str, bytes)):
+        if len(dtype) != len(buffers):
+            raise InvalidGradsError(
+                f"got {len(dtype)} dtypes for {len(buffers)} buffers; pass one dtype "
+                "or one per buffer"
+            )
+        raw: list[npt.DTypeLike] = list(dtype)
+    else:
+        raw = [dtype] * len(buffers)
+    out: list[np.dtype[Any]] = []
+    for i, (buf, dt_like) in enumerate(zip(buffers, raw, strict=True)):
+        where = _describe(i, buf)
+        dt = _check_dtype(dt_like, where)
+        size = int(buf.size)
+        if size % dt.itemsize:
+            raise InvalidGradsError(
+                f"{where}: buffer size {size} bytes is not a whole number of {dt} "
+                f"elements ({dt.itemsize} bytes each)"
+            )
+        out.append(dt)
+    return out
+
+
+# -- adapter choice -----------------------------------------------------------------
+
+
+def choose_adapter_index(
+    infos: Sequence[Mapping[str, Any]],
+    *,
+    local_rank: int,
+    power_preference: str | None = "high-performance",
+    backend: str | None = None,
+) -> int:
+    """Pick the adapter for ``local_rank`` from adapter-info dicts; return its index.
+
+    ``infos`` are ``GPUAdapter.info`` mappings in enumeration order (keys used:
+    ``backend_type``, ``adapter_type``, ``vendor_id``, ``device_id``, ``device``).
+    With ``backend`` (case-insensitive, e.g. ``"Vulkan"``) only that backend is
+    kept; without it, only the first of Vulkan, Metal, D3D12, OpenGL present, so a
+    GPU seen through two backends counts once. CPU (software) adapters are dropped
+    when any other adapter remains. ``power_preference`` (``"high-performance"``,
+    ``"low-power"`` or ``None``) orders adapter types; the sort is stable, so equal
+    GPUs keep the driver's order. The result is ``candidates[local_rank % n]``.
+
+    Raises:
+        ConfigError: ``local_rank`` is negative, or an option is unknown.
+        WgpuBridgeError: no adapter matches.
+    """
+    if local_rank < 0:
+        raise ConfigError(f"local_rank must be >= 0, got {local_rank!r}")
+    if power_preference is not None and power_preference not in _TYPE_ORDER:
+        raise ConfigError(
+            "power_preference must be 'high-performance', 'low-power' or None, got "
+            f"{power_preference!r}"
+        )
+    idx = list(range(len(infos)))
+    if not idx:
+        raise WgpuBridgeError("no wgpu adapter found (no GPU driver and no software one)")
+    present = [str(infos[i].get("backend_type", "")) for i in idx]
+    if backend is not None:
+        want = backend.lower()
+        idx = [i for i in idx if present[i].lower() == want]
+        if not idx:
+            raise WgpuBridgeError(
+                f"no wgpu adapter with backend {backend!r}; available backends: "
+                f"{sorted(set(present))}"
+            )
+    else:
+        ranked = sorted(
+            set(present),
+            key=lambda b: _BACKEND_ORDER.index(b) if b in _BACKEND_ORDER else len(_BACKEND_ORDER),
+        )
+        idx = [i for i in idx if present[i] == ranked[0]]
+    real = [i for i in idx if infos[i].get("adapter_type") != "CPU"]
+    if real:
+        idx = real
+    order = _TYPE_ORDER[power_preference or "high-performance"]
+
+    def key(i: int) -> tuple[int, int, int, str, int]:
+        info = infos[i]
+        typ = str(info.get("adapter_type", "Unknown"))
+        type_rank = order.index(typ) if power_preference and typ in order else 0
+        vendor = int(info.get("vendor_id", 0) or 0)
+        dev = int(info.get("device_id", 0) or 0)
+        return (type_rank, vendor, dev, str(info.get("device", "")), i)
+
+    idx.sort(key=key)
+    return idx[local_rank % len(idx)]
+
+
+def _local_rank_from_env() -> int:
+    raw = os.environ.get("LOCAL_RANK", "").strip()
+    if not raw:
+        return 0
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"LOCAL_RANK must be an integer, got {raw!r}") from None
+
+
+def select_adapter(
+    *,
+    local_rank: int | None = None,
+    power_preference: str | None = "high-performance",
+    backend: str | None = None,
+) -> wgpu.GPUAdapter:
+    """Return this rank's wgpu adapter (see :func:`choose_adapter_index` for the rule).
+
+    ``local_rank`` defaults to the ``LOCAL_RANK`` environment variable, then 0.
+    Logs the chosen adapter's info at INFO on the ``gradsync`` logger.
+
+    Raises:
+        ConfigError: ``LOCAL_RANK`` is not an integer, or an option is invalid.
+        WgpuBridgeError: no adapter matches.
+    """
+    wgpu = _import_wgpu()
+
+    rank = _local_rank_from_env() if local_rank is None else int(local_rank)
+    adapters = wgpu.gpu.enumerate_adapters_sync()
+    infos = [dict(a.info) for a in adapters]
+    i = choose_adapter_index(
+        infos, local_rank=rank, power_preference=power_preference, backend=backend
+    )
+    _log.info("local_rank %d uses wgpu adapter %d of %d: %s", rank, i, len(infos), infos[i])
+    return adapters[i]
+
+
+def request_device_for_rank(
+    *,
+    local_rank: int | None = None,
+    power_preference: str | None = "high-performance",
+    backend: str | None = None,
+    required_limits: Mapping[str, int] | None = None,
+    label: str = "gradsync",
+) -> wgpu.GPUDevice:
+    """Select this rank's adapter (:func:`select_adapter`) and request a device on it.
+
+    ``max-buffer-size`` and ``max-storage-buffer-binding-size`` are raised to the
+    adapter's maxima unless ``required_limits`` sets them.
+
+    Raises:
+        ConfigError, WgpuBridgeError: as :func:`select_adapter`; WgpuBridgeError also
+            when the device request fails.
+    """
+    adapter = select_adapter(
+        local_rank=local_rank, power_preference=power_preference, backend=backend
+    )
+    limits: dict[str, int] = {}
+    for name in ("max-buffer-size", "max-storage-buffer-binding-size"):
+        if name in adapter.limits:
+            limits[name] = int(adapter.limits[name])
+    limits.update(required_limits or {})
+    with _wgpu_errors("requesting a wgpu device"):
+        return adapter.request_device_sync(label=label, required_limits=limits)
+
+
+# -- error translation ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _wgpu_errors(what: str) -> Iterator[None]:
+    """The one place where wgpu exceptions become gradsync errors."""
+    wgpu = _import_wgpu()
+
+    try:
+        yield
+    except GradSyncError:
+        raise
+    except (wgpu.GPUError, RuntimeError) as exc:
+        raise WgpuBridgeError(f"wgpu failed while {what}: {exc}") from exc
+
+
+# -- the bridge -------------------------------------------------------------------
+
+
+@dataclass
+class _Chunk:
+    """One staging buffer (and its host mirror) holding a run of params."""
+
+    nbytes: int
+    host: npt.NDArray[np.uint8]
+    read: Any = None  # MAP_READ | COPY_DST, created lazily by download()
+    write: Any = None  # MAP_WRITE | COPY_SRC, kept mapped while idle
+
+
+@dataclass
+class _Layout:
+    key: tuple[tuple[int, int, str], ...]
+    slots: list[tuple[int, int, int]]  # (chunk, byte offset, copy size) per param
+    chunks: list[_Chunk]
+    views: list[npt.NDArray[Any]]
+
+
+class WgpuBridge:
+    """Copies gradient buffers of one ``GPUDevice`` to host arrays and back.
+
+    Not thread-safe; one bridge per device and training loop.
+    """
+
+    def __init__(self, device: wgpu.GPUDevice) -> None:
+        self._device = device
+        self._layout: _Layout | None = None
+        self._max_buffer_size = int(device.limits.get("max-buffer-size", 1 << 28))
+        self._fence_src: Any = None
+        self._fence_dst: Any = None
+        self._closed = False
+        # write_buffer per param measured faster than a mapped upload buffer on both
+        # lavapipe and (expected) discrete GPUs; see benchmarks/wgpu_copy.py.
+        self.upload_mode = "write_buffer"
+
+    @property
+    def device(self) -> wgpu.GPUDevice:
+        """The device whose buffers this bridge copies."""
+        return self._device
+
+    # -- validation ----------------------------------------------------------------
+
+    def _check_buffers(self, buffers: Sequence[Any], usage: int, flag: str) -> None:
+        for i, buf in enumerate(buffers):
+            where = _describe(i, buf)
+            owner = getattr(buf, "_device", self._device)
+            if owner is not self._device:
+                raise InvalidGradsError(
+                    f"{where}: buffer belongs to another GPUDevice than the bridge's"
+                )
+            if not int(buf.usage) & usage:
+                raise InvalidGradsError(
+                    f"{where}: buffer usage lacks {flag}; create it with "
+                    f"usage=... | wgpu.BufferUsage.{flag}"
+                )
+            size = int(buf.size)
+            if size > self._max_buffer_size:
+                raise InvalidGradsError(
+                    f"{where}: buffer size {size} bytes exceeds the device's "
+                    f"max-buffer-size limit {self._max_buffer_size}"
+                )
+            if size % COPY_BUFFER_ALIGNMENT:
+                raise InvalidGradsError(
+                    f"{where}: buffer size {size} bytes is not a multiple of 4; wgpu "
+                    "copies whole 4-byte words, so allocate the buffer with its size "
+                    f"rounded up to {_round_up(size, COPY_BUFFER_ALIGNMENT)} bytes"
+                )
+            if str(buf.map_state) != "unmapped":
+                raise InvalidGradsError(
+                    f"{where}: buffer is {buf.map_state}; unmap it before syncing"
+                )
+            self._check_alive(i, buf)
+
+    def _check_alive(self, index: int, buf: Any) -> None:
+        # Submitting a destroyed buffer aborts the whole process in wgpu-native 0.32
+        # (a Rust panic in wgpuQueueSubmit), and wgpu-py keeps no "destroyed" flag.
+        # A 1-byte write_buffer is checked for destruction and device before its
+        # alignment, and is always rejected for alignment, so it never writes.
+        wgpu = _import_wgpu()
+
+        try:
+            self._device.queue.write_buffer(buf, 0, _PROBE)
+        except wgpu.GPUValidationError as exc:
+            msg = str(exc)
+            if "destroyed" in msg:
+                raise InvalidGradsError(
+                    f"{_describe(index, buf)}: buffer has been destroyed"
+                ) from exc
+            if "match" in msg and "Device" in msg:
+                raise InvalidGradsError(
+                    f"{_describe(index, buf)}: buffer belongs to another GPUDevice "
+                    "than the bridge's"
+                ) from exc
+        except ValueError:
+            pass  # wgpu-py's own range check; the buffer is then too small to matter
+
+    # -- layout --------------------------------------------------------------------
+
+    def _get_layout(self, buffers: Sequence[Any], dtypes: Sequence[np.dtype[Any]]) -> _Layout:
+        key = tuple(
+            (int(b.uid), int(b.size), dt.str) for b, dt in zip(buffers, dtypes, strict=True)
+        )
+        if self._layout is not None and self._layout.key == key:
+            return self._layout
+        self._destroy_staging()
+        slots: list[tuple[int, int, int]] = []
+        sizes: list[int] = []
+        offset = 0
+        for b in buffers:
+            size = int(b.size)
+            if offset and offset + size > self._max_buffer_size:
+                sizes.append(offset)
+                offset = 0
+            slots.append((len(sizes), offset, size))
+            offset = _round_up(offset + size, _SLOT_ALIGNMENT)
+        sizes.append(max(offset, _SLOT_ALIGNMENT))
+        chunks = [_Chunk(n, np.empty(n, np.uint8)) for n in sizes]
+        views = [
+            chunks[c].host[off : off + size].view(dt)
+            for (c, off, size), dt in zip(slots, dtypes, strict=True)
+        ]
+        self._layout = _Layout(key, slots, chunks, views)
+        return self._layout
+
+    def _destroy_staging(self) -> None:
+        if self._layout is None:
+            return
+        for ch in self._layout.chunks:
+            for buf in (ch.read, ch.write):
+                if buf is not None:
+                    if str(buf.map_state) == "mapped":
+                        buf.unmap()
+                    buf.destroy()
+        self._layout = None
+
+    # -- public API ----------------------------------------------------------------
+
+    def download(
+        self, buffers: Sequence[wgpu.GPUBuffer], dtypes: Sequence[np.dtype[Any]]
+    ) -> list[npt.NDArray[Any]]:
+        """Copy each buffer's bytes to a host array of ``dtypes[i]``.
+
+        Returns 1-D, C-contiguous, writeable arrays of ``buffer.size // itemsize``
+        elements. They belong to the bridge: they are overwritten by the next
+        ``download`` of the same buffer set and invalid after it changes or after
+        :meth:`close`. They never alias mapped GPU memory.
+
+        Raises:
+            InvalidGradsError: naming the param for a missing ``COPY_SRC`` usage, a
+                destroyed, mapped or foreign buffer, a size over the device limit or
+                not a multiple of 4 bytes or of the element size, an unsupported dtype.
+            WgpuBridgeError: wgpu failed while copying.
+        """
+        self._check_open()
+        if len(dtypes) != len(buffers):
+            raise InvalidGradsError(f"got {len(dtypes)} dtypes for {len(buffers)} buffers")
+        dts = resolve_dtypes(buffers, list(dtypes))
+        self._check_buffers(buffers, _COPY_SRC, "COPY_SRC")
+        layout = self._get_layout(buffers, dts)
+        wgpu = _import_wgpu()
+
+        with _wgpu_errors("downloading gradients"):
+            for ch in layout.chunks:
+                if ch.read is None:
+                    ch.read = self._device.create_buffer(
+                        label="gradsync-download",
+                        size=ch.nbytes,
+                        usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
+                    )
+            enc = self._device.create_command_encoder(label="gradsync-download")
+            for buf, (c, off, size) in zip(buffers, layout.slots, strict=True):
+                enc.copy_buffer_to_buffer(buf, 0, layout.chunks[c].read, off, size)
+            self._device.queue.submit([enc.finish()])
+            for ch in layout.chunks:
+                ch.read.map_sync(wgpu.MapMode.READ)
+                try:
+                    mapped = ch.read.read_mapped(0, ch.nbytes, copy=False)
+                    np.copyto(ch.host, np.frombuffer(mapped, np.uint8))
+                    # No numpy view of mapped memory may outlive unmap().
+                    del mapped
+                finally:
+                    ch.read.unmap()
+        return list(layout.views)
+
+    def upload(self, buffers: Sequence[wgpu.GPUBuffer], arrays: Sequence[npt.NDArray[Any]]) -> None:
+        """Overwrite each buffer with the bytes of ``arrays[i]``; wait until done.
+
+        Each array must hold exactly ``buffer.size`` bytes of float16, float32 or
+        float64; it is read, never modified. When the GPU work has finished on return.
+
+        Raises:
+            InvalidGradsError: naming the param for a count or byte-size mismatch, an
+                unsupported dtype, a missing ``COPY_DST`` usage, a destroyed, mapped or
+                foreign buffer, or a size not a multiple of 4 bytes.
+            WgpuBridgeError: wgpu failed while copying.
+        """
+        self._check_open()
+        if len(arrays) != len(buffers):
+            raise InvalidGradsError(f"got {len(arrays)} arrays for {len(buffers)} buffers")
+        host: list[npt.NDArray[Any]] = []
+        for i, (buf, arr) in enumerate(zip(buffers, arrays, strict=True)):
+            a = np.asarray(arr)
+            where = _describe(i, buf)
+            _check_dtype(a.dtype, where)
+            if a.nbytes != int(buf.size):
+                raise InvalidGradsError(
+                    f"{where}: array has {a.nbytes} bytes ({a.size} x {a.dtype}) but the "
+                    f"buffer has {int(buf.size)} bytes"
+                )
+            host.append(np.ascontiguousarray(a).reshape(-1))
+        self._check_buffers(buffers, _COPY_DST, "COPY_DST")
+        with _wgpu_errors("uploading gradients"):
+            if self.upload_mode == "mapped":
+                self._upload_mapped(buffers, host)
+            else:
+                for buf, a in zip(buffers, host, strict=True):
+                    self._device.queue.write_buffer(buf, 0, a)
+            self._fence()
+
+    def _upload_mapped(self, buffers: Sequence[Any], host: Sequence[npt.NDArray[Any]]) -> None:
+        wgpu = _import_wgpu()
+
+        dts = [a.dtype for a in host]
+        layout = self._get_layout(buffers, dts)
+        for ch in layout.chunks:
+            if ch.write is None:
+                ch.write = self._device.create_buffer(
+                    label="gradsync-upload",
+                    size=ch.nbytes,
+                    usage=wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC,
+                    mapped_at_creation=True,
+                )
+            elif str(ch.write.map_state) != "mapped":
+                ch.write.map_sync(wgpu.MapMode.WRITE)
+        if all(a is v for a, v in zip(host, layout.views, strict=True)):
+            # The caller averaged the arrays download() returned: one write per chunk.
+            for ch in layout.chunks:
+                ch.write.write_mapped(ch.host, 0)
+        else:
+            for a, (c, off, _) in zip(host, layout.slots, strict=True):
+                layout.chunks[c].write.write_mapped(a, off)
+        for ch in layout.chunks:
+            ch.write.unmap()
+        enc = self._device.create_command_encoder(label="gradsync-upload")
+        for buf, (c, off, size) in zip(buffers, layout.slots, strict=True):
+            enc.copy_buffer_to_buffer(layout.chunks[c].write, off, buf, 0, size)
+        self._device.queue.submit([enc.finish()])
+        # Mapping again waits for the copies, so the buffer is ready for next time.
+        for ch in layout.chunks:
+            ch.write.map_sync(wgpu.MapMode.WRITE)
+
+    def _fence(self) -> None:
+        # queue.on_submitted_work_done_sync() raises a cffi TypeError in wgpu-py 0.32;
+        # mapping a buffer written by a later submit waits for all earlier work.
+        wgpu = _import_wgpu()
+
+        if self._fence_src is None:
+            self._fence_src = self._device.create_buffer(
+                label="gradsync-fence-src", size=8, usage=wgpu.BufferUsage.COPY_SRC
+            )
+            self._fence_dst = self._device.create_buffer(
+                label="gradsync-fence",
+                size=8,
+                usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
+            )
+        enc = self._device.create_command_encoder(label="gradsync-fence")
+        enc.copy_buffer_to_buffer(self._fence_src, 0, self._fence_dst, 0, 8)
+        self._device.queue.submit([enc.finish()])
+        self._fence_dst.map_sync(wgpu.MapMode.READ)
+        self._fence_dst.unmap()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WgpuBridgeError("WgpuBridge is closed")
+
+    def close(self) -> None:
+        """Destroy the staging buffers; the bridge is unusable afterwards. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._destroy_staging()
+        for buf in (self._fence_src, self._fence_dst):
+            if buf is not None:
+                buf.destroy()
+        self._fence_src = self._fence_dst = None
+
+    def __enter__(self) -> WgpuBridge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_PROBE = np.zeros(1, np.uint8)

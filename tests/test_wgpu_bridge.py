@@ -1,0 +1,450 @@
+"""Tests of the wgpu bridge (gradsync._wgpu) on whatever adapter exists, lavapipe in CI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gradsync
+from gradsync._errors import ConfigError, GradSyncError, InvalidGradsError
+from gradsync._wgpu import (
+    WgpuBridge,
+    WgpuBridgeError,
+    choose_adapter_index,
+    request_device_for_rank,
+    resolve_dtypes,
+    select_adapter,
+)
+
+wgpu = pytest.importorskip("wgpu")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _adapter_reason() -> str | None:
+    try:
+        if not wgpu.gpu.enumerate_adapters_sync():
+            return "no wgpu adapter (install mesa-vulkan-drivers: .ci/install-wgpu-deps.sh)"
+    except Exception as exc:
+        return f"enumerating wgpu adapters failed: {exc}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def device() -> Any:
+    reason = _adapter_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return request_device_for_rank(local_rank=0)
+
+
+@pytest.fixture
+def bridge(device: Any) -> Iterator[WgpuBridge]:
+    with WgpuBridge(device) as b:
+        yield b
+
+
+def _usage(src: bool = True, dst: bool = True) -> int:
+    u = wgpu.BufferUsage.STORAGE
+    if src:
+        u |= wgpu.BufferUsage.COPY_SRC
+    if dst:
+        u |= wgpu.BufferUsage.COPY_DST
+    return int(u)
+
+
+def _buffer(device: Any, data: np.ndarray, label: str = "", **kw: bool) -> Any:
+    buf = device.create_buffer(size=data.nbytes, usage=_usage(**kw), label=label)
+    if kw.get("dst", True):
+        device.queue.write_buffer(buf, 0, data)
+    return buf
+
+
+def _read(device: Any, buf: Any, dtype: Any) -> np.ndarray:
+    return np.frombuffer(device.queue.read_buffer(buf), dtype).copy()
+
+
+# -- pure logic, no adapter ------------------------------------------------------
+
+
+class _FakeBuf:
+    def __init__(self, size: int, label: str = "") -> None:
+        self.size = size
+        self.label = label
+
+
+def test_import_gradsync_does_not_import_wgpu() -> None:
+    code = "import sys, gradsync, gradsync._wgpu; assert 'wgpu' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_resolve_dtypes_default_and_per_buffer() -> None:
+    bufs = [_FakeBuf(8), _FakeBuf(6)]
+    assert resolve_dtypes(bufs[:1]) == [np.dtype(np.float32)]
+    assert resolve_dtypes(bufs, [np.float64, "float16"]) == [
+        np.dtype(np.float64),
+        np.dtype(np.float16),
+    ]
+    assert resolve_dtypes(bufs, np.float16) == [np.dtype(np.float16)] * 2
+
+
+def test_resolve_dtypes_errors() -> None:
+    with pytest.raises(InvalidGradsError, match=r"^param 1 \(label 'b'\): unsupported dtype int32"):
+        resolve_dtypes([_FakeBuf(8), _FakeBuf(8, "b")], [np.float32, np.int32])
+    with pytest.raises(
+        InvalidGradsError,
+        match=r"^param 0: buffer size 6 bytes is not a whole number of float32 elements "
+        r"\(4 bytes each\)$",
+    ):
+        resolve_dtypes([_FakeBuf(6)], np.float32)
+    with pytest.raises(InvalidGradsError, match=r"^got 1 dtypes for 2 buffers"):
+        resolve_dtypes([_FakeBuf(8), _FakeBuf(8)], [np.float32])
+    with pytest.raises(InvalidGradsError, match=r"^param 0: unsupported dtype >f4"):
+        resolve_dtypes([_FakeBuf(8)], ">f4" if sys.byteorder == "little" else "<f4")
+
+
+def _info(backend: str, typ: str, device: str = "gpu", device_id: int = 1) -> dict[str, Any]:
+    return {
+        "backend_type": backend,
+        "adapter_type": typ,
+        "device": device,
+        "vendor_id": 0x10DE,
+        "device_id": device_id,
+    }
+
+
+def test_choose_adapter_prefers_one_backend_and_real_gpus() -> None:
+    infos = [
+        _info("Vulkan", "CPU", "llvmpipe"),
+        _info("Vulkan", "DiscreteGPU", "H200 a"),
+        _info("OpenGL", "DiscreteGPU", "H200 a"),
+        _info("Vulkan", "DiscreteGPU", "H200 b"),
+    ]
+    # Each physical GPU once (Vulkan only), CPU dropped, driver order kept for equal GPUs.
+    assert [choose_adapter_index(infos, local_rank=r) for r in range(4)] == [1, 3, 1, 3]
+    assert choose_adapter_index(infos, local_rank=1, backend="opengl") == 2
+
+
+def test_choose_adapter_power_preference_and_cpu_fallback() -> None:
+    infos = [_info("Vulkan", "IntegratedGPU", "igpu", 2), _info("Vulkan", "DiscreteGPU", "dgpu", 9)]
+    assert choose_adapter_index(infos, local_rank=0) == 1
+    assert choose_adapter_index(infos, local_rank=0, power_preference="low-power") == 0
+    soft = [_info("OpenGL", "CPU", "llvmpipe"), _info("Vulkan", "CPU", "llvmpipe")]
+    assert choose_adapter_index(soft, local_rank=5) == 1
+
+
+def test_choose_adapter_errors() -> None:
+    with pytest.raises(WgpuBridgeError, match=r"^no wgpu adapter found"):
+        choose_adapter_index([], local_rank=0)
+    with pytest.raises(
+        WgpuBridgeError,
+        match=r"^no wgpu adapter with backend 'Metal'; available backends: \['Vulkan'\]$",
+    ):
+        choose_adapter_index([_info("Vulkan", "CPU")], local_rank=0, backend="Metal")
+    with pytest.raises(ConfigError, match=r"^local_rank must be >= 0, got -1$"):
+        choose_adapter_index([_info("Vulkan", "CPU")], local_rank=-1)
+    with pytest.raises(ConfigError, match=r"^power_preference must be"):
+        choose_adapter_index([_info("Vulkan", "CPU")], local_rank=0, power_preference="fast")
+
+
+def test_wgpu_bridge_error_is_gradsync_error() -> None:
+    assert issubclass(WgpuBridgeError, GradSyncError)
+    assert issubclass(WgpuBridgeError, RuntimeError)
+
+
+# -- on a real (software) adapter ------------------------------------------------
+
+
+@pytest.mark.wgpu
+def test_select_adapter_uses_local_rank_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    if (reason := _adapter_reason()) is not None:
+        pytest.skip(reason)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert select_adapter().info["device"]
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(ConfigError, match=r"^LOCAL_RANK must be an integer, got 'x'$"):
+        select_adapter()
+
+
+@pytest.mark.wgpu
+def test_roundtrip_mixed_sizes_and_dtypes(device: Any, bridge: WgpuBridge) -> None:
+    rng = np.random.default_rng(0)
+    specs = [
+        (np.float32, 1),
+        (np.float32, 3),  # 12 bytes: not a multiple of 8
+        (np.float16, 2),
+        (np.float16, 6),  # 12 bytes
+        (np.float64, 5),
+        (np.float32, 100_003),
+        (np.float16, 10),
+    ]
+    data = [rng.standard_normal(n).astype(dt) for dt, n in specs]
+    bufs = [_buffer(device, d, f"p{i}") for i, d in enumerate(data)]
+    dts = [np.dtype(dt) for dt, _ in specs]
+    for _ in range(2):
+        host = bridge.download(bufs, dts)
+        for h, d in zip(host, data, strict=True):
+            assert h.dtype == d.dtype
+            assert h.flags.c_contiguous
+            assert h.flags.writeable
+            assert h.ndim == 1
+            np.testing.assert_array_equal(h, d)
+            assert h.ctypes.data % h.itemsize == 0
+        for arr in host:
+            np.multiply(arr, 2, out=arr)  # averaging is in place on the bridge's arrays
+        bridge.upload(bufs, host)
+        data = [d * 2 for d in data]
+        for buf, d in zip(bufs, data, strict=True):
+            np.testing.assert_array_equal(_read(device, buf, d.dtype), d)
+
+
+@pytest.mark.wgpu
+@pytest.mark.parametrize("mode", ["write_buffer", "mapped"])
+def test_upload_modes_with_foreign_arrays(device: Any, bridge: WgpuBridge, mode: str) -> None:
+    bridge.upload_mode = mode
+    data = [np.arange(7, dtype=np.float32), np.arange(4, dtype=np.float16)]
+    bufs = [_buffer(device, np.zeros_like(d)) for d in data]
+    for _ in range(2):
+        bridge.upload(bufs, data)
+        for buf, d in zip(bufs, data, strict=True):
+            np.testing.assert_array_equal(_read(device, buf, d.dtype), d)
+        bridge.download(bufs, [d.dtype for d in data])
+        data = [d + 1 for d in data]
+
+
+@pytest.mark.wgpu
+def test_host_arrays_are_not_mapped_memory(device: Any, bridge: WgpuBridge) -> None:
+    buf = _buffer(device, np.ones(16, np.float32))
+    (h,) = bridge.download([buf], [np.dtype(np.float32)])
+    layout = bridge._layout
+    assert layout is not None
+    assert layout.chunks[0].read.map_state == "unmapped"
+    assert np.shares_memory(h, layout.chunks[0].host)
+
+
+@pytest.mark.wgpu
+def test_staging_reused_for_same_set_recreated_for_new_set(device: Any, bridge: WgpuBridge) -> None:
+    a = _buffer(device, np.ones(4, np.float32))
+    b = _buffer(device, np.ones(8, np.float32))
+    f32 = np.dtype(np.float32)
+    bridge.download([a, b], [f32, f32])
+    first = bridge._layout
+    assert first is not None
+    staging = first.chunks[0].read
+    bridge.download([a, b], [f32, f32])
+    assert bridge._layout is first
+    assert first.chunks[0].read is staging
+    c = _buffer(device, np.ones(8, np.float32))
+    (hc,) = bridge.download([c], [f32])
+    assert bridge._layout is not first
+    np.testing.assert_array_equal(hc, np.ones(8, np.float32))
+    bridge.download([a, b], [f32, np.dtype(np.float16)])  # same buffers, new dtypes
+    assert bridge._layout is not first
+
+
+@pytest.mark.wgpu
+def test_staging_splits_at_max_buffer_size(device: Any) -> None:
+    small = device.adapter.request_device_sync(required_limits={"max-buffer-size": 256})
+    with WgpuBridge(small) as bridge:
+        data = [np.full(40, i, np.float32) for i in range(3)]  # 160 bytes each
+        bufs = [
+            small.create_buffer_with_data(
+                data=d, usage=wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+            )
+            for d in data
+        ]
+        host = bridge.download(bufs, [np.dtype(np.float32)] * 3)
+        assert bridge._layout is not None
+        assert len(bridge._layout.chunks) == 3
+        for h, d in zip(host, data, strict=True):
+            np.testing.assert_array_equal(h, d)
+
+
+# -- error cases --------------------------------------------------------------------
+
+
+@pytest.mark.wgpu
+def test_missing_copy_src_and_copy_dst(device: Any, bridge: WgpuBridge) -> None:
+    ok = _buffer(device, np.ones(4, np.float32))
+    no_src = _buffer(device, np.ones(4, np.float32), "w", src=False)
+    no_dst = device.create_buffer(size=16, usage=_usage(dst=False))
+    f32 = np.dtype(np.float32)
+    with pytest.raises(
+        InvalidGradsError,
+        match=r"^param 1 \(label 'w'\): buffer usage lacks COPY_SRC; create it with "
+        r"usage=\.\.\. \| wgpu\.BufferUsage\.COPY_SRC$",
+    ):
+        bridge.download([ok, no_src], [f32, f32])
+    with pytest.raises(
+        InvalidGradsError,
+        match=r"^param 0: buffer usage lacks COPY_DST; create it with "
+        r"usage=\.\.\. \| wgpu\.BufferUsage\.COPY_DST$",
+    ):
+        bridge.upload([no_dst], [np.ones(4, np.float32)])
+
+
+@pytest.mark.wgpu
+def test_destroyed_buffer(device: Any, bridge: WgpuBridge) -> None:
+    a = _buffer(device, np.ones(4, np.float32))
+    dead = _buffer(device, np.ones(4, np.float32), "bias")
+    dead.destroy()
+    f32 = np.dtype(np.float32)
+    msg = r"^param 1 \(label 'bias'\): buffer has been destroyed$"
+    with pytest.raises(InvalidGradsError, match=msg):
+        bridge.download([a, dead], [f32, f32])
+    with pytest.raises(InvalidGradsError, match=msg):
+        bridge.upload([a, dead], [np.ones(4, np.float32)] * 2)
+    # The bridge stays usable afterwards.
+    np.testing.assert_array_equal(bridge.download([a], [f32])[0], np.ones(4, np.float32))
+
+
+@pytest.mark.wgpu
+def test_buffer_from_another_device(device: Any, bridge: WgpuBridge) -> None:
+    other = request_device_for_rank(local_rank=0)
+    buf = _buffer(other, np.ones(4, np.float32), "emb")
+    with pytest.raises(
+        InvalidGradsError,
+        match=r"^param 0 \(label 'emb'\): buffer belongs to another GPUDevice than the bridge's$",
+    ):
+        bridge.download([buf], [np.dtype(np.float32)])
+
+
+@pytest.mark.wgpu
+def test_size_not_multiple_of_4_bytes(device: Any, bridge: WgpuBridge) -> None:
+    # 3 float16 = 6 bytes: WebGPU cannot copy the last 2 bytes of such a buffer.
+    buf = device.create_buffer(size=6, usage=_usage())
+    with pytest.raises(
+        InvalidGradsError,
+        match=r"^param 0: buffer size 6 bytes is not a multiple of 4; wgpu copies whole "
+        r"4-byte words, so allocate the buffer with its size rounded up to 8 bytes$",
+    ):
+        bridge.download([buf], [np.dtype(np.float16)])
+
+
+@pytest.mark.wgpu
+def test_size_not_multiple_of_element_and_bad_dtype(device: Any, bridge: WgpuBridge) -> None:
+    buf = device.create_buffer(size=12, usage=_usage())
+    with pytest.raises(
+        InvalidGradsError,
+        match=r"^param 0: buffer size 12 bytes is not a whole number of float64 elements",
+    ):
+        bridge.download([buf], [np.dtype(np.float64)])
+    with pytest.raises(InvalidGradsError, match=r"^param 0: unsupported dtype int32;"):
+        bridge.download([buf], [np.dtype(np.int32)])
+    with pytest.raises(InvalidGradsError, match=r"^param 0: unsupported dtype int32;"):
+        bridge.upload([buf], [np.zeros(3, np.int32)])
+    with pytest.raises(
+        InvalidGradsError,
+        match=r"^param 0: array has 16 bytes \(4 x float32\) but the buffer has 12 bytes$",
+    ):
+        bridge.upload([buf], [np.zeros(4, np.float32)])
+
+
+@pytest.mark.wgpu
+def test_size_above_device_limit(device: Any, bridge: WgpuBridge) -> None:
+    buf = device.create_buffer(size=64, usage=_usage())
+    bridge._max_buffer_size = 32  # a real over-limit buffer cannot even be created
+    with pytest.raises(
+        InvalidGradsError,
+        match=r"^param 0: buffer size 64 bytes exceeds the device's max-buffer-size limit 32$",
+    ):
+        bridge.download([buf], [np.dtype(np.float32)])
+
+
+@pytest.mark.wgpu
+def test_mapped_buffer_and_closed_bridge(device: Any) -> None:
+    buf = device.create_buffer(
+        size=16,
+        usage=wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC,
+        mapped_at_creation=True,
+    )
+    bridge = WgpuBridge(device)
+    with pytest.raises(InvalidGradsError, match=r"^param 0: buffer is mapped; unmap it"):
+        bridge.download([buf], [np.dtype(np.float32)])
+    bridge.close()
+    bridge.close()
+    with pytest.raises(WgpuBridgeError, match=r"^WgpuBridge is closed$"):
+        bridge.download([], [])
+
+
+@pytest.mark.wgpu
+def test_wgpu_exceptions_are_translated(
+    device: Any, bridge: WgpuBridge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    buf = _buffer(device, np.ones(4, np.float32))
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise wgpu.GPUValidationError("synthetic failure")
+
+    monkeypatch.setattr(type(device.queue), "submit", boom)
+    with pytest.raises(
+        WgpuBridgeError, match=r"^wgpu failed while downloading gradients: synthetic failure$"
+    ) as info:
+        bridge.download([buf], [np.dtype(np.float32)])
+    assert isinstance(info.value.__cause__, wgpu.GPUValidationError)
+
+
+# -- multi-process averaging through the core (when it exists) ----------------------
+
+
+def _core_api_missing() -> str | None:
+    for name in ("average_grads_file_sync", "FileGradSyncConfig"):
+        if not hasattr(gradsync, name):
+            return f"gradsync.{name} does not exist yet"
+    return None
+
+
+_WORKER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import wgpu
+    import gradsync
+    from gradsync._wgpu import request_device_for_rank
+
+    world, rank, sync_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dev = request_device_for_rank(local_rank=rank)
+    usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+    data = [np.full(n, rank + 1, np.float32) for n in (1, 3, 1000)]
+    bufs = [dev.create_buffer_with_data(data=d, usage=usage) for d in data]
+    cfg = gradsync.FileGradSyncConfig(world, rank, sync_dir, max_wait_s=60)
+    for step in range(2):
+        gradsync.average_grads_file_sync(bufs, dev, cfg, step)
+    mean = sum(range(1, world + 1)) / world
+    for buf, d in zip(bufs, data):
+        got = np.frombuffer(dev.queue.read_buffer(buf), np.float32)
+        assert np.allclose(got, mean), (got, mean)
+    print("ok", rank)
+    """
+)
+
+
+@pytest.mark.wgpu
+@pytest.mark.slow
+def test_two_ranks_average_wgpu_buffers(tmp_path: Path) -> None:
+    if (reason := _core_api_missing() or _adapter_reason()) is not None:
+        pytest.skip(reason)
+    world = 2
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(world), str(r), str(tmp_path / "sync")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    for r, p in enumerate(procs):
+        out, err = p.communicate(timeout=100)
+        assert p.returncode == 0, err
+        assert f"ok {r}" in out
