@@ -448,3 +448,22 @@ def test_two_ranks_average_wgpu_buffers(tmp_path: Path) -> None:
         out, err = p.communicate(timeout=100)
         assert p.returncode == 0, err
         assert f"ok {r}" in out
+
+
+@pytest.mark.wgpu
+def test_example_trains_single_rank(tmp_path: Path) -> None:
+    if (reason := _core_api_missing() or _adapter_reason()) is not None:
+        pytest.skip(reason)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    env["PYTHONPATH"] = str(REPO / "src")
+    out = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "train_wgpu_logreg.py"), "--steps", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=True,
+    ).stdout
+    losses = [float(line.split()[-1]) for line in out.splitlines() if " loss " in line]
+    assert len(losses) == 3
+    assert losses[2] < losses[0]

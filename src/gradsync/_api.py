@@ -133,19 +133,21 @@ class GradSync:
             return stats
 
     def _average_host(self, grads: Sequence[Any], step: int) -> StepStats:
-        arrays = validate_grads(grads)
-        if not self.cfg.enabled:
-            nbytes = sum(a.nbytes for a in arrays)
-            return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
         if self._engine is None:
+            # Checked before meeting the peers too: no rendezvous for unusable input.
+            arrays = validate_grads(grads)
+            if not self.cfg.enabled:
+                nbytes = sum(a.nbytes for a in arrays)
+                return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
             self._gen = rendezvous(self.cfg)
             self._engine = StepEngine(self.cfg, self._gen)
-        return self._engine.step(arrays, step)
+        return self._engine.step(grads, step)
 
     def _average_device(
         self, buffers: Sequence[Any], device: Any, dtype: Any, step: int
     ) -> StepStats:
-        from ._wgpu import WgpuBridge, resolve_dtypes
+        # Imported here: importing gradsync or averaging numpy arrays never loads wgpu.
+        from ._wgpu import WgpuBridge, resolve_dtypes  # noqa: PLC0415
 
         if self._bridge is None or self._bridge.device is not device:
             if self._bridge is not None:
@@ -190,7 +192,7 @@ def _close_all() -> None:
     for sync in syncs:
         try:
             sync.close()
-        except Exception:  # noqa: BLE001 - at exit, one failure must not hide the others
+        except Exception:  # at exit, one failure must not hide the others
             _log.exception("closing %r at exit failed", sync)
 
 

@@ -151,9 +151,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args and args[0] == "launch":
             own, script_argv = _split_launch_argv(args[1:], launch_parser)
             # SCRIPT goes after `--` so that argparse never reads it as an option.
-            ns = parser.parse_args(
+            ns, extra = parser.parse_known_args(
                 ["launch", *own, *(["--", script_argv[0]] if script_argv else [])]
             )
+            if extra:
+                launch_parser.error(f"unrecognized arguments: {' '.join(extra)}")
         else:
             ns = parser.parse_args(args)
     except SystemExit as exc:  # argparse's --help, --version and errors

@@ -87,8 +87,7 @@ class FileGradSyncConfig:
             not isinstance(self.run_id, str) or not _RUN_ID_RE.match(self.run_id)
         ):
             raise ConfigError(
-                "run_id must be 1-64 characters from [A-Za-z0-9._-] or None, "
-                f"got {self.run_id!r}"
+                f"run_id must be 1-64 characters from [A-Za-z0-9._-] or None, got {self.run_id!r}"
             )
 
     @classmethod

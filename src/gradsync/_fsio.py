@@ -7,6 +7,7 @@ reader sees a whole file or none. Readers poll by listing or opening, never by
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -66,10 +67,8 @@ def write_atomic(path: Path, chunks: Sequence[bytes | memoryview]) -> int:
             os.close(fd)
         os.rename(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     return total
 

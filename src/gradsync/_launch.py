@@ -265,6 +265,8 @@ def _signal_name(signum: int) -> str:
 class _SignalCatcher:
     """Records SIGINT/SIGTERM/SIGHUP sent to the launcher instead of dying of them.
 
+    Signals the launcher already ignores (``nohup``, ``cmd &``) stay ignored.
+
     The handler only appends to a list: it runs between bytecodes of the main thread,
     possibly while that thread holds a lock, so it must not take any.
     """
@@ -278,7 +280,9 @@ class _SignalCatcher:
             logger.debug("not in the main thread: launcher signals are not handled")
             return
         for signum in _STOP_SIGNALS:
-            self._previous[signum] = signal.signal(signum, self._handle)
+            # Keep ignoring what the launcher was told to ignore (`nohup`, `cmd &`).
+            if signal.getsignal(signum) != signal.SIG_IGN:
+                self._previous[signum] = signal.signal(signum, self._handle)
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():

@@ -61,16 +61,16 @@ class Plan:
     def build(cls, layout: Layout, world_size: int, root_only: bool) -> Plan:
         order: list[str] = []
         members: dict[str, list[int]] = {}
-        for index, (dtype, _shape) in enumerate(layout):
-            if dtype not in members:
-                order.append(dtype)
-                members[dtype] = []
-            members[dtype].append(index)
+        for index, (name, _shape) in enumerate(layout):
+            if name not in members:
+                order.append(name)
+                members[name] = []
+            members[name].append(index)
         groups: list[Group] = []
         in_offset = 0
         out_lens = [0] * world_size
         for dtype_str in order:
-            dtype = np.dtype(dtype_str)
+            dtype: np.dtype[Any] = np.dtype(dtype_str)
             params: list[tuple[int, int, int]] = []
             size = 0
             for index in members[dtype_str]:
@@ -84,9 +84,7 @@ class Plan:
             out_offsets = tuple(out_lens)
             for q, (lo, hi) in enumerate(shards):
                 out_lens[q] += (hi - lo) * dtype.itemsize
-            groups.append(
-                Group(dtype, tuple(params), size, in_offset, shards, out_offsets)
-            )
+            groups.append(Group(dtype, tuple(params), size, in_offset, shards, out_offsets))
             in_offset += size * dtype.itemsize
         return cls(layout, layout_hash(layout), tuple(groups), in_offset, tuple(out_lens))
 

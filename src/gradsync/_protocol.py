@@ -16,6 +16,7 @@ again and rank 0 removes it: at most three steps are ever on disk.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -59,6 +60,17 @@ __all__ = ["StepEngine", "validate_grads"]
 
 _log = logging.getLogger("gradsync")
 _LIVENESS_EVERY_S = 0.1
+# Errors about the job rather than one rank: a peer's report is re-raised as is.
+_SHARED_ERRORS: dict[str, type[GradSyncError]] = {
+    cls.__name__: cls
+    for cls in (
+        PeerLostError,
+        PeerTimeoutError,
+        MismatchError,
+        NonFiniteGradError,
+        PeerAbortedError,
+    )
+}
 
 
 def validate_grads(grads: object) -> list[np.ndarray]:
@@ -124,21 +136,28 @@ class StepEngine:
 
     # -- the step -----------------------------------------------------------------
 
-    def step(self, arrays: list[np.ndarray], step: int) -> StepStats:
-        """Average ``arrays`` in place with every rank's call of the same sequence number.
+    def step(self, grads: Sequence[Any], step: int) -> StepStats:
+        """Average ``grads`` in place with every rank's call of the same sequence number.
 
-        On any error this rank tells its peers (``abort-<rank>``) before raising.
+        On any error this rank tells its peers (``abort-<rank>``) before raising, so
+        they fail at once with the same error instead of waiting for it.
         """
         self.seq += 1
         step_dir = self.gen.path / f"s-{self.seq}"
         try:
-            return self._step(arrays, step, step_dir)
+            return self._step(validate_grads(grads), step, step_dir)
         except BaseException as exc:
-            reason = str(exc) if isinstance(exc, GradSyncError) else f"{type(exc).__name__}: {exc}"
-            with contextlib.suppress(OSError):
-                step_dir.mkdir(exist_ok=True)
-                write_atomic(step_dir / f"abort-{self.rank}", [reason.encode()])
+            self._tell_peers(step_dir, exc)
             raise
+
+    def _tell_peers(self, step_dir: Path, exc: BaseException) -> None:
+        if isinstance(exc, GradSyncError):
+            note = {"type": type(exc).__name__, "message": str(exc), "ranks": list(exc.ranks)}
+        else:
+            note = {"type": "", "message": f"{type(exc).__name__}: {exc}", "ranks": []}
+        with contextlib.suppress(OSError):
+            step_dir.mkdir(exist_ok=True)
+            write_atomic(step_dir / f"abort-{self.rank}", [json.dumps(note).encode()])
 
     def _step(self, arrays: list[np.ndarray], step: int, step_dir: Path) -> StepStats:
         t0 = time.perf_counter()
@@ -161,7 +180,11 @@ class StepEngine:
             t2 = time.perf_counter()
             shard = self._reduce(plan, flats, peers, step_dir, step)
             if plan.out_lens[self.rank]:
-                self._write(step_dir / f"out-{self.rank}", [self._header(KIND_OUTPUT, step, plan, len(shard))[0], shard], step)
+                self._write(
+                    step_dir / f"out-{self.rank}",
+                    [self._header(KIND_OUTPUT, step, plan, len(shard))[0], shard],
+                    step,
+                )
             t3 = time.perf_counter()
             publishers = [q for q in range(self.world) if plan.out_lens[q] and q != self.rank]
             self._await(step_dir, "out", publishers, step, outs)
@@ -212,9 +235,11 @@ class StepEngine:
         )
         return head, len(head)
 
-    def _write(self, path: Path, chunks: Sequence[bytes | memoryview | np.ndarray], step: int) -> None:
+    def _write(
+        self, path: Path, chunks: Sequence[bytes | memoryview | np.ndarray], step: int
+    ) -> None:
         try:
-            write_atomic(path, [c if not isinstance(c, np.ndarray) else memoryview(c) for c in chunks])
+            write_atomic(path, [c if not isinstance(c, np.ndarray) else c.data for c in chunks])
         except OSError as exc:
             raise translate_oserror(exc, "publishing", path, step=step) from exc
 
@@ -229,7 +254,9 @@ class StepEngine:
         try:
             step_dir.mkdir(exist_ok=True)
         except OSError as exc:
-            raise translate_oserror(exc, "creating the step directory", step_dir, step=step) from exc
+            raise translate_oserror(
+                exc, "creating the step directory", step_dir, step=step
+            ) from exc
         head, _ = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite)
         chunks: list[bytes | memoryview | np.ndarray] = [head]
         chunks.extend(flats[i] for i in plan.ordered_params() if flats[i].size)
@@ -262,6 +289,8 @@ class StepEngine:
                 if not first_look:
                     last = q
             first_look = False
+            if not missing:
+                break
             aborted = [q for q in range(self.world) if q != self.rank and f"abort-{q}" in names]
             if aborted:
                 self._raise_abort(step_dir, aborted[0], step)
@@ -311,7 +340,10 @@ class StepEngine:
         except CorruptFileError as exc:
             os.close(fd)
             raise CorruptFileError(
-                f"step {step}: rank {rank}'s file is unusable: {exc}", step=step, ranks=[rank], path=path
+                f"step {step}: rank {rank}'s file is unusable: {exc}",
+                step=step,
+                ranks=[rank],
+                path=path,
             ) from exc
         except OSError as exc:
             os.close(fd)
@@ -330,19 +362,27 @@ class StepEngine:
         if problem is not None:
             os.close(fd)
             raise CorruptFileError(
-                f"step {step}: rank {rank}'s file {path} {problem}", step=step, ranks=[rank], path=path
+                f"step {step}: rank {rank}'s file {path} {problem}",
+                step=step,
+                ranks=[rank],
+                path=path,
             )
         return _Peer(fd, header, path)
 
     def _raise_abort(self, step_dir: Path, rank: int, step: int) -> None:
         path = step_dir / f"abort-{rank}"
         try:
-            reason = path.read_bytes().decode(errors="replace")
-        except OSError:
-            reason = "(reason unreadable)"
+            note = json.loads(path.read_bytes())
+            kind, message, ranks = str(note["type"]), str(note["message"]), list(note["ranks"])
+        except (OSError, ValueError, KeyError, TypeError):
+            kind, message, ranks = "", "(its reason is unreadable)", []
+        shared = _SHARED_ERRORS.get(kind)
+        if shared is not None:
+            # Every rank would find this itself (a lost peer, a mismatch): raise the same.
+            raise shared(message, step=step, ranks=ranks, path=step_dir)
         member = self.gen.members[rank]
         raise PeerAbortedError(
-            f"step {step}: rank {rank} ({member.describe()}) gave up on this step: {reason}",
+            f"step {step}: rank {rank} ({member.describe()}) gave up on this step: {message}",
             step=step,
             ranks=[rank],
             path=path,
@@ -404,7 +444,7 @@ class StepEngine:
         if len(first) != len(second):
             detail = f"rank {lo} has {len(first)} params but rank {hi} has {len(second)}"
         else:
-            i = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+            i = next(i for i, (a, b) in enumerate(zip(first, second, strict=True)) if a != b)
             detail = (
                 f"param {i}: rank {lo} has shape {first[i][1]} {np.dtype(first[i][0])} but rank "
                 f"{hi} has shape {second[i][1]} {np.dtype(second[i][0])}"
@@ -414,7 +454,12 @@ class StepEngine:
     # -- reducing and gathering -------------------------------------------------------
 
     def _reduce(
-        self, plan: Plan, flats: list[np.ndarray], peers: dict[int, _Peer], step_dir: Path, step: int
+        self,
+        plan: Plan,
+        flats: list[np.ndarray],
+        peers: dict[int, _Peer],
+        step_dir: Path,
+        step: int,
     ) -> np.ndarray:
         """This rank's shard of every group, as one byte array (the output payload)."""
         shard = np.empty(plan.out_lens[self.rank], dtype=np.uint8)
@@ -450,7 +495,9 @@ class StepEngine:
                 out = buf[: stop - start]
                 for s in pieces:
                     a, b = max(start, s.at), min(stop, s.at + s.stop - s.start)
-                    out[a - start : b - start] = flats[s.param][s.start + a - s.at : s.start + b - s.at]
+                    out[a - start : b - start] = flats[s.param][
+                        s.start + a - s.at : s.start + b - s.at
+                    ]
                 return out
 
             return own
@@ -461,7 +508,7 @@ class StepEngine:
         def theirs(start: int, stop: int, buf: np.ndarray) -> np.ndarray:
             out = buf[: stop - start]
             try:
-                read_exact_into(peer.fd, base + start * itemsize, memoryview(out), peer.path)
+                read_exact_into(peer.fd, base + start * itemsize, out.data, peer.path)
             except EOFError as exc:
                 raise CorruptFileError(
                     f"step {step}: rank {q}'s file {peer.path} is truncated: {exc}",
@@ -504,7 +551,10 @@ class StepEngine:
                         peer = outs[q]
                         try:
                             read_exact_into(
-                                peer.fd, peer.header.payload_offset + offset, memoryview(dst), peer.path
+                                peer.fd,
+                                peer.header.payload_offset + offset,
+                                dst.data,
+                                peer.path,
                             )
                         except EOFError as exc:
                             raise CorruptFileError(
@@ -529,7 +579,7 @@ class StepEngine:
         try:
             offset = decode_header(os.pread(fd, HEADER_READ_BYTES, 0), str(path)).payload_offset
             for i in plan.ordered_params():
-                view = memoryview(flats[i])
+                view = flats[i].data
                 if flats[i].size:
                     read_exact_into(fd, offset, view, path)
                 offset += flats[i].nbytes

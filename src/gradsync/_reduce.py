@@ -49,7 +49,7 @@ Fetch = Callable[[int, int, np.ndarray], np.ndarray]
 def check_dtype(dtype: npt.DTypeLike, where: str) -> np.dtype[Any]:
     """Return ``dtype`` normalised to native byte order, or raise if unsupported."""
     dt = np.dtype(dtype)
-    native = dt.newbyteorder("=")
+    native: np.dtype[Any] = dt.newbyteorder("=")
     if native not in ACCUMULATOR:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise InvalidGradsError(f"{where} has dtype {dt}; gradsync averages only {names}")
@@ -160,7 +160,9 @@ def average_host_grads(
                     f"shape {other.shape} {other.dtype}",
                     ranks=[0, r],
                 )
-        flat = [np.ascontiguousarray(arrays[r][i], dtype=dtype).reshape(-1) for r in range(len(arrays))]
+        flat = [
+            np.ascontiguousarray(arrays[r][i], dtype=dtype).reshape(-1) for r in range(len(arrays))
+        ]
         out = np.empty(ref.shape, dtype=dtype)
         fetchers: list[Fetch] = [_view_fetch(f) for f in flat]
         mean_into(fetchers, out.size, out.reshape(-1))

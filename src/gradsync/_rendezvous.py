@@ -153,14 +153,17 @@ class _Leader:
         try:
             self.gen_path.mkdir()
         except OSError as exc:
-            raise translate_oserror(exc, "creating the generation directory", self.gen_path) from exc
+            raise translate_oserror(
+                exc, "creating the generation directory", self.gen_path
+            ) from exc
         _write(self.leader_file, self._info(), "registering rank 0 in")
         try:
             return self._admit()
         except GradSyncError as exc:
             # Requesters that already confirmed learn the reason instead of timing out.
             with contextlib.suppress(OSError):
-                write_atomic(self.gen_path / ABORT, [_dump({"message": str(exc)})])
+                note = {"type": type(exc).__name__, "message": str(exc), "ranks": list(exc.ranks)}
+                write_atomic(self.gen_path / ABORT, [_dump(note)])
             with contextlib.suppress(OSError):
                 self.leader_file.unlink()
             raise
@@ -314,8 +317,8 @@ class _Leader:
                     (self.rdzv / name).unlink()
         for name in list_names(self.rdzv):
             if name.startswith(("join-", "offer-")):
-                member = _member(_load(self.rdzv / name))
-                if member is not None and member.local_death() is not None:
+                stale = _member(_load(self.rdzv / name))
+                if stale is not None and stale.local_death() is not None:
                     with contextlib.suppress(OSError):
                         (self.rdzv / name).unlink()
         for name in list_names(self.cfg.sync_dir):
@@ -363,8 +366,11 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
     rdzv = cfg.sync_dir / RDZV
     join = rdzv / f"join-{cfg.rank}-{me.nonce}.json"
     offer_path = rdzv / f"offer-{me.nonce}.json"
-    _write(join, {"member": me.to_json(), "world_size": cfg.world_size, "run_id": cfg.run_id},
-           "registering a join in")
+    _write(
+        join,
+        {"member": me.to_json(), "world_size": cfg.world_size, "run_id": cfg.run_id},
+        "registering a join in",
+    )
     backoff = Backoff()
     next_warn = cfg.warn_after_s
     leader: MemberInfo | None = None
@@ -389,11 +395,7 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
             if gen_path is not None and leader is not None:
                 abort = _load(gen_path / ABORT)
                 if abort is not None:
-                    raise PeerAbortedError(
-                        f"rendezvous failed on rank 0: {abort.get('message')}",
-                        ranks=[0],
-                        path=gen_path,
-                    )
+                    _raise_abort(abort, gen_path)
                 roster = _load(gen_path / ROSTER)
                 if roster is not None:
                     return _accept(cfg, me, gen_path, roster)
@@ -424,6 +426,17 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
                 path.unlink()
 
 
+def _raise_abort(note: dict[str, Any], gen_path: Path) -> None:
+    message = str(note.get("message"))
+    raw = note.get("ranks")
+    ranks = [int(r) for r in raw if isinstance(r, int)] if isinstance(raw, list) else [0]
+    for cls in (MismatchError, RendezvousError, PeerTimeoutError, PeerLostError):
+        if note.get("type") == cls.__name__:
+            # Rank 0 found a problem of the whole job: every rank raises it alike.
+            raise cls(message, ranks=ranks, path=gen_path)
+    raise PeerAbortedError(f"rendezvous failed on rank 0: {message}", ranks=[0], path=gen_path)
+
+
 def _check_leader(
     cfg: FileGradSyncConfig, leader: MemberInfo, gen_path: Path, watch: HeartbeatWatch
 ) -> None:
@@ -452,7 +465,9 @@ def _accept(
     try:
         members = tuple(MemberInfo.from_json(m) for m in raw)  # type: ignore[union-attr]
     except (KeyError, TypeError, ValueError) as exc:
-        raise RendezvousError(f"rendezvous: unreadable roster in {gen_path}", path=gen_path) from exc
+        raise RendezvousError(
+            f"rendezvous: unreadable roster in {gen_path}", path=gen_path
+        ) from exc
     if len(members) != cfg.world_size:
         raise MismatchError(
             f"rendezvous: the roster in {gen_path} has {len(members)} ranks but rank "

@@ -7,6 +7,7 @@ import sys
 import time
 
 mode = sys.argv[1]
+print("sync dir", os.environ["GRADSYNC_SYNC_DIR"], flush=True)
 if os.environ["RANK"] == "1":
     time.sleep(0.2)  # let the peers start sleeping first
     if mode == "exit3":

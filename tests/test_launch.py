@@ -1,0 +1,418 @@
+"""``gradsync launch``, run for real: ``python -m gradsync launch`` starting scripts/*.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradsync._cli import main
+
+SCRIPTS = Path(__file__).parent / "scripts"
+LAUNCH = [sys.executable, "-m", "gradsync", "launch"]
+TIMEOUT_S = 30.0
+
+
+@contextmanager
+def launcher(args: list[str], **kwargs: Any) -> Iterator[subprocess.Popen[str]]:
+    """Start ``gradsync launch ARGS``; on the way out make sure it and its ranks are gone."""
+    proc = subprocess.Popen(
+        [*LAUNCH, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        encoding="utf-8",
+        **kwargs,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # lets the launcher stop its ranks
+            try:
+                proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def run_launch(args: list[str], **kwargs: Any) -> tuple[int, str, str, float]:
+    """Run ``gradsync launch ARGS`` to the end: exit code, stdout, stderr, seconds taken."""
+    start = time.monotonic()
+    with launcher(args, **kwargs) as proc:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    return proc.returncode, out, err, time.monotonic() - start
+
+
+def env_reports(out: str) -> dict[str, dict[str, Any]]:
+    """print_env.py's reports by the prefix of the line that carried them."""
+    reports = {}
+    for line in out.splitlines():
+        prefix, sep, payload = line.partition(" ENV ")
+        if sep:
+            reports[prefix] = json.loads(payload)
+    return reports
+
+
+def wait_for_files(directory: Path, names: list[str], proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not all((directory / name).exists() for name in names):
+        assert proc.poll() is None, f"launcher exited early: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"ranks never wrote {names} in {directory}"
+        time.sleep(0.02)
+
+
+def assert_gone(pid: int) -> None:
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+# ---------------------------------------------------------------------------- success
+
+
+def test_env_vars_argv_and_exit_code_0() -> None:
+    code, out, err, _ = run_launch(
+        [
+            "--nproc",
+            "3",
+            "--max-wait-s",
+            "7.5",
+            str(SCRIPTS / "print_env.py"),
+            "--nproc",
+            "9",
+            "--",
+            "x y",
+        ]
+    )
+    assert (code, err) == (0, "")
+    reports = env_reports(out)
+    assert sorted(reports) == ["[rank 0]", "[rank 1]", "[rank 2]"]
+    run_ids = {r["env"]["GRADSYNC_RUN_ID"] for r in reports.values()}
+    sync_dirs = {r["env"]["GRADSYNC_SYNC_DIR"] for r in reports.values()}
+    assert len(run_ids) == 1
+    assert len(sync_dirs) == 1
+    (run_id,) = run_ids
+    (sync_dir,) = sync_dirs
+    assert isinstance(run_id, str)
+    assert len(run_id) == 16
+    int(run_id, 16)
+    for rank in range(3):
+        report = reports[f"[rank {rank}]"]
+        assert report["argv"] == ["--nproc", "9", "--", "x y"]
+        assert report["env"] == {
+            "GRADSYNC_RANK": str(rank),
+            "GRADSYNC_WORLD_SIZE": "3",
+            "GRADSYNC_SYNC_DIR": sync_dir,
+            "GRADSYNC_RUN_ID": run_id,
+            "GRADSYNC_MAX_WAIT_S": "7.5",
+            "RANK": str(rank),
+            "WORLD_SIZE": "3",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "3",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+
+def test_fresh_run_id_per_launch_and_no_max_wait_by_default() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+    args = ["--nproc", "1", str(SCRIPTS / "print_env.py")]
+    first = env_reports(run_launch(args, env=env)[1])["[rank 0]"]["env"]
+    second = env_reports(run_launch(args, env=env)[1])["[rank 0]"]["env"]
+    assert first["GRADSYNC_RUN_ID"] != second["GRADSYNC_RUN_ID"]
+    assert first["GRADSYNC_MAX_WAIT_S"] is None
+
+
+def test_dash_dash_before_script_and_module_flag() -> None:
+    code, out, err, _ = run_launch(
+        ["--nproc", "1", "-m", "--", "print_env", "-m", "--nproc"], cwd=SCRIPTS
+    )
+    assert (code, err) == (0, "")
+    assert env_reports(out)["[rank 0]"]["argv"] == ["-m", "--nproc"]
+
+
+def test_nnodes_node_rank_arithmetic(tmp_path: Path) -> None:
+    sync_dir = tmp_path / "shared" / "sync"
+    code, out, err, _ = run_launch(
+        [
+            "--nproc",
+            "2",
+            "--nnodes",
+            "3",
+            "--node-rank",
+            "1",
+            "--run-id",
+            "job-7",
+            "--sync-dir",
+            str(sync_dir),
+            str(SCRIPTS / "print_env.py"),
+        ]
+    )
+    assert (code, err) == (0, "")
+    reports = env_reports(out)
+    assert sorted(reports) == ["[rank 2]", "[rank 3]"]
+    for rank, local_rank in ((2, 0), (3, 1)):
+        env = reports[f"[rank {rank}]"]["env"]
+        assert isinstance(env, dict)
+        assert env["GRADSYNC_RANK"] == env["RANK"] == str(rank)
+        assert env["GRADSYNC_WORLD_SIZE"] == env["WORLD_SIZE"] == "6"
+        assert env["LOCAL_RANK"] == str(local_rank)
+        assert env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GRADSYNC_RUN_ID"] == "job-7"
+        assert env["GRADSYNC_SYNC_DIR"] == str(sync_dir)
+
+
+def test_output_prefixed_streams_apart_partial_lines_and_bad_bytes() -> None:
+    code, out, err, _ = run_launch(["--nproc", "2", str(SCRIPTS / "output.py")])
+    assert code == 0
+    for rank in (0, 1):
+        rank_out = [line for line in out.splitlines() if line.startswith(f"[rank {rank}] ")]
+        rank_err = [line for line in err.splitlines() if line.startswith(f"[rank {rank}] ")]
+        assert rank_out == [
+            f"[rank {rank}] out line 1 of rank {rank}",
+            f"[rank {rank}] out line 2 of rank {rank}",
+            f"[rank {rank}] bytes \ufffd\ufffd end",
+            f"[rank {rank}] out partial of rank {rank}",
+        ]
+        assert rank_err == [
+            f"[rank {rank}] err line 1 of rank {rank}",
+            f"[rank {rank}] err partial of rank {rank}",
+        ]
+    assert len(out.splitlines()) == 8
+    assert len(err.splitlines()) == 4
+
+
+# ---------------------------------------------------------------------------- sync dir
+
+
+def test_default_sync_dir_exists_during_run_and_is_removed_after() -> None:
+    code, out, _, _ = run_launch(["--nproc", "2", str(SCRIPTS / "print_env.py")])
+    assert code == 0
+    reports = env_reports(out)
+    assert [r["sync_dir_is_dir"] for r in reports.values()] == [True, True]
+    sync_dir = Path(str(reports["[rank 0]"]["env"]["GRADSYNC_SYNC_DIR"]))
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
+        assert sync_dir.parent == Path("/dev/shm")
+    assert sync_dir.name.startswith("gradsync-")
+    assert not sync_dir.exists()
+
+
+def test_given_sync_dir_is_created_and_kept(tmp_path: Path) -> None:
+    sync_dir = tmp_path / "a" / "b"
+    code, out, _, _ = run_launch(
+        ["--nproc", "2", "--sync-dir", str(sync_dir), str(SCRIPTS / "print_env.py")]
+    )
+    assert code == 0
+    assert [r["sync_dir_is_dir"] for r in env_reports(out).values()] == [True, True]
+    assert sync_dir.is_dir()
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+def test_failing_rank_stops_peers_and_is_summarized() -> None:
+    code, out, err, seconds = run_launch(["--nproc", "3", str(SCRIPTS / "fail.py"), "exit3"])
+    assert code == 3
+    assert seconds < 10
+    assert "[rank 1] out line before exit\n" in out
+    sync_dir = Path(out.split("[rank 1] sync dir ")[1].splitlines()[0])
+    assert not sync_dir.exists()  # removed after a failure too
+    assert "gradsync launch: rank 1 failed first: exit code 3 (local rank 1, pid " in err
+    assert (
+        "gradsync launch: other ranks: rank 0: killed by SIGTERM (stopped by the launcher); "
+        "rank 2: killed by SIGTERM (stopped by the launcher)\n"
+    ) in err
+    tail = "".join(f"    err line {i}\n" for i in range(2, 12))
+    assert f"gradsync launch: last 10 lines of rank 1's stderr:\n{tail}" in err
+    assert err.endswith(tail)
+    assert "    err line 1\n" not in err
+
+
+def test_rank_killed_by_signal_is_reported_with_its_name() -> None:
+    code, _, err, seconds = run_launch(["--nproc", "2", str(SCRIPTS / "fail.py"), "sigkill"])
+    assert code == 128 + signal.SIGKILL
+    assert seconds < 10
+    assert "gradsync launch: rank 1 failed first: killed by SIGKILL" in err
+    assert "gradsync launch: rank 1 wrote nothing to stderr\n" in err
+
+
+def test_missing_script_in_rank_is_a_rank_failure(tmp_path: Path) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text("raise RuntimeError('boom in rank')\n")
+    code, _, err, _ = run_launch(["--nproc", "2", str(script)])
+    assert code == 1
+    assert "failed first: exit code 1" in err
+    assert "    RuntimeError: boom in rank\n" in err
+
+
+# ---------------------------------------------------------------------------- signals
+
+
+@pytest.mark.parametrize(("signum", "expected_code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_launcher_stops_ranks_and_removes_sync_dir(
+    tmp_path: Path, signum: int, expected_code: int
+) -> None:
+    with launcher(["--nproc", "2", str(SCRIPTS / "sleep.py"), str(tmp_path)]) as proc:
+        wait_for_files(tmp_path, ["rank-0.json", "rank-1.json"], proc)
+        start = time.monotonic()
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == expected_code
+    assert time.monotonic() - start < 5
+    assert "[rank 0] rank 0 got SIGTERM\n" in out
+    assert "[rank 1] rank 1 got SIGTERM\n" in out
+    name = signal.Signals(signum).name
+    assert f"gradsync launch: WARNING: received {name}; stopping ranks" in err
+    assert "failed first" not in err
+    infos = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    for info in infos:
+        assert_gone(info["pid"])
+    assert not Path(infos[0]["sync_dir"]).exists()
+
+
+def test_ranks_ignoring_sigterm_get_sigkill_after_grace_period(tmp_path: Path) -> None:
+    args = ["--nproc", "2", "--grace-period-s", "0.5", str(SCRIPTS / "sleep.py"), str(tmp_path)]
+    with launcher([*args, "--ignore-sigterm"]) as proc:
+        wait_for_files(tmp_path, ["rank-0.json", "rank-1.json"], proc)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 130
+    assert 0.4 < time.monotonic() - start < 5
+    assert "sending SIGKILL (grace period over); ranks still running: 0, 1\n" in err
+    for r in (0, 1):
+        assert_gone(json.loads((tmp_path / f"rank-{r}.json").read_text())["pid"])
+
+
+# ---------------------------------------------------------------------------- bad arguments
+
+
+def test_bad_argument_exits_2_with_message() -> None:
+    code, out, err, _ = run_launch(["--nproc", "0", str(SCRIPTS / "print_env.py")])
+    assert (code, out) == (2, "")
+    assert err.startswith("usage: gradsync launch ")
+    assert err.endswith("gradsync launch: error: --nproc must be >= 1, got 0\n")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc", "0"], "--nproc must be >= 1, got 0"),
+        (["--nproc", "two"], "argument --nproc: invalid int value: 'two'"),
+        (["--nproc", "1", "--nnodes", "0"], "--nnodes must be >= 1, got 0"),
+        (["--nproc", "1", "--node-rank", "-1"], "--node-rank must be >= 0, got -1"),
+        (
+            ["--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--run-id", "j"],
+            "--node-rank must be < --nnodes (2), got 2",
+        ),
+        (
+            ["--nproc", "1", "--nnodes", "2", "--sync-dir", "/tmp/x"],
+            "--nnodes 2 needs --run-id: pass the same id to the launcher on every node",
+        ),
+        (
+            ["--nproc", "1", "--nnodes", "2", "--run-id", "j"],
+            "--nnodes 2 needs --sync-dir: a directory on a filesystem every node shares",
+        ),
+        (
+            ["--nproc", "1", "--run-id", "a b"],
+            "--run-id must be 1-64 characters from [A-Za-z0-9._-], got 'a b'",
+        ),
+        (
+            ["--nproc", "1", "--max-wait-s", "0"],
+            "--max-wait-s must be a finite number > 0, got 0.0",
+        ),
+        (
+            ["--nproc", "1", "--max-wait-s", "nan"],
+            "--max-wait-s must be a finite number > 0, got nan",
+        ),
+        (
+            ["--nproc", "1", "--grace-period-s", "-1"],
+            "--grace-period-s must be a finite number >= 0, got -1.0",
+        ),
+        (["--nproc", "1", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_arguments(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", *args, str(SCRIPTS / "print_env.py")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.endswith(f"gradsync launch: error: {message}\n")
+
+
+def test_missing_or_nonexistent_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--nproc", "1"]) == 2
+    assert "gradsync launch: error: the following arguments are required: SCRIPT\n" in (
+        capsys.readouterr().err
+    )
+    missing = str(tmp_path / "nope.py")
+    assert main(["launch", "--nproc", "1", missing]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"gradsync launch: error: SCRIPT {missing!r} is not a file\n"
+    )
+
+
+def test_unusable_sync_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert (
+        main(["launch", "--nproc", "1", "--sync-dir", str(blocker), str(SCRIPTS / "print_env.py")])
+        == 2
+    )
+    assert capsys.readouterr().err.endswith(
+        f"gradsync launch: error: --sync-dir {str(blocker)!r} cannot be created: File exists\n"
+    )
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--help"]) == 0
+    assert capsys.readouterr().out.startswith(
+        "usage: gradsync launch [-h] --nproc N [--sync-dir DIR] [--max-wait-s S]"
+    )
+
+
+def test_second_signal_skips_the_grace_period(tmp_path: Path) -> None:
+    args = ["--nproc", "2", "--grace-period-s", "60", str(SCRIPTS / "sleep.py"), str(tmp_path)]
+    with launcher([*args, "--ignore-sigterm"]) as proc:
+        wait_for_files(tmp_path, ["rank-0.json", "rank-1.json"], proc)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 130
+    assert time.monotonic() - start < 5
+    assert "sending SIGKILL (launcher signalled again); ranks still running: 0, 1\n" in err
+
+
+def test_ignored_sighup_stays_ignored(tmp_path: Path) -> None:
+    """Under ``nohup`` (SIGHUP ignored) a hangup must not stop the job."""
+    args = [*LAUNCH, "--nproc", "1", str(SCRIPTS / "sleep.py"), str(tmp_path)]
+    with subprocess.Popen(
+        ["/bin/sh", "-c", 'trap "" HUP; exec "$@"', "sh", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        try:
+            wait_for_files(tmp_path, ["rank-0.json"], proc)
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(0.3)
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 143

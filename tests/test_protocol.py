@@ -1,0 +1,279 @@
+"""The protocol's guarantees, each shown with real spawned rank processes."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gradsync
+import workers
+from ranks import run_ranks
+
+
+def expected(world: int, step: int, offset: int = 0) -> list[bytes]:
+    per_rank = [workers.grads_for(r + offset, step) for r in range(world)]
+    return [a.tobytes() for a in gradsync.average_host_grads(per_rank)]
+
+
+def assert_ok(results: dict[int, object]) -> None:
+    bad = {r: o for r, o in results.items() if not o.ok}  # type: ignore[attr-defined]
+    assert not bad, "\n".join(f"rank {r}: {o.message}\n{o.value}" for r, o in bad.items())  # type: ignore[attr-defined]
+
+
+# -- 1. the mean, bit-identical on every rank, whatever the order and strategy -----------
+
+
+@pytest.mark.parametrize("strategy", ["sharded", "root"])
+def test_every_rank_gets_the_same_bits_as_average_host_grads(tmp_path: Path, strategy: str) -> None:
+    world, steps = 3, 4
+    kw = {"strategy": strategy, "jitter_s": 0.05}
+    results = run_ranks(workers.average_steps, world, (world, str(tmp_path), steps, kw))
+    assert_ok(results)
+    for step in range(steps):
+        want = expected(world, step)
+        for r in range(world):
+            assert results[r].value[step] == want, f"rank {r} step {step}"
+
+
+def test_function_form_matches_and_needs_nothing_else(tmp_path: Path) -> None:
+    results = run_ranks(workers.function_form, 2, (2, str(tmp_path), 3))
+    assert_ok(results)
+    for step in range(3):
+        assert results[0].value[step] == results[1].value[step] == expected(2, step)
+
+
+def test_float32_mean_is_within_2e6_of_float64_mean(tmp_path: Path) -> None:
+    results = run_ranks(workers.average_steps, 4, (4, str(tmp_path), 1, {}))
+    assert_ok(results)
+    per_rank = [workers.grads_for(r, 0) for r in range(4)]
+    for i, (shape, dtype) in enumerate(workers.SHAPES):
+        got = np.frombuffer(results[2].value[0][i], dtype=dtype).reshape(shape)
+        ref = np.mean([g[i].astype(np.float64) for g in per_rank], axis=0)
+        if dtype == "float32":
+            np.testing.assert_allclose(got, ref, rtol=2e-6, atol=0)
+
+
+def test_one_rank_is_a_no_op_and_writes_nothing(tmp_path: Path) -> None:
+    grads = workers.grads_for(0, 0)
+    before = [g.copy() for g in grads]
+    with gradsync.GradSync(gradsync.FileGradSyncConfig(1, 0, tmp_path / "sync")) as gs:
+        stats = gs.average(grads)
+    assert all((a == b).all() for a, b in zip(grads, before, strict=True))
+    assert stats.world_size == 1
+    assert not (tmp_path / "sync").exists()
+
+
+# -- 2. never reads another run's files ---------------------------------------------------
+
+
+def test_crashed_run_with_other_world_size_is_never_read(tmp_path: Path) -> None:
+    # An earlier job of 3 ranks publishes step 1's inputs, then every rank dies hard.
+    old = run_ranks(workers.crash_after_publish, 3, (3, str(tmp_path)), expect=[])
+    assert old == {}
+    assert any(p.name.startswith("gen-") for p in tmp_path.iterdir())
+    # A new job of 2 ranks in the same directory sees only its own data.
+    results = run_ranks(workers.average_steps, 2, (2, str(tmp_path), 3, {}))
+    assert_ok(results)
+    for step in range(3):
+        assert results[0].value[step] == results[1].value[step] == expected(2, step)
+
+
+def test_finished_run_same_world_size_then_new_run(tmp_path: Path) -> None:
+    first = run_ranks(workers.average_steps, 2, (2, str(tmp_path), 2, {}))
+    assert_ok(first)
+    again = run_ranks(workers.average_steps, 2, (2, str(tmp_path), 2, {}))
+    assert_ok(again)
+    assert again[0].value == first[0].value  # reproducible, run to run
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("gen-")] == []
+
+
+# -- 3. a dead peer is reported in seconds ------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_dead_peer_is_named_within_5_seconds(tmp_path: Path, how: str) -> None:
+    results = run_ranks(
+        workers.die_at_step, 3, (3, str(tmp_path), 2, 3, how), expect=[0, 1], timeout_s=60
+    )
+    for r in (0, 1):
+        out = results[r]
+        assert not out.ok
+        assert out.error_type == "PeerLostError", out.value
+        assert "ConnectionError" in out.attrs["mro"]
+        assert re.search(
+            r"^step 3: rank 2 \(pid \d+ on \S+\) has exited before publishing its gradients in ",
+            out.message,
+        ), out.message
+        assert out.attrs["step"] == 3
+        assert out.attrs["ranks"] == (2,)
+        assert out.elapsed_s < 30  # includes spawn and 3 steps; detection itself is sub-second
+
+
+def test_live_straggler_times_out_naming_exactly_the_missing_rank(tmp_path: Path) -> None:
+    results = run_ranks(workers.stall, 3, (3, str(tmp_path), 1, 1.5), expect=[0, 2], timeout_s=60)
+    for r in (0, 2):
+        out = results[r]
+        assert out.error_type == "PeerTimeoutError", out.value
+        assert "TimeoutError" in out.attrs["mro"]
+        assert re.search(
+            r"^step 1: ranks \[1\] published nothing in \S+/s-2 within 1\.5 s", out.message
+        ), out.message
+        assert out.attrs["ranks"] == (1,)
+
+
+# -- 4. mismatches are errors, on every rank ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "pattern"),
+    [
+        (
+            "shape",
+            r"step 0: param 3: rank [01] has shape \(1000,\) float32 "
+            r"but rank 2 has shape \(999,\) float32",
+        ),
+        ("count", r"step 0: rank [01] has 6 params but rank 2 has 5"),
+        (
+            "dtype",
+            r"step 0: param 1: rank [01] has shape \(7,\) float16 "
+            r"but rank 2 has shape \(7,\) float32",
+        ),
+        (
+            "step",
+            r"ranks disagree on the step number in \S+: "
+            r"rank 0 is at step 0, rank 1 is at step 0, rank 2 is at step 5",
+        ),
+    ],
+)
+def test_mismatch_fails_every_rank(tmp_path: Path, kind: str, pattern: str) -> None:
+    results = run_ranks(workers.mismatched, 3, (3, str(tmp_path), kind))
+    for r in range(3):
+        out = results[r]
+        assert out.error_type in ("MismatchError", "PeerAbortedError"), out.value
+        if out.error_type == "MismatchError":
+            assert re.search(pattern, out.message), out.message
+    # Each rank sees every header, so each detects the mismatch itself.
+    assert all(results[r].error_type == "MismatchError" for r in range(3))
+
+
+def test_world_size_mismatch_at_rendezvous(tmp_path: Path) -> None:
+    results = run_ranks(workers.rendezvous_world, 2, (2, str(tmp_path), [2, 3]))
+    assert results[0].error_type == "MismatchError"
+    assert re.search(
+        r"rendezvous: rank 0 has world_size 2 but rank 1 \(pid \d+ on \S+\) has world_size 3",
+        results[0].message,
+    )
+    assert results[1].error_type == "MismatchError"
+    assert results[1].message == results[0].message
+
+
+def test_two_processes_claiming_one_rank(tmp_path: Path) -> None:
+    # Processes 0, 1 and 2 start as ranks 0, 1, 1 of a 2-rank job: whichever way the
+    # race goes, the process that lost it fails, naming the rank and both claimants.
+    results = run_ranks(_claims, 3, (str(tmp_path),))
+    errors = [o for o in results.values() if not o.ok]
+    assert errors, "a duplicate rank went unnoticed"
+    assert all(o.error_type == "RendezvousError" for o in errors), [o.message for o in errors]
+    pattern = (
+        r"two processes claim rank 1: pid \d+ on \S+ and pid \d+ on \S+"
+        r"|rank 1 is already taken by pid \d+"
+    )
+    assert all(re.search(pattern, o.message) for o in errors), [o.message for o in errors]
+    # Never a mixed job: if anyone succeeded, it was ranks 0 and exactly one claimant.
+    assert len([o for o in results.values() if o.ok]) in (0, 2)
+
+
+def _claims(rank: int, sync_dir: str) -> object:
+    return workers.claim(rank, 2, sync_dir, [0, 1, 1][rank])
+
+
+def test_nan_check_names_rank_and_param_on_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(workers.with_nan, 2, (2, str(tmp_path), True))
+    for r in range(2):
+        assert results[r].error_type == "NonFiniteGradError"
+        assert results[r].message.startswith(
+            "step 0: non-finite gradients (NaN or Inf) in rank 1 param 1"
+        )
+    off = run_ranks(workers.with_nan, 2, (2, str(tmp_path), False))
+    assert_ok(off)
+    got = np.frombuffer(off[0].value[1], dtype=np.float16)
+    assert np.isnan(got[2])
+    assert np.isfinite(np.delete(got, 2)).all()
+
+
+def test_bad_input_on_one_rank_fails_the_peers_fast(tmp_path: Path) -> None:
+    results = run_ranks(workers.bad_input, 2, (2, str(tmp_path)))
+    assert results[1].error_type == "InvalidGradsError"
+    assert "param 0 (shape (3, 3)) is not C-contiguous" in results[1].message
+    assert results[0].error_type == "PeerAbortedError"
+    assert re.search(
+        r"^step 1: rank 1 \(pid \d+ on \S+\) gave up on this step: param 0", results[0].message
+    )
+    assert results[0].elapsed_s < 20
+
+
+# -- 5. disk use is bounded ------------------------------------------------------------
+
+
+def test_at_most_three_steps_on_disk_and_clean_shutdown_removes_the_run(tmp_path: Path) -> None:
+    results = run_ranks(workers.count_step_dirs, 2, (2, str(tmp_path), 12))
+    assert_ok(results)
+    per_step = sum(g.nbytes for g in workers.grads_for(0, 0))
+    for r in range(2):
+        most_dirs, most_bytes, gen_dir = results[r].value
+        assert most_dirs <= 3
+        assert most_bytes <= 3 * (2 + 1) * (per_step + 4096)
+        assert not Path(gen_dir).exists()
+
+
+# -- 7. bad environment -----------------------------------------------------------------
+
+
+def test_sync_dir_that_cannot_be_created(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = gradsync.FileGradSyncConfig(2, 0, blocker / "sync", max_wait_s=1.0)
+    with gradsync.GradSync(cfg) as gs, pytest.raises(gradsync.SyncDirError) as info:
+        gs.average(workers.grads_for(0, 0))
+    assert isinstance(info.value, OSError)
+    assert info.value.errno is not None
+    assert re.match(
+        rf"creating the rendezvous directory {re.escape(str(blocker))}/sync/rdzv failed: ",
+        str(info.value),
+    )
+
+
+def test_full_disk_is_a_sync_dir_error(tmp_path: Path) -> None:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.system(f"mount -t tmpfs -o size=256k tmpfs {mnt} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN)")
+    try:
+        results = run_ranks(_big_average, 2, (str(mnt),))
+        for r in range(2):
+            assert results[r].error_type in ("SyncDirError", "PeerAbortedError"), results[r].value
+        failed = [o for o in results.values() if o.error_type == "SyncDirError"]
+        assert failed
+        assert all(o.attrs["errno"] == 28 for o in failed)
+        assert all("(the sync directory's filesystem is full)" in o.message for o in failed)
+    finally:
+        os.system(f"umount {mnt}")
+
+
+def _big_average(rank: int, sync_dir: str) -> None:
+    with gradsync.GradSync(gradsync.FileGradSyncConfig(2, rank, sync_dir, max_wait_s=20)) as gs:
+        gs.average([np.ones(1 << 20, dtype=np.float32)])
+
+
+def test_empty_grads_list(tmp_path: Path) -> None:
+    with (
+        gradsync.GradSync(gradsync.FileGradSyncConfig(2, 0, tmp_path)) as gs,
+        pytest.raises(
+            gradsync.InvalidGradsError, match=r"^grads is empty: pass at least one gradient array$"
+        ),
+    ):
+        gs.average([])

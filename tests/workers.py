@@ -1,0 +1,172 @@
+"""Rank bodies for the multi-process tests (importable by spawned children)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import gradsync
+from ranks import config
+
+SHAPES: list[tuple[tuple[int, ...], str]] = [
+    ((3, 5), "float32"),
+    ((7,), "float16"),
+    ((0,), "float32"),
+    ((1000,), "float32"),
+    ((2, 2, 3), "float64"),
+    ((33,), "float16"),
+]
+
+
+def grads_for(
+    rank: int, step: int, shapes: list[tuple[tuple[int, ...], str]] = SHAPES
+) -> list[np.ndarray]:
+    """Deterministic, rank- and step-dependent gradients."""
+    rng = np.random.default_rng([rank, step, 12345])
+    return [
+        (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4)).astype(dtype)
+        for shape, dtype in shapes
+    ]
+
+
+def average_steps(
+    rank: int, world: int, sync_dir: str, steps: int, kw: dict[str, Any]
+) -> list[list[bytes]]:
+    """Average ``steps`` rounds; return each round's results as bytes."""
+    delay = kw.pop("jitter_s", 0.0)
+    rng = np.random.default_rng(rank + 99)
+    results = []
+    with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
+        for step in range(steps):
+            if delay:
+                time.sleep(float(rng.uniform(0, delay)))
+            grads = grads_for(rank, step)
+            gs.average(grads, step=step)
+            results.append([g.tobytes() for g in grads])
+    return results
+
+
+def function_form(rank: int, world: int, sync_dir: str, steps: int) -> list[list[bytes]]:
+    cfg = config(rank, world, sync_dir)
+    out = []
+    for step in range(steps):
+        grads = grads_for(rank, step)
+        gradsync.average_grads_file_sync(grads, None, cfg, step)
+        out.append([g.tobytes() for g in grads])
+    return out
+
+
+def die_at_step(rank: int, world: int, sync_dir: str, victim: int, die_step: int, how: str) -> Any:
+    """Every rank averages; ``victim`` dies at ``die_step`` (before publishing)."""
+    gs = gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=60.0))
+    for step in range(die_step + 1):
+        if rank == victim and step == die_step:
+            if how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(7)
+        start = time.monotonic()
+        try:
+            gs.average(grads_for(rank, step), step=step)
+        except gradsync.GradSyncError:
+            raise
+        finally:
+            elapsed = time.monotonic() - start
+    return elapsed
+
+
+def stall(rank: int, world: int, sync_dir: str, sleeper: int, max_wait_s: float) -> Any:
+    """``sleeper`` never calls average after step 0 but stays alive."""
+    gs = gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=max_wait_s))
+    gs.average(grads_for(rank, 0), step=0)
+    if rank == sleeper:
+        time.sleep(max_wait_s + 3)
+        return "slept"
+    start = time.monotonic()
+    try:
+        gs.average(grads_for(rank, 1), step=1)
+    finally:
+        globals()["_elapsed"] = time.monotonic() - start
+    return None
+
+
+def mismatched(rank: int, world: int, sync_dir: str, kind: str) -> Any:
+    shapes = list(SHAPES)
+    step = 0
+    if rank == world - 1:
+        if kind == "shape":
+            shapes[3] = ((999,), "float32")
+        elif kind == "count":
+            shapes = shapes[:-1]
+        elif kind == "dtype":
+            shapes[1] = ((7,), "float32")
+        elif kind == "step":
+            step = 5
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        gs.average(grads_for(rank, 0, shapes), step=step)
+
+
+def with_nan(rank: int, world: int, sync_dir: str, check: bool) -> Any:
+    grads = grads_for(rank, 0)
+    if rank == 1:
+        grads[1][2] = np.nan
+    with gradsync.GradSync(config(rank, world, sync_dir, check_finite=check)) as gs:
+        gs.average(grads, step=0)
+    return [g.tobytes() for g in grads]
+
+
+def bad_input(rank: int, world: int, sync_dir: str) -> Any:
+    grads = grads_for(rank, 0)
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        gs.average(grads, step=0)
+        grads = grads_for(rank, 1)
+        if rank == 1:
+            grads[0] = np.asfortranarray(grads[0])
+            grads[0] = grads[0][:, ::2]
+        gs.average(grads, step=1)
+
+
+def count_step_dirs(rank: int, world: int, sync_dir: str, steps: int) -> Any:
+    """Average ``steps`` times; report the most step dirs and bytes seen on disk."""
+    most_dirs = 0
+    most_bytes = 0
+    gs = gradsync.GradSync(config(rank, world, sync_dir))
+    for step in range(steps):
+        gs.average(grads_for(rank, step), step=step)
+        gen = Path(gs.generation_dir or "")
+        dirs = [p for p in gen.iterdir() if p.name.startswith("s-")]
+        most_dirs = max(most_dirs, len(dirs))
+        most_bytes = max(
+            most_bytes, sum(f.stat().st_size for d in dirs for f in d.iterdir() if f.is_file())
+        )
+    gen_dir = gs.generation_dir
+    gs.close()
+    return most_dirs, most_bytes, gen_dir
+
+
+def crash_after_publish(rank: int, world: int, sync_dir: str) -> Any:
+    """An earlier run: average one step, publish the next inputs, then die hard."""
+    gs = gradsync.GradSync(config(rank, world, sync_dir))
+    gs.average(grads_for(rank + 100, 0), step=0)
+    engine = gs._engine
+    assert engine is not None
+    engine.seq += 1
+    step_dir = engine.gen.path / f"s-{engine.seq}"
+    plan = engine._plan_for(tuple((g.dtype.str, g.shape) for g in grads_for(rank + 100, 1)))
+    engine._publish(step_dir, plan, [g.reshape(-1) for g in grads_for(rank + 100, 1)], 1, [])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def claim(rank: int, world: int, sync_dir: str, as_rank: int) -> Any:
+    with gradsync.GradSync(config(as_rank, world, sync_dir, max_wait_s=8.0)) as gs:
+        gs.average(grads_for(as_rank, 0), step=0)
+    return "joined"
+
+
+def rendezvous_world(rank: int, world: int, sync_dir: str, worlds: list[int]) -> Any:
+    with gradsync.GradSync(config(rank, worlds[rank], sync_dir, max_wait_s=8.0)) as gs:
+        gs.average(grads_for(rank, 0), step=0)
