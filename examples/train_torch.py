@@ -124,7 +124,7 @@ def grad_views(model: nn.Module) -> list[np.ndarray]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
     parser.add_argument(
         "--batch-size", type=int, default=32, help="samples per rank per step (default 32)"

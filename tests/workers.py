@@ -164,6 +164,7 @@ def crash_after_publish(rank: int, world: int, sync_dir: str) -> Any:
 def claim(rank: int, world: int, sync_dir: str, as_rank: int) -> Any:
     with gradsync.GradSync(config(as_rank, world, sync_dir, max_wait_s=8.0)) as gs:
         gs.average(grads_for(as_rank, 0), step=0)
+        time.sleep(3.0)  # a running job, not one that has already left
     return "joined"
 
 

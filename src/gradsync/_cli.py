@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if ns.command == "status":
         # Imported here: the status command is optional and written separately.
-        from ._status import status_main  # type: ignore[import-not-found,unused-ignore]  # noqa: PLC0415
+        from ._status import status_main  # noqa: PLC0415
 
         code: int = status_main(ns.dir, as_json=ns.json)
         return code

@@ -16,7 +16,7 @@ __all__ = ["FileGradSyncConfig", "Strategy"]
 
 Strategy = Literal["sharded", "root"]
 _STRATEGIES: tuple[str, ...] = ("sharded", "root")
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class FileGradSyncConfig:
         if not isinstance(self.check_finite, bool):
             raise ConfigError(f"check_finite must be a bool, got {self.check_finite!r}")
         if self.run_id is not None and (
-            not isinstance(self.run_id, str) or not _RUN_ID_RE.match(self.run_id)
+            not isinstance(self.run_id, str) or not _RUN_ID_RE.fullmatch(self.run_id)
         ):
             raise ConfigError(
                 f"run_id must be 1-64 characters from [A-Za-z0-9._-] or None, got {self.run_id!r}"
@@ -111,13 +111,16 @@ class FileGradSyncConfig:
             ("world_size", ("GRADSYNC_WORLD_SIZE", "WORLD_SIZE")),
             ("rank", ("GRADSYNC_RANK", "RANK")),
         ):
+            if key in overrides:
+                continue
             name, raw = _first(source, names)
             values[key] = _parse_int(name, raw)
             used.append(f"{name}={raw!r}")
-        name, raw = _first(source, ("GRADSYNC_SYNC_DIR",))
-        if not raw.strip():
-            raise ConfigError(f"environment variable {name} is empty")
-        values["sync_dir"] = raw
+        if "sync_dir" not in overrides:
+            name, raw = _first(source, ("GRADSYNC_SYNC_DIR",))
+            if not raw.strip():
+                raise ConfigError(f"environment variable {name} is empty")
+            values["sync_dir"] = raw
         if "GRADSYNC_MAX_WAIT_S" in source:
             raw = source["GRADSYNC_MAX_WAIT_S"]
             values["max_wait_s"] = _parse_float("GRADSYNC_MAX_WAIT_S", raw)
@@ -151,7 +154,8 @@ def _check_int(name: str, value: object, *, minimum: int) -> None:
 def _check_seconds(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
+    # A huge int is finite; math.isfinite would overflow converting it to float.
+    if not (value > 0 and (isinstance(value, int) or math.isfinite(value))):
         raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
 
 

@@ -210,7 +210,11 @@ class _Leader:
                 next_warn += cfg.warn_after_s
             backoff.pause()
         members = (self.me, *(self.confirmed[r] for r in range(1, cfg.world_size)))
-        roster = {"members": [m.to_json() for m in members], "world_size": cfg.world_size}
+        roster = {
+            "members": [m.to_json() for m in members],
+            "world_size": cfg.world_size,
+            "run_id": cfg.run_id,
+        }
         _write(self.gen_path / ROSTER, roster, "publishing the roster to")
         self._tidy()
         return Generation(self.gen_path, self.me.nonce, members, 0)
@@ -392,6 +396,9 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
                             {"member": me.to_json(), "world_size": cfg.world_size},
                             "confirming membership in",
                         )
+            if gen_path is None and elapsed >= next_check:
+                next_check = elapsed + _CHECK_EVERY_S
+                _check_not_taken(cfg, me, watch)
             if gen_path is not None and leader is not None:
                 abort = _load(gen_path / ABORT)
                 if abort is not None:
@@ -435,6 +442,48 @@ def _raise_abort(note: dict[str, Any], gen_path: Path) -> None:
             # Rank 0 found a problem of the whole job: every rank raises it alike.
             raise cls(message, ranks=ranks, path=gen_path)
     raise PeerAbortedError(f"rendezvous failed on rank 0: {message}", ranks=[0], path=gen_path)
+
+
+def _check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWatch) -> None:
+    """Fail if a running job with our run id already has a live process as our rank.
+
+    Its rank 0 stopped admitting ranks when its roster was complete, so without this
+    check a duplicate rank would wait out ``max_wait_s`` for an offer.
+    """
+    for name in list_names(cfg.sync_dir):
+        if not name.startswith(GEN_PREFIX):
+            continue
+        gen_path = cfg.sync_dir / name
+        roster = _load(gen_path / ROSTER)
+        if roster is None or roster.get("run_id") != cfg.run_id:
+            continue
+        members = roster.get("members")
+        if not isinstance(members, list) or len(members) <= cfg.rank:
+            continue
+        try:
+            leader, holder = (
+                MemberInfo.from_json(members[0]),
+                MemberInfo.from_json(members[cfg.rank]),
+            )
+        except (KeyError, TypeError, ValueError):
+            continue
+        if (gen_path / f"left-{cfg.rank}").exists():
+            continue
+        if all(_is_alive(m, gen_path, watch) for m in (leader, holder)):
+            raise RendezvousError(
+                f"rendezvous: rank {cfg.rank} is already taken by {holder.describe()} in the "
+                f"running job {gen_path}; this process ({me.describe()}) claimed the same rank",
+                ranks=[cfg.rank],
+                path=gen_path,
+            )
+
+
+def _is_alive(member: MemberInfo, gen_path: Path, watch: HeartbeatWatch) -> bool:
+    if member.same_host:
+        return member.local_death() is None
+    hb = gen_path / f"hb-{member.nonce}"
+    watch.silent_for_s(hb)
+    return watch.moved(hb)
 
 
 def _check_leader(

@@ -1,0 +1,177 @@
+"""``gradsync status DIR``: who is in a sync directory, and which rank is everyone waiting for."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ._errors import CorruptFileError
+from ._format import HEADER_READ_BYTES, decode_header
+from ._liveness import HeartbeatWatch, MemberInfo, read_counter
+from ._rendezvous import ABORT, GEN_PREFIX, RDZV, ROSTER, _load, _member
+
+__all__ = ["describe", "status_main"]
+
+# Long enough to see a heartbeat move at the default 1 s interval.
+_SAMPLE_S = 1.3
+
+
+def _disk_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def _steps(gen: Path) -> list[int]:
+    seqs = []
+    for name in os.listdir(gen) if gen.is_dir() else []:
+        if name.startswith("s-") and name[2:].isdigit():
+            seqs.append(int(name[2:]))
+    return sorted(seqs)
+
+
+def _user_step(path: Path) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            return decode_header(f.read(HEADER_READ_BYTES), str(path)).step
+    except (OSError, CorruptFileError):
+        return None
+
+
+def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
+    roster = _load(gen / ROSTER)
+    info: dict[str, Any] = {"path": str(gen), "id": gen.name[len(GEN_PREFIX) :]}
+    members: list[MemberInfo] = []
+    if roster is not None and isinstance(roster.get("members"), list):
+        for raw in roster["members"]:
+            try:
+                members.append(MemberInfo.from_json(raw))
+            except (KeyError, TypeError, ValueError):
+                continue
+        info["state"] = "running"
+    else:
+        info["state"] = "rendezvous"
+        for name in sorted(os.listdir(gen)):
+            if name.startswith("member-"):
+                member = _member(_load(gen / name))
+                if member is not None:
+                    members.append(member)
+        leader = _member(_load(gen.parent / RDZV / f"leader-{info['id']}.json"))
+        if leader is not None:
+            members.insert(0, leader)
+    abort = _load(gen / ABORT)
+    if abort is not None:
+        info["state"] = "failed"
+        info["error"] = abort.get("message")
+    seqs = _steps(gen)
+    names = {seq: set(os.listdir(gen / f"s-{seq}")) for seq in seqs if (gen / f"s-{seq}").is_dir()}
+    ranks = []
+    for m in members:
+        entry: dict[str, Any] = {
+            "rank": m.rank,
+            "host": m.hostname,
+            "pid": m.pid,
+            "same_host": m.same_host,
+            "left": (gen / f"left-{m.rank}").exists(),
+        }
+        if m.same_host:
+            death = m.local_death()
+            entry["alive"] = death is None
+        else:
+            entry["heartbeat"] = read_counter(gen / f"hb-{m.nonce}")
+            entry["hb_path"] = str(gen / f"hb-{m.nonce}")
+        published = [seq for seq in seqs if f"in-{m.rank}" in names.get(seq, set())]
+        if published:
+            last = published[-1]
+            entry["last_call"] = last
+            entry["last_step"] = _user_step(gen / f"s-{last}" / f"in-{m.rank}")
+        entry["failed"] = any(f"abort-{m.rank}" in names.get(seq, set()) for seq in seqs)
+        ranks.append(entry)
+    info["ranks"] = ranks
+    if seqs and members:
+        seq = seqs[-1]
+        present = names.get(seq, set())
+        have_in = sorted(m.rank for m in members if f"in-{m.rank}" in present)
+        missing_in = sorted(m.rank for m in members if m.rank not in have_in)
+        info["latest_call"] = seq
+        if missing_in and have_in:
+            info["waiting"] = {"for": missing_in, "by": have_in, "what": "gradients", "call": seq}
+        elif not missing_in:
+            have_out = [m.rank for m in members if f"out-{m.rank}" in present]
+            missing_out = sorted(m.rank for m in members if m.rank not in have_out)
+            if have_out and missing_out:
+                info["waiting"] = {
+                    "for": missing_out,
+                    "by": sorted(m.rank for m in members),
+                    "what": "shards of the mean",
+                    "call": seq,
+                }
+    info["disk_bytes"] = _disk_bytes(gen)
+    return info
+
+
+def describe(sync_dir: Path, *, sample_s: float = _SAMPLE_S) -> dict[str, Any]:
+    """A JSON-able description of every job in ``sync_dir``.
+
+    Members on other hosts are sampled twice, ``sample_s`` seconds apart, to tell
+    whether their heartbeat still moves.
+    """
+    watch = HeartbeatWatch(timeout_s=3600.0)
+    gens = sorted(p for p in sync_dir.iterdir() if p.name.startswith(GEN_PREFIX) and p.is_dir())
+    jobs = [_generation(g, watch) for g in gens]
+    remote = [r for job in jobs for r in job["ranks"] if not r["same_host"]]
+    if remote:
+        time.sleep(sample_s)
+        for r in remote:
+            later = read_counter(Path(r.pop("hb_path")))
+            r["beating"] = later is not None and later != r["heartbeat"]
+    return {"sync_dir": str(sync_dir), "disk_bytes": _disk_bytes(sync_dir), "jobs": jobs}
+
+
+def _text(report: dict[str, Any]) -> str:
+    lines = [f"{report['sync_dir']}: {len(report['jobs'])} job(s), {report['disk_bytes']} bytes"]
+    for job in report["jobs"]:
+        lines.append(f"  generation {job['id']}: {job['state']}, {job['disk_bytes']} bytes")
+        if job.get("error"):
+            lines.append(f"    error: {job['error']}")
+        for r in job["ranks"]:
+            if r["left"]:
+                life = "left"
+            elif r["same_host"]:
+                life = "alive" if r["alive"] else "DEAD"
+            else:
+                life = "beating" if r.get("beating") else "NOT BEATING"
+            last = (
+                f"last published call {r['last_call']} (step {r['last_step']})"
+                if "last_call" in r
+                else "published nothing"
+            )
+            failed = ", FAILED a step" if r["failed"] else ""
+            lines.append(
+                f"    rank {r['rank']}: pid {r['pid']} on {r['host']}, {life}, {last}{failed}"
+            )
+        waiting = job.get("waiting")
+        if waiting:
+            lines.append(
+                f"    ranks {waiting['by']} are waiting for ranks {waiting['for']} to publish "
+                f"their {waiting['what']} (call {waiting['call']})"
+            )
+    return "\n".join(lines)
+
+
+def status_main(sync_dir: Path, *, as_json: bool) -> int:
+    """Print the state of ``sync_dir``; 0 if readable, 1 if it does not exist."""
+    if not sync_dir.is_dir():
+        print(f"gradsync status: {sync_dir} is not a directory", file=sys.stderr)
+        return 1
+    report = describe(sync_dir)
+    print(json.dumps(report, indent=2) if as_json else _text(report))
+    return 0

@@ -1,0 +1,542 @@
+"""File primitives: atomic writes, waiting for a path, polling backoff, exact reads."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gradsync import SyncDirError, atomic_write_bytes, wait_for_path
+from gradsync import _fsio
+from gradsync._fsio import (
+    Backoff,
+    list_names,
+    read_exact_into,
+    read_small,
+    translate_oserror,
+    write_atomic,
+)
+
+IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def exact(message: str) -> str:
+    return f"^{re.escape(message)}$"
+
+
+def temp_files(directory: Path) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
+
+
+# --- ported from the Rust reference -------------------------------------------------------
+
+
+def test_wait_for_path_times_out(tmp_path: Path) -> None:
+    missing = tmp_path / "missing_marker_should_not_exist"
+    start = time.monotonic()
+    assert wait_for_path(missing, 0.04) is False
+    took = time.monotonic() - start
+    assert took >= 0.04
+    assert took < 2.0  # generous: a loaded 2-core CI machine
+
+
+def test_atomic_write_and_ready_marker_roundtrip(tmp_path: Path) -> None:
+    marker = tmp_path / "sync" / ".ready"
+    atomic_write_bytes(marker, b"1")
+    assert wait_for_path(marker, 0.1) is True
+    assert marker.read_bytes() == b"1"
+
+
+# --- atomic_write_bytes --------------------------------------------------------------------
+
+
+def test_atomic_write_creates_parents(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b" / "c" / "file.bin"
+    atomic_write_bytes(str(target), b"payload")  # str paths too
+    assert target.read_bytes() == b"payload"
+    assert os.listdir(target.parent) == ["file.bin"]
+
+
+def test_atomic_write_empty_data(tmp_path: Path) -> None:
+    target = tmp_path / "empty"
+    atomic_write_bytes(target, b"")
+    assert target.read_bytes() == b""
+    assert temp_files(tmp_path) == []
+
+
+def test_atomic_write_replaces_by_rename(tmp_path: Path) -> None:
+    target = tmp_path / "f"
+    atomic_write_bytes(target, b"old contents")
+    old_inode = target.stat().st_ino
+    with open(target, "rb") as held:  # a reader holding the old file keeps the old bytes
+        atomic_write_bytes(target, b"new")
+        assert held.read() == b"old contents"
+    assert target.read_bytes() == b"new"
+    assert target.stat().st_ino != old_inode
+    assert os.listdir(tmp_path) == ["f"]
+
+
+def test_atomic_write_readers_never_see_partial_file(tmp_path: Path) -> None:
+    target = tmp_path / "f"
+    size = 1 << 20
+    versions = [bytes([v]) * size for v in (1, 2)]
+    atomic_write_bytes(target, versions[0])
+    stop = threading.Event()
+    bad: list[str] = []
+    reads = 0
+
+    def reader() -> None:
+        nonlocal reads
+        while not stop.is_set():
+            data = target.read_bytes()
+            reads += 1
+            if data not in versions:
+                bad.append(f"read {len(data)} bytes, first {data[:1]!r} last {data[-1:]!r}")
+                return
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for i in range(30):
+            atomic_write_bytes(target, versions[i % 2])
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert bad == []
+    assert reads > 0
+    assert temp_files(tmp_path) == []
+
+
+def test_atomic_write_failure_when_target_is_directory(tmp_path: Path) -> None:
+    target = tmp_path / "dir"
+    target.mkdir()
+    (target / "inside").write_bytes(b"x")
+    with pytest.raises(
+        SyncDirError, match=exact(f"writing {target} failed: Is a directory")
+    ) as info:
+        atomic_write_bytes(target, b"data")
+    assert info.value.errno == errno.EISDIR
+    assert info.value.path == str(target)
+    assert isinstance(info.value.__cause__, IsADirectoryError)
+    assert sorted(os.listdir(tmp_path)) == ["dir"]  # the temp file is gone
+    assert os.listdir(target) == ["inside"]
+
+
+def test_atomic_write_failure_under_regular_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "plain"
+    blocker.write_bytes(b"not a dir")
+    target = blocker / "sub" / "f"
+    with pytest.raises(
+        SyncDirError, match=exact(f"writing {target} failed: Not a directory")
+    ) as info:
+        atomic_write_bytes(target, b"data")
+    assert info.value.errno == errno.ENOTDIR
+    assert info.value.filename == str(target)
+    assert isinstance(info.value, OSError)
+    assert os.listdir(tmp_path) == ["plain"]
+    assert blocker.read_bytes() == b"not a dir"
+
+
+def test_atomic_write_failure_parent_is_regular_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "plain"
+    blocker.write_bytes(b"")
+    target = blocker / "f"
+    with pytest.raises(SyncDirError, match=exact(f"writing {target} failed: File exists")) as info:
+        atomic_write_bytes(target, b"data")
+    assert info.value.errno == errno.EEXIST
+    assert os.listdir(tmp_path) == ["plain"]
+
+
+def test_atomic_write_failure_mid_write_removes_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "f"
+    atomic_write_bytes(target, b"old")
+
+    def full(fd: int, buffers: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", full)
+    with pytest.raises(
+        SyncDirError,
+        match=exact(
+            f"writing {target} failed: No space left on device "
+            "(the sync directory's filesystem is full)"
+        ),
+    ) as info:
+        atomic_write_bytes(target, b"new data")
+    monkeypatch.undo()
+    assert info.value.errno == errno.ENOSPC
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["f"]
+
+
+def test_write_atomic_interrupted_removes_temp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(fd: int, buffers: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "writev", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(tmp_path / "f", [b"abc"])
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(IS_ROOT, reason="root bypasses directory permissions")
+def test_atomic_write_unwritable_dir(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        target = locked / "f"
+        with pytest.raises(
+            SyncDirError,
+            match=exact(
+                f"writing {target} failed: Permission denied "
+                "(the sync directory is not writable by this process)"
+            ),
+        ) as info:
+            atomic_write_bytes(target, b"x")
+        assert info.value.errno == errno.EACCES
+        assert os.listdir(locked) == []
+    finally:
+        locked.chmod(0o700)
+
+
+# --- translate_oserror ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "hint"),
+    [
+        (errno.ENOSPC, " (the sync directory's filesystem is full)"),
+        (errno.EACCES, " (the sync directory is not writable by this process)"),
+        (errno.EPERM, " (the sync directory is not writable by this process)"),
+        (errno.EROFS, " (the sync directory is not writable by this process)"),
+        (errno.EIO, ""),
+    ],
+)
+def test_translate_oserror(code: int, hint: str) -> None:
+    exc = OSError(code, os.strerror(code))
+    err = translate_oserror(exc, "publishing", Path("/gs/in-0"), step=5)
+    assert type(err) is SyncDirError
+    assert str(err) == f"step 5: publishing /gs/in-0 failed: {os.strerror(code)}{hint}"
+    assert (err.errno, err.step, err.path) == (code, 5, "/gs/in-0")
+    plain = translate_oserror(exc, "reading", "/gs/x")
+    assert str(plain) == f"reading /gs/x failed: {os.strerror(code)}{hint}"
+    assert plain.step is None
+
+
+def test_translate_oserror_without_strerror() -> None:
+    err = translate_oserror(OSError("weird"), "listing", "/gs")
+    assert str(err) == "listing /gs failed: weird"
+    assert err.errno is None
+
+
+# --- wait_for_path -------------------------------------------------------------------------
+
+
+def test_wait_for_path_existing(tmp_path: Path) -> None:
+    target = tmp_path / "here"
+    target.write_bytes(b"")
+    start = time.monotonic()
+    assert wait_for_path(target, 5.0) is True
+    assert wait_for_path(str(target), 0) is True
+    assert time.monotonic() - start < 1.0
+
+
+def test_wait_for_path_missing_parent(tmp_path: Path) -> None:
+    assert wait_for_path(tmp_path / "no" / "such" / "dir" / "f", 0.01) is False
+    blocker = tmp_path / "plain"
+    blocker.write_bytes(b"")
+    assert wait_for_path(blocker / "f", 0.01) is False  # ENOTDIR counts as "not there yet"
+
+
+def test_wait_for_path_sees_file_created_later(tmp_path: Path) -> None:
+    target = tmp_path / "later" / "f"
+    timer = threading.Timer(0.05, atomic_write_bytes, args=(target, b"done"))
+    start = time.monotonic()
+    timer.start()
+    try:
+        assert wait_for_path(target, 10.0) is True
+    finally:
+        timer.join(10)
+    took = time.monotonic() - start
+    assert 0.04 <= took < 5.0
+    assert target.read_bytes() == b"done"
+
+
+@pytest.fixture
+def open_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    calls: list[str] = []
+    real_open = os.open
+
+    def counting_open(path: str, flags: int, *args: object, **kwargs: object) -> int:
+        calls.append(os.fspath(path))
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", counting_open)
+    yield calls
+
+
+def test_wait_for_path_zero_wait_tries_once(tmp_path: Path, open_calls: list[str]) -> None:
+    missing = tmp_path / "missing"
+    assert wait_for_path(missing, 0) is False
+    assert open_calls == [str(missing)]
+    open_calls.clear()
+    assert wait_for_path(missing, -1.0) is False
+    assert open_calls == [str(missing)]
+
+
+def test_wait_for_path_polls_repeatedly(tmp_path: Path, open_calls: list[str]) -> None:
+    assert wait_for_path(tmp_path / "missing", 0.02) is False
+    assert len(open_calls) >= 3
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: wait_for_path(path, nan) never returns for a missing path (elapsed >= nan "
+    "is always False); reject or clamp non-finite/NaN max_wait_s",
+)
+def test_wait_for_path_nan_does_not_hang(tmp_path: Path) -> None:
+    code = (
+        "import sys; from gradsync import wait_for_path\n"
+        "try:\n"
+        "    wait_for_path(sys.argv[1], float('nan'))\n"
+        "except ValueError:\n"
+        "    pass\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "missing")], check=True, timeout=3
+    )
+
+
+# --- Backoff -------------------------------------------------------------------------------
+
+
+class FakeTime:
+    """Stands in for the ``time`` module inside gradsync._fsio."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_backoff_yields_then_sleeps_with_growing_caps(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeTime()
+    yields: list[None] = []
+    monkeypatch.setattr(_fsio, "time", clock)
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(None))
+    backoff = Backoff(spin_s=0.001, first_sleep_s=5e-5)
+    # Within the spin window: yield the CPU, never sleep.
+    for _ in range(5):
+        backoff.pause()
+        clock.now += 0.0001
+    assert (len(yields), clock.sleeps) == (5, [])
+    clock.now += 0.001
+    for _ in range(20):
+        backoff.pause()
+    assert len(yields) == 5
+    sleeps = clock.sleeps
+    assert sleeps[0] == pytest.approx(7.5e-5)
+    assert all(b >= a for a, b in zip(sleeps, sleeps[1:], strict=False))  # never shrinks
+    assert max(sleeps) == pytest.approx(0.0005)  # sub-millisecond during the first second
+    assert backoff.elapsed_s() < 1.0
+    clock.now += 1.0
+    clock.sleeps.clear()
+    for _ in range(30):
+        backoff.pause()
+    assert all(s <= 0.005 + 1e-12 for s in clock.sleeps)
+    assert clock.sleeps[-1] == pytest.approx(0.005)  # gentler polling for long waits
+
+
+def test_backoff_real_clock_sanity() -> None:
+    backoff = Backoff()
+    start = time.monotonic()
+    for _ in range(200):
+        backoff.pause()
+    took = time.monotonic() - start
+    assert 0 <= backoff.elapsed_s() < 5.0
+    assert took < 5.0  # 200 pauses of at most 0.5 ms each, plus scheduling slack
+
+
+# --- read_exact_into / read_small / list_names ---------------------------------------------
+
+
+def test_read_exact_into(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    values = np.arange(10, dtype=np.float32)
+    path.write_bytes(b"HEAD" + values.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = np.empty((2, 5), dtype=np.float32)
+        read_exact_into(fd, 4, memoryview(out), path)
+        np.testing.assert_array_equal(out.reshape(-1), values)
+        raw = bytearray(4)
+        read_exact_into(fd, 0, memoryview(raw), path)
+        assert raw == b"HEAD"
+        read_exact_into(fd, 44, memoryview(bytearray()), path)  # nothing to read at EOF
+    finally:
+        os.close(fd)
+
+
+def test_read_exact_into_short_file(tmp_path: Path) -> None:
+    path = tmp_path / "short"
+    path.write_bytes(bytes(10))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(EOFError, match=exact(f"{path} ends at byte 10, expected 13")):
+            read_exact_into(fd, 5, memoryview(bytearray(8)), path)
+        with pytest.raises(EOFError, match=exact("label ends at byte 10, expected 14")):
+            read_exact_into(fd, 10, memoryview(np.zeros(1, np.float32)), "label")
+    finally:
+        os.close(fd)
+
+
+def test_read_small(tmp_path: Path) -> None:
+    assert read_small(tmp_path / "missing") is None
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 70000)
+    assert read_small(path) == b"x" * 70000
+    with pytest.raises(OSError, match=re.escape("file is larger than 1000 bytes")) as info:
+        read_small(path, limit=1000)
+    assert info.value.errno == errno.EFBIG
+
+
+def test_list_names(tmp_path: Path) -> None:
+    assert list_names(tmp_path / "missing") == set()
+    (tmp_path / "a").write_bytes(b"")
+    (tmp_path / ".b").mkdir()
+    assert list_names(tmp_path) == {"a", ".b"}
+
+
+# --- write_atomic --------------------------------------------------------------------------
+
+
+def mixed_chunks(count: int) -> list[bytes | memoryview]:
+    rng = np.random.default_rng(1234)
+    dtypes = [np.float16, np.float32, np.float64, np.int8, np.uint16, np.int64, np.complex64]
+    chunks: list[bytes | memoryview] = []
+    for i in range(count):
+        kind = i % 5
+        if kind == 0:
+            chunks.append(rng.bytes(int(rng.integers(0, 40))))
+        elif kind == 1:
+            chunks.append(b"")
+        else:
+            dtype = dtypes[i % len(dtypes)]
+            shape = (int(rng.integers(0, 7)),) if kind != 4 else (2, int(rng.integers(1, 4)))
+            arr = (rng.standard_normal(shape) * 1000).astype(dtype)
+            chunks.append(memoryview(arr))
+    return chunks
+
+
+def as_bytes(chunk: bytes | memoryview) -> bytes:
+    return chunk.tobytes() if isinstance(chunk, memoryview) else bytes(chunk)
+
+
+@pytest.mark.parametrize("count", [0, 1, 511, 512, 513, 1500])
+def test_write_atomic_many_chunks(tmp_path: Path, count: int) -> None:
+    chunks = mixed_chunks(count)
+    expected = b"".join(as_bytes(c) for c in chunks)
+    target = tmp_path / "out"
+    assert write_atomic(target, chunks) == len(expected)
+    assert target.read_bytes() == expected
+    assert os.listdir(tmp_path) == ["out"]
+
+
+def test_write_atomic_batches_stay_under_iov_max(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_writev = os.writev
+    batch_sizes: list[int] = []
+
+    def spy(fd: int, buffers: list[memoryview]) -> int:
+        batch_sizes.append(len(buffers))
+        return real_writev(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", spy)
+    chunks = [bytes([i % 256]) * 3 for i in range(1300)]
+    assert write_atomic(tmp_path / "out", chunks) == 3900
+    monkeypatch.undo()
+    assert batch_sizes == [512, 512, 276]
+    assert (tmp_path / "out").read_bytes() == b"".join(chunks)
+
+
+@pytest.mark.parametrize("limit", [1, 7, 64, 1000])
+def test_write_atomic_survives_short_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    """``writev`` may write less than asked (pipes, signals, NFS): the rest must follow."""
+
+    def short_writev(fd: int, buffers: list[memoryview]) -> int:
+        data = b""
+        for buf in buffers:
+            data += bytes(buf[: limit - len(data)])
+            if len(data) >= limit:
+                break
+        return os.write(fd, data)
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    chunks = mixed_chunks(700)
+    expected = b"".join(as_bytes(c) for c in chunks)
+    assert write_atomic(tmp_path / "out", chunks) == len(expected)
+    monkeypatch.undo()
+    assert (tmp_path / "out").read_bytes() == expected
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float16, np.float32, np.float64, np.int32, np.uint8, np.complex128, np.bool_],
+)
+def test_write_atomic_numpy_memoryviews(tmp_path: Path, dtype: type[np.generic]) -> None:
+    rng = np.random.default_rng(7)
+    arrays = [(rng.standard_normal(n) * 100).astype(dtype) for n in (0, 1, 17, 4096)]
+    matrix = (rng.standard_normal((3, 4)) * 100).astype(dtype)
+    chunks: list[bytes | memoryview] = [b"hdr", *(a.data for a in arrays), memoryview(matrix)]
+    expected = b"hdr" + b"".join(a.tobytes() for a in arrays) + matrix.tobytes()
+    target = tmp_path / "grads"
+    assert write_atomic(target, chunks) == len(expected)
+    assert target.read_bytes() == expected
+    back = np.frombuffer(target.read_bytes(), dtype=dtype, offset=3 + arrays[0].nbytes)
+    np.testing.assert_array_equal(back[: arrays[1].size], arrays[1])
+
+
+def test_write_atomic_temp_name_is_hidden_and_in_same_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_rename = os.rename
+    renames: list[tuple[str, str]] = []
+
+    def spy(src: str, dst: str) -> None:
+        renames.append((os.fspath(src), os.fspath(dst)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", spy)
+    write_atomic(tmp_path / "target", [b"x"])
+    monkeypatch.undo()
+    [(src, dst)] = renames
+    assert dst == str(tmp_path / "target")
+    assert os.path.dirname(src) == str(tmp_path)
+    name = os.path.basename(src)
+    assert name.startswith(f".target.{os.getpid()}.")
+    assert name.endswith(".tmp")
