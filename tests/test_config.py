@@ -208,9 +208,7 @@ def test_seconds_validation(name: str, value: object, template: str) -> None:
     "run_id='abc\\n' is accepted; use re.fullmatch / '\\Z'",
 )
 def test_run_id_with_trailing_newline_rejected() -> None:
-    with raises_config(
-        "run_id must be 1-64 characters from [A-Za-z0-9._-] or None, got 'abc\\n'"
-    ):
+    with raises_config("run_id must be 1-64 characters from [A-Za-z0-9._-] or None, got 'abc\\n'"):
         make(run_id="abc\n")
 
 
@@ -260,7 +258,10 @@ def test_from_env_strips_whitespace() -> None:
 @pytest.mark.parametrize(
     ("drop", "message"),
     [
-        ("GRADSYNC_WORLD_SIZE", "environment variable GRADSYNC_WORLD_SIZE or WORLD_SIZE is not set"),
+        (
+            "GRADSYNC_WORLD_SIZE",
+            "environment variable GRADSYNC_WORLD_SIZE or WORLD_SIZE is not set",
+        ),
         ("GRADSYNC_RANK", "environment variable GRADSYNC_RANK or RANK is not set"),
         ("GRADSYNC_SYNC_DIR", "environment variable GRADSYNC_SYNC_DIR is not set"),
     ],

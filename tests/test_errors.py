@@ -23,8 +23,8 @@ from gradsync import (
     PeerTimeoutError,
     RendezvousError,
     SyncDirError,
+    _errors,
 )
-from gradsync import _errors
 
 BUILTIN_BASE: dict[type[GradSyncError], type[BaseException]] = {
     ConfigError: ValueError,

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from gradsync import SyncDirError, atomic_write_bytes, wait_for_path
-from gradsync import _fsio
+from gradsync import SyncDirError, _fsio, atomic_write_bytes, wait_for_path
 from gradsync._fsio import (
     Backoff,
     list_names,
@@ -279,7 +278,7 @@ def test_wait_for_path_sees_file_created_later(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def open_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+def open_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     real_open = os.open
 
@@ -288,7 +287,7 @@ def open_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "open", counting_open)
-    yield calls
+    return calls
 
 
 def test_wait_for_path_zero_wait_tries_once(tmp_path: Path, open_calls: list[str]) -> None:
@@ -318,9 +317,7 @@ def test_wait_for_path_nan_does_not_hang(tmp_path: Path) -> None:
         "except ValueError:\n"
         "    pass\n"
     )
-    subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path / "missing")], check=True, timeout=3
-    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "missing")], check=True, timeout=3)
 
 
 # --- Backoff -------------------------------------------------------------------------------
@@ -358,7 +355,7 @@ def test_backoff_yields_then_sleeps_with_growing_caps(monkeypatch: pytest.Monkey
     assert len(yields) == 5
     sleeps = clock.sleeps
     assert sleeps[0] == pytest.approx(7.5e-5)
-    assert all(b >= a for a, b in zip(sleeps, sleeps[1:], strict=False))  # never shrinks
+    assert all(b >= a for a, b in itertools.pairwise(sleeps))  # never shrinks
     assert max(sleeps) == pytest.approx(0.0005)  # sub-millisecond during the first second
     assert backoff.elapsed_s() < 1.0
     clock.now += 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -13,8 +14,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import gradsync._reduce as reduce_mod
-from gradsync import ConfigError, InvalidGradsError, MismatchError, average_host_grads
-from gradsync import shard_indices
+from gradsync import (
+    ConfigError,
+    InvalidGradsError,
+    MismatchError,
+    average_host_grads,
+    shard_indices,
+)
 from gradsync._reduce import (
     ACCUMULATOR,
     SUPPORTED_DTYPES,
@@ -23,9 +29,7 @@ from gradsync._reduce import (
     shard_range,
 )
 
-SETTINGS = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal
 F32_SUB = float(np.finfo(np.float32).smallest_subnormal)
@@ -132,24 +136,27 @@ def test_float32_mean_is_rank_order_float64_mean_rounded(arrays: list[np.ndarray
 
 
 @SETTINGS
-@given(
-rank_arrays(np.float16, float_elements(np.float16))
-)
+@given(rank_arrays(np.float16, float_elements(np.float16)))
 def test_float16_accumulates_in_float32(arrays: list[np.ndarray]) -> None:
     [got] = average_host_grads([[a] for a in arrays])
     assert got.dtype == np.float16
     expected = rank_order_mean(arrays, np.float32).astype(np.float16)
     assert got.tobytes() == expected.tobytes()
-    assert np.all(np.isfinite(got))
-    ref = rank_order_mean(arrays, float)
-    err = np.abs(got.astype(np.float64) - ref)
-    assert np.all(err <= 1e-3 * np.abs(ref) + 2.0**-24)
+    assert np.all(np.isfinite(got))  # the float32 sum cannot overflow
+
+
+def test_float16_cancellation_follows_float32_accumulation() -> None:
+    # 5e-5 - 1025 rounds in float32 before + 1025 cancels: the mean is 0, not 5e-5 / 3.
+    # Pinned because every rank and strategy must produce these same bits.
+    ranks = [np.array([x], np.float16) for x in (5e-5, -1025.0, 1025.0)]
+    [got] = average_host_grads([[r] for r in ranks])
+    expected = rank_order_mean(ranks, np.float32).astype(np.float16)
+    assert got.tobytes() == expected.tobytes()
+    assert got[0] == 0.0
 
 
 @SETTINGS
-@given(
-rank_arrays(np.float64, float_elements(np.float64, limit=1e307))
-)
+@given(rank_arrays(np.float64, float_elements(np.float64, limit=1e307)))
 def test_float64_mean(arrays: list[np.ndarray]) -> None:
     [got] = average_host_grads([[a] for a in arrays])
     assert got.dtype == np.float64
@@ -247,7 +254,7 @@ def test_nan_inf_propagate_without_warnings(r0: list[float], r1: list[float]) ->
 
 
 def test_accumulators() -> None:
-    assert SUPPORTED_DTYPES == (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))
+    assert (np.dtype("float16"), np.dtype("float32"), np.dtype("float64")) == SUPPORTED_DTYPES
     assert ACCUMULATOR[np.dtype("float16")] == np.float32
     assert ACCUMULATOR[np.dtype("float32")] == np.float64
     assert ACCUMULATOR[np.dtype("float64")] == np.float64
@@ -449,7 +456,7 @@ def check_tiling(n: int, world: int) -> list[tuple[int, int]]:
     ranges = [shard_range(n, q, world) for q in range(world)]
     assert ranges[0][0] == 0
     assert ranges[-1][1] == n
-    for (_, hi), (lo, _) in zip(ranges, ranges[1:], strict=False):
+    for (_, hi), (lo, _) in itertools.pairwise(ranges):
         assert hi == lo
     for lo, hi in ranges:
         assert 0 <= lo <= hi <= n
@@ -459,7 +466,7 @@ def check_tiling(n: int, world: int) -> list[tuple[int, int]]:
 
 
 def test_shard_range_tiles_small_cases_exhaustively() -> None:
-    for n in range(0, 300):
+    for n in range(300):
         for world in range(1, 10):
             check_tiling(n, world)
 
@@ -490,7 +497,7 @@ def test_shard_range_examples() -> None:
     "by at most one alignment block', but e.g. n=31, W=2 gives sizes [0, 31]",
 )
 def test_shard_range_sizes_differ_by_at_most_one_block() -> None:
-    for n in range(0, 400):
+    for n in range(400):
         for world in range(1, 9):
             sizes = [hi - lo for lo, hi in (shard_range(n, q, world) for q in range(world))]
             assert max(sizes) - min(sizes) <= 16, (n, world, sizes)

@@ -12,7 +12,7 @@ import errno
 import os
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from ._errors import SyncDirError
@@ -47,12 +47,18 @@ def translate_oserror(
     )
 
 
-def write_atomic(path: Path, chunks: Sequence[bytes | memoryview]) -> int:
+def write_atomic(
+    path: Path,
+    chunks: Sequence[bytes | memoryview],
+    *,
+    midway: Callable[[], None] | None = None,
+) -> int:
     """Write ``chunks`` to ``path`` so that readers see all of it or nothing.
 
     The data goes to a hidden temporary file in the same directory, which is
     closed (surfacing deferred write errors, e.g. NFS's ENOSPC at close) and then
-    renamed over ``path``. Returns the number of bytes written.
+    renamed over ``path``. Returns the number of bytes written. ``midway`` (for
+    fault-injection tests) is called once about half of the bytes are written.
 
     Raises:
         OSError: as the system reported it; the temporary file is removed.
@@ -62,7 +68,13 @@ def write_atomic(path: Path, chunks: Sequence[bytes | memoryview]) -> int:
     total = 0
     try:
         try:
-            total = _writev_all(fd, chunks)
+            if midway is None:
+                total = _writev_all(fd, chunks)
+            else:
+                half = len(chunks) // 2
+                total = _writev_all(fd, chunks[:half])
+                midway()
+                total += _writev_all(fd, chunks[half:])
         finally:
             os.close(fd)
         os.rename(tmp, path)

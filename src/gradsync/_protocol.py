@@ -39,6 +39,7 @@ from ._errors import (
     PeerLostError,
     PeerTimeoutError,
 )
+from ._faults import fault_point
 from ._format import (
     FLAG_NONFINITE,
     HEADER_READ_BYTES,
@@ -60,6 +61,7 @@ __all__ = ["StepEngine", "validate_grads"]
 
 _log = logging.getLogger("gradsync")
 _LIVENESS_EVERY_S = 0.1
+_FAULTS_ON = bool(os.environ.get("GRADSYNC_TEST_FAULT"))
 # Errors about the job rather than one rank: a peer's report is re-raised as is.
 _SHARED_ERRORS: dict[str, type[GradSyncError]] = {
     cls.__name__: cls
@@ -170,7 +172,9 @@ class StepEngine:
             if self.cfg.check_finite
             else []
         )
+        fault_point("before_publish", self.rank, self.seq)
         self._publish(step_dir, plan, flats, step, nonfinite)
+        fault_point("after_publish", self.rank, self.seq)
         t1 = time.perf_counter()
         peers: dict[int, _Peer] = {}
         outs: dict[int, _Peer] = {}
@@ -180,11 +184,15 @@ class StepEngine:
             t2 = time.perf_counter()
             shard = self._reduce(plan, flats, peers, step_dir, step)
             if plan.out_lens[self.rank]:
+                head = self._header(KIND_OUTPUT, step, plan, len(shard))[0]
+                half = len(shard) // 2
                 self._write(
                     step_dir / f"out-{self.rank}",
-                    [self._header(KIND_OUTPUT, step, plan, len(shard))[0], shard],
+                    [head, shard[:half], shard[half:]],
                     step,
+                    "mid_output",
                 )
+            fault_point("after_output", self.rank, self.seq)
             t3 = time.perf_counter()
             publishers = [q for q in range(self.world) if plan.out_lens[q] and q != self.rank]
             self._await(step_dir, "out", publishers, step, outs)
@@ -236,10 +244,18 @@ class StepEngine:
         return head, len(head)
 
     def _write(
-        self, path: Path, chunks: Sequence[bytes | memoryview | np.ndarray], step: int
+        self,
+        path: Path,
+        chunks: Sequence[bytes | memoryview | np.ndarray],
+        step: int,
+        phase: str,
     ) -> None:
+        def midway() -> None:
+            fault_point(phase, self.rank, self.seq)
+
+        views = [c if not isinstance(c, np.ndarray) else c.data for c in chunks]
         try:
-            write_atomic(path, [c if not isinstance(c, np.ndarray) else c.data for c in chunks])
+            write_atomic(path, views, midway=midway if _FAULTS_ON else None)
         except OSError as exc:
             raise translate_oserror(exc, "publishing", path, step=step) from exc
 
@@ -260,7 +276,7 @@ class StepEngine:
         head, _ = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite)
         chunks: list[bytes | memoryview | np.ndarray] = [head]
         chunks.extend(flats[i] for i in plan.ordered_params() if flats[i].size)
-        self._write(step_dir / f"in-{self.rank}", chunks, step)
+        self._write(step_dir / f"in-{self.rank}", chunks, step, "mid_publish")
 
     # -- waiting --------------------------------------------------------------------
 
@@ -548,6 +564,7 @@ class StepEngine:
                         if q == self.rank:
                             dst.view(np.uint8)[:] = shard[offset : offset + dst.nbytes]
                             continue
+                        fault_point("mid_gather", self.rank, self.seq)
                         peer = outs[q]
                         try:
                             read_exact_into(
