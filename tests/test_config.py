@@ -202,11 +202,6 @@ def test_seconds_validation(name: str, value: object, template: str) -> None:
         make(**kwargs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: _RUN_ID_RE uses '$', which also matches before a trailing newline, so "
-    "run_id='abc\\n' is accepted; use re.fullmatch / '\\Z'",
-)
 def test_run_id_with_trailing_newline_rejected() -> None:
     with raises_config("run_id must be 1-64 characters from [A-Za-z0-9._-] or None, got 'abc\\n'"):
         make(run_id="abc\n")
@@ -418,15 +413,20 @@ def test_from_env_unknown_override_is_type_error() -> None:
         FileGradSyncConfig.from_env(env=base_env(), colour="red")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: from_env reads GRADSYNC_WORLD_SIZE/RANK/SYNC_DIR before applying overrides, "
-    "so a value passed as an override still has to be in the environment",
-)
 def test_from_env_override_supplies_missing_variable() -> None:
     env = {"GRADSYNC_WORLD_SIZE": "2", "GRADSYNC_RANK": "0"}
     cfg = FileGradSyncConfig.from_env(env=env, sync_dir="/tmp/gs-override")
     assert cfg.sync_dir == Path("/tmp/gs-override")
+    cfg = FileGradSyncConfig.from_env(env={}, world_size=3, rank=2, sync_dir=Path("/tmp/o"))
+    assert (cfg.world_size, cfg.rank, cfg.sync_dir) == (3, 2, Path("/tmp/o"))
+    # An overridden variable may even be malformed in the environment: it is not read.
+    cfg = FileGradSyncConfig.from_env(env=base_env(GRADSYNC_RANK="junk"), rank=0)
+    assert cfg.rank == 0
+    with raises_config(
+        "invalid configuration from the environment (GRADSYNC_WORLD_SIZE='4'): "
+        "rank must satisfy 0 <= rank < world_size, got rank=4 with world_size=4"
+    ):
+        FileGradSyncConfig.from_env(env=base_env(), rank=4)
 
 
 def test_from_env_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:

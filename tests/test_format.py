@@ -147,6 +147,7 @@ def raw_header(
 ) -> bytes:
     """A header built by hand with a correct CRC: lets any meta bytes reach the parser."""
     length = len(meta_bytes) if meta_len is None else meta_len
+    pad = offset is None  # an explicit offset is only declared, not padded to
     if offset is None:
         offset = -(-(FIXED_SIZE + len(meta_bytes)) // 64) * 64
     fixed = _FIXED.pack(
@@ -154,17 +155,19 @@ def raw_header(
     )
     crc = zlib.crc32(meta_bytes, zlib.crc32(fixed))
     head = fixed + _CRC.pack(crc) + meta_bytes
-    return head + bytes(max(0, offset - len(head)))
+    return head + bytes(offset - len(head)) if pad else head
 
 
 def decodes_or_corrupt(data: bytes) -> Header | None:
     """Decode; only CorruptFileError may come out (anything else fails the test)."""
+    error: CorruptFileError | None = None
     try:
         return decode_header(data, PATH)
     except CorruptFileError as exc:
-        assert exc.path == PATH
-        assert str(exc).startswith(PATH + " ")
-        return None
+        error = exc
+    assert error.path == PATH
+    assert str(error).startswith(PATH + " ")
+    return None
 
 
 # --- round trips ----------------------------------------------------------------------------

@@ -537,3 +537,33 @@ def test_write_atomic_temp_name_is_hidden_and_in_same_dir(
     name = os.path.basename(src)
     assert name.startswith(f".target.{os.getpid()}.")
     assert name.endswith(".tmp")
+
+
+def test_write_atomic_midway_hook(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    chunks = [b"a" * 10, b"b" * 20, b"c" * 30, b"d" * 40]
+    seen: list[tuple[list[str], bytes]] = []
+
+    def midway() -> None:
+        [tmp] = temp_files(tmp_path)
+        seen.append((sorted(os.listdir(tmp_path)), (tmp_path / tmp).read_bytes()))
+
+    assert write_atomic(target, chunks, midway=midway) == 100
+    [(names, partial)] = seen
+    assert "out" not in names  # nothing published yet
+    assert partial == b"a" * 10 + b"b" * 20  # the first half of the chunks
+    assert target.read_bytes() == b"".join(chunks)
+    assert os.listdir(tmp_path) == ["out"]
+
+
+def test_write_atomic_failure_midway_removes_temp(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    target.write_bytes(b"old")
+
+    def boom() -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(OSError, match=r"Input/output error"):
+        write_atomic(target, [b"x" * 100, b"y" * 100], midway=boom)
+    assert os.listdir(tmp_path) == ["out"]
+    assert target.read_bytes() == b"old"

@@ -1,0 +1,56 @@
+"""The README's example and commands, run as written."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _launch(args: list[str], cwd: Path, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gradsync", "launch", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def test_readme_example_runs_on_two_ranks_and_agrees(tmp_path: Path) -> None:
+    code = re.search(r"```python\n(.*?)```", README, re.S)
+    assert code is not None
+    script = tmp_path / "example.py"
+    script.write_text(code.group(1))
+    result = _launch(["--nproc", "2", str(script)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = dict(re.findall(r"^\[rank (\d)\] rank \d: w = (.*)$", result.stdout, re.M))
+    assert set(lines) == {"0", "1"}, result.stdout
+    assert lines["0"] == lines["1"]
+    w = [float(x) for x in lines["0"].strip("[]").split()]
+    assert w == pytest.approx([1.0, -2.0, 0.5], abs=1e-3)
+
+
+def test_readme_main_job_command_runs() -> None:
+    match = re.search(
+        r"^python3 -m pip install .*? && python3 -m gradsync (launch .*)$", README, re.M
+    )
+    assert match is not None, "the README's main-job command is gone"
+    pytest.importorskip("sklearn", reason="the main job needs the examples extra")
+    args = match.group(1).split()[1:]
+    result = _launch(args, ROOT)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^\[rank 0\] done: 100 steps", result.stdout, re.M)
+    assert re.search(r"^\[rank 1\] step   99  loss", result.stdout, re.M)
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] in README.splitlines()
