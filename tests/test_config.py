@@ -207,11 +207,6 @@ def test_run_id_with_trailing_newline_rejected() -> None:
         make(run_id="abc\n")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: _check_seconds calls math.isfinite on a huge int, which raises "
-    "OverflowError instead of ConfigError",
-)
 def test_huge_int_seconds_is_config_error() -> None:
     with pytest.raises(ConfigError, match=r"^max_wait_s must be"):
         make(max_wait_s=10**400)

@@ -23,6 +23,7 @@ from gradsync import (
     PeerTimeoutError,
     RendezvousError,
     SyncDirError,
+    WgpuBridgeError,
     _errors,
 )
 
@@ -37,6 +38,7 @@ BUILTIN_BASE: dict[type[GradSyncError], type[BaseException]] = {
     PeerAbortedError: RuntimeError,
     RendezvousError: RuntimeError,
     SyncDirError: OSError,
+    WgpuBridgeError: RuntimeError,
 }
 ALL_ERRORS = [GradSyncError, *BUILTIN_BASE]
 PROTOCOLS = range(pickle.HIGHEST_PROTOCOL + 1)

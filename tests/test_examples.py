@@ -202,15 +202,22 @@ def test_torch_gradsync_matches_ddp_gloo(tmp_path: Path) -> None:
     with_gradsync = tmp_path / "gradsync.npz"
     gs_outs = run_ranks(TORCH, [*args, "--save", str(with_gradsync)], 2, tmp_path, "gradsync")
     with_ddp = tmp_path / "ddp.npz"
-    ddp_outs = run_ranks(
-        TORCH,
-        [*args, "--ddp", "--save", str(with_ddp)],
-        2,
-        tmp_path,
-        "ddp",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-    )
+    for attempt in range(3):  # the free port may be taken before rank 0 listens on it
+        try:
+            ddp_outs = run_ranks(
+                TORCH,
+                [*args, "--ddp", "--save", str(with_ddp)],
+                2,
+                tmp_path,
+                f"ddp{attempt}",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(_free_port()),
+            )
+        except AssertionError as exc:
+            if attempt == 2 or "EADDRINUSE" not in str(exc):
+                raise
+        else:
+            break
 
     with np.load(with_gradsync) as a, np.load(with_ddp) as b:
         assert sorted(a.files) == sorted(b.files)

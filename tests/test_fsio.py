@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradsync import SyncDirError, _fsio, atomic_write_bytes, wait_for_path
+from gradsync import ConfigError, SyncDirError, _fsio, atomic_write_bytes, wait_for_path
 from gradsync._fsio import (
     Backoff,
     list_names,
@@ -90,6 +90,7 @@ def test_atomic_write_readers_never_see_partial_file(tmp_path: Path) -> None:
     versions = [bytes([v]) * size for v in (1, 2)]
     atomic_write_bytes(target, versions[0])
     stop = threading.Event()
+    reading = threading.Event()
     bad: list[str] = []
     reads = 0
 
@@ -98,6 +99,7 @@ def test_atomic_write_readers_never_see_partial_file(tmp_path: Path) -> None:
         while not stop.is_set():
             data = target.read_bytes()
             reads += 1
+            reading.set()
             if data not in versions:
                 bad.append(f"read {len(data)} bytes, first {data[:1]!r} last {data[-1:]!r}")
                 return
@@ -105,6 +107,7 @@ def test_atomic_write_readers_never_see_partial_file(tmp_path: Path) -> None:
     thread = threading.Thread(target=reader)
     thread.start()
     try:
+        assert reading.wait(10)
         for i in range(30):
             atomic_write_bytes(target, versions[i % 2])
     finally:
@@ -294,9 +297,10 @@ def test_wait_for_path_zero_wait_tries_once(tmp_path: Path, open_calls: list[str
     missing = tmp_path / "missing"
     assert wait_for_path(missing, 0) is False
     assert open_calls == [str(missing)]
-    open_calls.clear()
-    assert wait_for_path(missing, -1.0) is False
-    assert open_calls == [str(missing)]
+    with pytest.raises(
+        ConfigError, match=r"^max_wait_s must be a finite number of seconds >= 0, got -1\.0$"
+    ):
+        wait_for_path(missing, -1.0)
 
 
 def test_wait_for_path_polls_repeatedly(tmp_path: Path, open_calls: list[str]) -> None:
@@ -304,11 +308,6 @@ def test_wait_for_path_polls_repeatedly(tmp_path: Path, open_calls: list[str]) -
     assert len(open_calls) >= 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: wait_for_path(path, nan) never returns for a missing path (elapsed >= nan "
-    "is always False); reject or clamp non-finite/NaN max_wait_s",
-)
 def test_wait_for_path_nan_does_not_hang(tmp_path: Path) -> None:
     code = (
         "import sys; from gradsync import wait_for_path\n"

@@ -20,10 +20,12 @@ from ._errors import (
     PeerTimeoutError,
     RendezvousError,
     SyncDirError,
+    WgpuBridgeError,
 )
 from ._fsio import atomic_write_bytes, wait_for_path
 from ._reduce import average_host_grads, shard_indices
 from ._stats import StepStats
+from ._wgpu import WgpuBridge, request_device_for_rank, select_adapter
 
 __version__ = "0.1.0"
 
@@ -42,10 +44,14 @@ __all__ = [
     "RendezvousError",
     "StepStats",
     "SyncDirError",
+    "WgpuBridge",
+    "WgpuBridgeError",
     "__version__",
     "atomic_write_bytes",
     "average_grads_file_sync",
     "average_host_grads",
+    "request_device_for_rank",
+    "select_adapter",
     "shard_indices",
     "wait_for_path",
 ]

@@ -154,10 +154,13 @@ class GradSync:
                 self._bridge.close()
             self._bridge = WgpuBridge(device)
         dtypes = resolve_dtypes(buffers, np.float32 if dtype is None else dtype)
+        if not self.cfg.enabled:
+            # One rank: the mean is the input; still check the buffers, copy nothing.
+            nbytes = sum(int(b.size) for b in buffers)
+            return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
         host = self._bridge.download(buffers, dtypes)
         stats = self._average_host(host, step)
-        if self.cfg.enabled:
-            self._bridge.upload(buffers, host)
+        self._bridge.upload(buffers, host)
         return stats
 
     def close(self) -> None:

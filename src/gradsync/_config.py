@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,7 @@ class FileGradSyncConfig:
         ``WORLD_SIZE`` and ``RANK``), ``GRADSYNC_SYNC_DIR`` (required), and optionally
         ``GRADSYNC_MAX_WAIT_S`` and ``GRADSYNC_RUN_ID`` (falling back to
         ``TORCHELASTIC_RUN_ID``). Keyword ``overrides`` win over the environment.
+        With a world size of 1, ``GRADSYNC_SYNC_DIR`` may be unset (it is never used).
 
         Raises:
             ConfigError: naming the variable that is missing or bad, and its value.
@@ -116,7 +118,14 @@ class FileGradSyncConfig:
             name, raw = _first(source, names)
             values[key] = _parse_int(name, raw)
             used.append(f"{name}={raw!r}")
-        if "sync_dir" not in overrides:
+        if "sync_dir" in overrides:
+            pass
+        elif values.get("world_size", overrides.get("world_size")) == 1 and not source.get(
+            "GRADSYNC_SYNC_DIR"
+        ):
+            # One rank never touches the directory: running a script alone needs no setup.
+            values["sync_dir"] = Path(tempfile.gettempdir()) / "gradsync-single-rank"
+        else:
             name, raw = _first(source, ("GRADSYNC_SYNC_DIR",))
             if not raw.strip():
                 raise ConfigError(f"environment variable {name} is empty")
@@ -154,8 +163,11 @@ def _check_int(name: str, value: object, *, minimum: int) -> None:
 def _check_seconds(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
-    # A huge int is finite; math.isfinite would overflow converting it to float.
-    if not (value > 0 and (isinstance(value, int) or math.isfinite(value))):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float is no usable number of seconds
+        finite = False
+    if not (finite and value > 0):
         raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
 
 

@@ -8,7 +8,7 @@ keeps working for code that does not know about gradsync.
 
 from __future__ import annotations
 
-import errno as _errno
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +24,7 @@ __all__ = [
     "PeerTimeoutError",
     "RendezvousError",
     "SyncDirError",
+    "WgpuBridgeError",
 ]
 
 
@@ -120,7 +121,7 @@ class SyncDirError(GradSyncError, OSError):
     ) -> None:
         super().__init__(message, step=step, ranks=ranks, path=path)
         self.errno = errno
-        self.strerror = None if errno is None else _errno.errorcode.get(errno, str(errno))
+        self.strerror = None if errno is None else os.strerror(errno)
         self.filename = self.path
 
     def __reduce__(self) -> tuple[object, ...]:
@@ -139,3 +140,10 @@ def _rebuild_oserror(
     path: str | None,
 ) -> SyncDirError:
     return cls(message, errno=errno, step=step, ranks=ranks, path=path)
+
+
+class WgpuBridgeError(GradSyncError, RuntimeError):
+    """wgpu failed while copying gradients, or no usable adapter exists.
+
+    Raised ``from`` the original wgpu exception, which stays in ``__cause__``.
+    """

@@ -156,7 +156,7 @@ def decode_header(data: bytes, path: str) -> Header:
         raise CorruptFileError(f"{path} has unknown kind {kind}", path=path)
     try:
         meta = json.loads(meta_bytes)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise CorruptFileError(f"{path} has an unreadable header meta", path=path) from None
     if not isinstance(meta, dict) or not _valid_meta(meta):
         raise CorruptFileError(f"{path} has a malformed header meta", path=path)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from ._errors import SyncDirError
+from ._errors import ConfigError, SyncDirError
 
 __all__ = [
     "Backoff",
@@ -213,6 +213,8 @@ def wait_for_path(path: str | os.PathLike[str], max_wait_s: float) -> bool:
     millisecond and then sleeping at most 0.5 ms between tries for the first
     second and 5 ms after that. ``max_wait_s`` may be 0 (one try).
     """
+    if not (isinstance(max_wait_s, (int, float)) and 0 <= max_wait_s < float("inf")):
+        raise ConfigError(f"max_wait_s must be a finite number of seconds >= 0, got {max_wait_s!r}")
     target = os.fspath(path)
     for _ in _poll(max_wait_s):
         try:

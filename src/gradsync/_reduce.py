@@ -59,16 +59,16 @@ def check_dtype(dtype: npt.DTypeLike, where: str) -> np.dtype[Any]:
 def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
     """The contiguous element range ``[lo, hi)`` of ``n`` elements that ``rank`` reduces.
 
-    Ranges of ranks 0..world_size-1 tile ``[0, n)`` in order, differ in size by at
-    most one alignment block, and start on multiples of 16 elements.
+    Ranges of ranks 0..world_size-1 tile ``[0, n)`` in order and start on multiples
+    of 16 elements: whole blocks of 16 are dealt out evenly (the first ranks take
+    one more when they do not divide), and the last rank also takes the tail.
     """
+    blocks, extra = divmod(n // _SHARD_ALIGN, world_size)
 
     def boundary(q: int) -> int:
-        if q <= 0:
-            return 0
         if q >= world_size:
             return n
-        return (n * q // world_size) // _SHARD_ALIGN * _SHARD_ALIGN
+        return _SHARD_ALIGN * (q * blocks + min(q, extra))
 
     return boundary(rank), boundary(rank + 1)
 
@@ -114,15 +114,17 @@ def mean_into(
     in_buf = scratch if scratch is not None and scratch.size >= chunk else None
     if in_buf is None:
         in_buf = np.empty(chunk, dtype=out.dtype)
-    for start in range(0, n, chunk):
-        stop = min(start + chunk, n)
-        size = stop - start
-        acc = acc_buf[:size]
-        np.copyto(acc, fetch[0](start, stop, in_buf))
-        for q in range(1, world):
-            np.add(acc, fetch[q](start, stop, in_buf), out=acc)
-        np.divide(acc, world, out=acc)
-        np.copyto(out[start:stop], acc, casting="same_kind")
+    # NaN and Inf propagate as IEEE says; a warning (an error under -W error) would
+    # fail this rank alone, which reduces this shard, and so the whole step.
+    with np.errstate(all="ignore"):
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            acc = acc_buf[: stop - start]
+            np.copyto(acc, fetch[0](start, stop, in_buf))
+            for q in range(1, world):
+                np.add(acc, fetch[q](start, stop, in_buf), out=acc)
+            np.divide(acc, world, out=acc)
+            np.copyto(out[start:stop], acc, casting="same_kind")
 
 
 def average_host_grads(

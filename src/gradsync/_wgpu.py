@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import ConfigError, GradSyncError, InvalidGradsError
+from ._errors import ConfigError, GradSyncError, InvalidGradsError, WgpuBridgeError
 
 if TYPE_CHECKING:
     import wgpu
@@ -67,13 +67,6 @@ _TYPE_ORDER = {
     "high-performance": ("DiscreteGPU", "IntegratedGPU", "VirtualGPU", "Unknown", "CPU"),
     "low-power": ("IntegratedGPU", "DiscreteGPU", "VirtualGPU", "Unknown", "CPU"),
 }
-
-
-class WgpuBridgeError(GradSyncError, RuntimeError):
-    """wgpu failed while copying gradients, or no usable adapter exists.
-
-    Raised ``from`` the original wgpu exception, which stays in ``__cause__``.
-    """
 
 
 def _import_wgpu() -> Any:

@@ -1,0 +1,236 @@
+"""Drive the simulated multi-host cluster of ``shared/multihost`` from Python.
+
+Used by ``test_multihost.py`` and ``benchmarks/multihost.py``. The cluster scripts
+(``up.sh``, ``on.sh``, ``down.sh``) live outside the repository, at
+``<repo>/../shared/multihost`` (override: ``GRADSYNC_MULTIHOST_DIR``).
+
+Everything here has a timeout; a job that overruns is stopped by killing its
+``on.sh`` (nsenter), which makes the launcher inside the host get SIGTERM
+(``setpriv --pdeathsig``) and stop its ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "worker.py"
+MOUNT = "/mnt/shared"  # the scripts' default MH_MOUNT
+PRIVATE_TO_HOSTS = ("/tmp", "/dev/shm")  # each simulated host has its own
+
+
+def multihost_dir() -> Path:
+    env = os.environ.get("GRADSYNC_MULTIHOST_DIR")
+    return Path(env) if env else REPO.parent / "shared" / "multihost"
+
+
+def _under(path: str | Path, roots: tuple[str, ...]) -> bool:
+    p = os.path.realpath(path)
+    return any(p == r or p.startswith(r + "/") for r in roots)
+
+
+def unavailable_reason() -> str | None:
+    """Why the simulated cluster cannot run here, or None if it (probably) can."""
+    if os.environ.get("GRADSYNC_MULTIHOST", "") == "0":
+        return "GRADSYNC_MULTIHOST=0"
+    if not sys.platform.startswith("linux"):
+        return f"needs Linux namespaces, this is {sys.platform}"
+    d = multihost_dir()
+    if not (d / "up.sh").is_file():
+        return f"no cluster scripts at {d} (set GRADSYNC_MULTIHOST_DIR to shared/multihost)"
+    if os.geteuid() != 0:
+        return f"needs root for namespaces and FUSE mounts (running as uid {os.geteuid()})"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse (the container needs --device /dev/fuse)"
+    for tool in ("unshare", "nsenter", "ip"):
+        if shutil.which(tool) is None:
+            return f"the {tool!r} command is missing"
+    probes = {
+        "ip netns list": ["ip", "netns", "list"],
+        "unshare --mount --uts --ipc --pid --fork": (
+            ["unshare", "--mount", "--uts", "--ipc", "--pid", "--fork", "true"]
+        ),
+    }
+    for what, argv in probes.items():
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"`{what}` failed: {exc}"
+        if r.returncode != 0:
+            return f"`{what}` failed (needs CAP_SYS_ADMIN): {r.stderr.strip()[:200]}"
+    return None
+
+
+def results_root() -> Path:
+    """Where ranks write results: visible to the test and to every host (not /tmp)."""
+    env = os.environ.get("GRADSYNC_MULTIHOST_RESULTS")
+    return Path(env) if env else Path("/var/tmp")
+
+
+@dataclass
+class Job:
+    """One ``gradsync launch`` per host, running in the background."""
+
+    name: str
+    out: Path
+    sync_dir: str
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
+
+    def wait(self, timeout_s: float) -> dict[str, int]:
+        """Exit codes by host; on timeout every launcher is stopped and TimeoutError raised."""
+        deadline = time.monotonic() + timeout_s
+        codes: dict[str, int] = {}
+        try:
+            for host, proc in self.procs.items():
+                codes[host] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise TimeoutError(
+                f"job {self.name} did not finish within {timeout_s} s\n{self.log_text()}"
+            ) from None
+        return codes
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)  # nsenter dies -> launcher gets SIGTERM
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+
+    def log_text(self, tail: int = 40) -> str:
+        parts = []
+        for host, path in self.logs.items():
+            try:
+                lines = path.read_text(errors="replace").splitlines()[-tail:]
+            except OSError:
+                lines = ["(no log)"]
+            parts.append(f"--- launcher on {host} ---\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+
+class Cluster:
+    """up.sh / on.sh / down.sh with timeouts and environment handled."""
+
+    def __init__(self, hosts: int = 2, extra_env: dict[str, str] | None = None) -> None:
+        self.dir = multihost_dir()
+        self.hosts = [f"h{i}" for i in range(1, hosts + 1)]
+        self.env = dict(os.environ)
+        self.env.update(extra_env or {})
+        self.notes: list[str] = []
+        self.base = results_root()  # new_out() makes result directories in here
+        # Each host has a private /tmp and /dev/shm; if this checkout, the interpreter
+        # or the results directory live there, the hosts would not see them.
+        needed = [REPO, sys.executable, sys.prefix, results_root()]
+        if any(_under(p, PRIVATE_TO_HOSTS) for p in needed):
+            self.env["MH_PRIVATE_TMP"] = "0"
+            self.notes.append("MH_PRIVATE_TMP=0: the checkout/venv/results are under /tmp")
+
+    def _script(self, name: str, *args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(self.dir / name), *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout_s,
+            check=False,
+        )
+
+    def up(self) -> None:
+        # First use may apt-get/pip install redis, fuse3 and juicefs: allow for it.
+        r = self._script("up.sh", str(len(self.hosts)), timeout_s=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"up.sh failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+
+    def down(self) -> str:
+        r = self._script("down.sh", timeout_s=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"down.sh failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+        return r.stderr
+
+    def on(self, host: str, *argv: str, timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
+        """Run a short command inside ``host`` and wait for it."""
+        return subprocess.run(
+            ["bash", str(self.dir / "on.sh"), host, *argv],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+            timeout=timeout_s,
+            check=False,
+        )
+
+    def start_on(self, host: str, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+        with log.open("wb") as f:
+            return subprocess.Popen(
+                ["bash", str(self.dir / "on.sh"), host, *argv],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=REPO,
+            )
+
+    def new_out(self, label: str) -> Path:
+        out = self.base / f"gradsync-mh-{label}-{uuid.uuid4().hex[:8]}"
+        out.mkdir(parents=True)
+        return out
+
+    def launch(
+        self,
+        placement: dict[str, int],
+        nproc: int,
+        sync_dir: str,
+        run_id: str,
+        worker_args: list[str],
+        out: Path,
+        *,
+        script: Path = WORKER,
+        max_wait_s: float = 60.0,
+    ) -> Job:
+        """Start ``gradsync launch`` with node rank ``placement[host]`` on each host."""
+        job = Job(run_id, out, sync_dir)
+        nnodes = len(placement)
+        for host, node_rank in placement.items():
+            argv = [
+                sys.executable, "-m", "gradsync", "launch",
+                "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc", str(nproc),
+                "--sync-dir", sync_dir, "--run-id", run_id,
+                "--max-wait-s", str(max_wait_s), "--grace-period-s", "2",
+                str(script), "--out", str(out), *worker_args,
+            ]  # fmt: skip
+            job.logs[host] = out / f"launch-{host}.log"
+            job.procs[host] = self.start_on(host, argv, job.logs[host])
+        return job
+
+    def kill_in_host(self, host: str, pids: list[int]) -> None:
+        """SIGKILL these pids (as numbered inside ``host``'s PID namespace)."""
+        r = self.on(host, "kill", "-KILL", *map(str, pids), timeout_s=30)
+        if r.returncode != 0:
+            raise RuntimeError(f"kill in {host} failed: {r.stderr}")
+
+    def juicefs_pids(self, host: str) -> list[int]:
+        """Root-namespace pids of ``host``'s JuiceFS client (found in its network namespace)."""
+        r = subprocess.run(
+            ["ip", "netns", "pids", f"{self.env.get('MH_NS', 'mh')}-{host}"],
+            capture_output=True, text=True, timeout=20, check=True,
+        )  # fmt: skip
+        pids = []
+        for word in r.stdout.split():
+            try:
+                comm = Path(f"/proc/{word}/comm").read_text().strip()
+            except OSError:
+                continue
+            if comm == "juicefs":
+                pids.append(int(word))
+        return pids

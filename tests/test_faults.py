@@ -1,0 +1,736 @@
+"""The fault matrix: real rank processes killed, stopped, starved of their files or disk.
+
+Every case asserts what each surviving rank sees (exception type, exact message,
+how fast) and that no rank ever ends a call with a wrong or partial average: after
+a call, a rank's arrays are either the exact mean (the call succeeded) or exactly
+what it passed in (the call failed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fault_workers
+import gradsync
+from gradsync import _rendezvous as rdzv
+from gradsync._format import FIXED_SIZE
+from gradsync._liveness import MemberInfo
+from gradsync._protocol import StepEngine
+from ranks import Outcome, run_ranks
+from workers import grads_for
+
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+PID = r"pid \d+ on \S+"
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def mean_of(world: int, step: int, offset: int = 0) -> list[bytes]:
+    per_rank = [grads_for(r + offset, step) for r in range(world)]
+    return [a.tobytes() for a in gradsync.average_host_grads(per_rank)]
+
+
+def own(rank: int, step: int, offset: int = 0) -> list[bytes]:
+    return [a.tobytes() for a in grads_for(rank + offset, step)]
+
+
+def records(out: Outcome) -> list[dict[str, Any]]:
+    assert out.ok, f"rank {out.rank} crashed: {out.message}\n{out.value}"
+    return out.value["records"]  # type: ignore[no-any-return]
+
+
+def check_arrays(rank: int, recs: list[dict[str, Any]], world: int, offset: int = 0) -> None:
+    """A successful call leaves the exact mean, a failed one the rank's own input."""
+    for rec in recs:
+        want = mean_of(world, rec["step"], offset) if rec["ok"] else own(rank, rec["step"], offset)
+        what = "the exact mean" if rec["ok"] else f"restored after {rec['type']}"
+        assert rec["after"] == want, f"rank {rank} step {rec['step']}: arrays not {what}"
+
+
+def failure(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rank's one failed call, which must be its last."""
+    assert recs, "no call made"
+    assert all(r["ok"] for r in recs[:-1])
+    assert not recs[-1]["ok"], "every call succeeded"
+    return recs[-1]
+
+
+@contextlib.contextmanager
+def fault(spec: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Children spawned inside inherit ``GRADSYNC_TEST_FAULT=spec`` (read at their import)."""
+    with monkeypatch.context() as m:
+        m.setenv("GRADSYNC_TEST_FAULT", spec)
+        yield
+
+
+def _children() -> dict[int, str]:
+    """pid -> state letter of this process's children."""
+    found = {}
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_bytes()
+        except OSError:
+            continue
+        fields = raw[raw.rfind(b")") + 2 :].split()
+        if int(fields[1]) == me:
+            found[int(entry)] = fields[0].decode()
+    return found
+
+
+class StopWatcher(threading.Thread):
+    """Waits for a child to stop itself (fault action sigstop), then acts on it.
+
+    ``hold_s`` after the stop it calls ``before_cont()`` (if given) and sends SIGCONT.
+    """
+
+    def __init__(self, hold_s: float, before_cont: Any = None) -> None:
+        super().__init__(daemon=True)
+        self.hold_s = hold_s
+        self.before_cont = before_cont
+        self.stopped_at: float | None = None
+        self.pid: int | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 60
+        while self.pid is None and time.monotonic() < deadline:
+            stopped = [p for p, s in _children().items() if s == "T"]
+            if stopped:
+                self.pid = stopped[0]
+                self.stopped_at = time.time()
+            else:
+                time.sleep(0.01)
+        if self.pid is None:
+            return
+        time.sleep(self.hold_s)
+        if self.before_cont is not None:
+            self.before_cont()
+        os.kill(self.pid, signal.SIGCONT)
+        self.done.set()
+
+    def __enter__(self) -> StopWatcher:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.join(timeout=1)
+        if self.pid is not None and not self.done.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+# -- 1. a rank killed at each phase of a step --------------------------------------------------
+
+# Rank 1 of 3 kills itself (SIGKILL) in call 2 (step 1). Before its input is whole and
+# published, nobody can finish step 1. After its input but before its shard of the mean,
+# the survivors have reduced their shards but cannot gather rank 1's: they fail step 1.
+# Once its shard is published (after_output, mid_gather) the survivors need nothing more
+# from it: they complete step 1 with the exact mean and fail step 2, naming it.
+KILL_CASES = [
+    ("before_publish", 1, "its gradients", 2),
+    ("mid_publish", 1, "its gradients", 2),
+    ("after_publish", 1, "its shard of the mean", 2),
+    ("mid_output", 1, "its shard of the mean", 2),
+    ("after_output", 2, "its gradients", 3),
+    ("mid_gather", 2, "its gradients", 3),
+]
+
+
+@pytest.mark.parametrize(("phase", "fail_step", "what", "call"), KILL_CASES)
+def test_sigkill_at_each_phase(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    phase: str,
+    fail_step: int,
+    what: str,
+    call: int,
+) -> None:
+    with fault(f"{phase}@1@2=sigkill", monkeypatch):
+        results = run_ranks(
+            fault_workers.steps_until_error,
+            3,
+            (3, str(tmp_path), 4, {"max_wait_s": 30.0}),
+            expect=[0, 2],
+        )
+    for r in (0, 2):
+        recs = records(results[r])
+        check_arrays(r, recs, 3)
+        rec = failure(recs)
+        assert rec["step"] == fail_step
+        assert rec["type"] == "PeerLostError", rec["message"]
+        assert re.fullmatch(
+            rf"step {fail_step}: rank 1 \({PID}\) has exited before publishing {what} in "
+            rf"{re.escape(str(tmp_path))}/gen-[0-9a-f]+/s-{call} \(waited \d+\.\d s\)",
+            rec["message"],
+        ), rec["message"]
+        assert rec["ranks"] == (1,)
+        assert rec["err_step"] == fail_step
+        assert rec["elapsed_s"] < 5.0
+
+
+def test_sigkill_of_rank_0_mid_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 0 also removes old step directories; its death is reported like any other.
+    with fault("mid_output@0@2=sigkill", monkeypatch):
+        results = run_ranks(
+            fault_workers.steps_until_error, 3, (3, str(tmp_path), 4, {}), expect=[1, 2]
+        )
+    for r in (1, 2):
+        recs = records(results[r])
+        check_arrays(r, recs, 3)
+        rec = failure(recs)
+        assert rec["type"] == "PeerLostError"
+        assert re.fullmatch(
+            rf"step 1: rank 0 \({PID}\) has exited before publishing its shard of the mean in "
+            r"\S+/s-2 \(waited \d+\.\d s\)",
+            rec["message"],
+        ), rec["message"]
+        assert rec["elapsed_s"] < 5.0
+
+
+def test_root_strategy_needs_no_shard_from_rank_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With strategy "root" only rank 0 publishes a shard: rank 1's data is complete once its
+    # input is published, so the survivors finish step 1 and fail step 2.
+    with fault("after_publish@1@2=sigkill", monkeypatch):
+        results = run_ranks(
+            fault_workers.steps_until_error,
+            3,
+            (3, str(tmp_path), 4, {"strategy": "root"}),
+            expect=[0, 2],
+        )
+    for r in (0, 2):
+        recs = records(results[r])
+        check_arrays(r, recs, 3)
+        rec = failure(recs)
+        assert rec["step"] == 2
+        assert re.fullmatch(
+            rf"step 2: rank 1 \({PID}\) has exited before publishing its gradients in "
+            r"\S+/s-3 \(waited \d+\.\d s\)",
+            rec["message"],
+        ), rec["message"]
+
+
+# -- 2. stragglers -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("phase", "what", "call"),
+    [("before_publish", "gradients", 2), ("mid_output", "shard of the mean", 2)],
+)
+def test_stopped_rank_resumed_completes_and_is_named_in_warnings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str, what: str, call: int
+) -> None:
+    watcher = StopWatcher(hold_s=3.0)
+    kw = {"warn_after_s": 1.0, "max_wait_s": 20.0}
+    with fault(f"{phase}@1@2=sigstop", monkeypatch), watcher:
+        results = run_ranks(fault_workers.steps_until_error, 3, (3, str(tmp_path), 3, kw))
+    assert watcher.done.is_set(), "rank 1 never stopped"
+    for r in range(3):
+        recs = records(results[r])
+        assert [rec["ok"] for rec in recs] == [True, True, True], recs[-1]["message"]
+        check_arrays(r, recs, 3)
+    for r in (0, 2):
+        assert results[r].value["records"][1]["elapsed_s"] >= 2.5
+        warnings = results[r].value["warnings"]
+        pattern = (
+            rf"step 1: rank {r} has waited (\d+\.\d) s for ranks \[1\] \(alive\) to publish "
+            rf"{what} in {re.escape(str(tmp_path))}/gen-[0-9a-f]+/s-{call}"
+        )
+        waits = [re.fullmatch(pattern, w) for w in warnings]
+        assert waits, f"rank {r} logged no warning"
+        assert all(waits), warnings
+        # One warning per warn_after_s of waiting: at about 1, 2 (and 3) s.
+        assert 2 <= len(waits) <= 4, warnings
+        assert float(waits[0].group(1)) == pytest.approx(1.0, abs=0.2)  # type: ignore[union-attr]
+    # The straggler itself waited for nobody.
+    assert results[1].value["warnings"] == []
+
+
+def test_stopped_rank_past_max_wait_is_a_timeout_naming_only_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    watcher = StopWatcher(hold_s=4.0)  # resumed after the survivors gave up
+    with fault("before_publish@1@2=sigstop", monkeypatch), watcher:
+        results = run_ranks(
+            fault_workers.steps_until_error, 3, (3, str(tmp_path), 3, {"max_wait_s": 2.0})
+        )
+    assert watcher.done.is_set(), "rank 1 never stopped"
+    message = (
+        rf"step 1: ranks \[1\] published nothing in {re.escape(str(tmp_path))}/gen-[0-9a-f]+/s-2 "
+        r"within 2\.0 s \(still alive, but not publishing gradients\)"
+    )
+    for r in range(3):
+        recs = records(results[r])
+        check_arrays(r, recs, 3)
+        rec = failure(recs)
+        assert rec["step"] == 1
+        assert rec["type"] == "PeerTimeoutError", rec["message"]
+        assert re.fullmatch(message, rec["message"]), rec["message"]
+        assert rec["ranks"] == (1,)
+        if r != 1:
+            assert 2.0 <= rec["elapsed_s"] < 4.0
+    # Every rank raised the same message: the survivors' own and the straggler's copy of it.
+    assert len({results[r].value["records"][-1]["message"] for r in range(3)}) == 1
+
+
+# -- 3. corrupted files --------------------------------------------------------------------------
+
+# Rank 1 of 3 publishes a damaged file in call 2 (step 1); ranks 0 and 2 read it.
+CORRUPT_CASES = [
+    ("in", "header", r"is unusable: {path} has a corrupt header \(checksum mismatch\)"),
+    ("in", "short", rf"is unusable: {{path}} is truncated: 40 bytes, a header needs {FIXED_SIZE}"),
+    ("in", "truncate", r"{path} is \d+ bytes, its header promises \d+"),
+    ("out", "header", r"is unusable: {path} has a corrupt header \(checksum mismatch\)"),
+    ("out", "truncate", r"{path} is \d+ bytes, its header promises \d+"),
+]
+
+
+@pytest.mark.parametrize(("name", "how", "detail"), CORRUPT_CASES)
+def test_corrupt_file_is_detected_by_every_reader(
+    tmp_path: Path, name: str, how: str, detail: str
+) -> None:
+    results = run_ranks(fault_workers.corrupt_own_file, 3, (3, str(tmp_path), 1, name, how, 2))
+    path = rf"{re.escape(str(tmp_path))}/gen-[0-9a-f]+/s-2/{name}-1"
+    message = rf"step 1: rank 1's file {detail.format(path=path)}"
+    for r in (0, 2):
+        recs = records(results[r])
+        check_arrays(r, recs, 3)
+        rec = failure(recs)
+        assert rec["step"] == 1
+        assert rec["type"] == "CorruptFileError", rec["message"]
+        assert re.fullmatch(message, rec["message"]), rec["message"]
+        assert rec["ranks"] == (1,)
+    recs = records(results[1])
+    check_arrays(1, recs, 3)
+    if name == "in":
+        # Every rank opens every input, its own included: the writer finds it too.
+        rec = failure(recs)
+        assert rec["type"] == "CorruptFileError", rec["message"]
+        assert re.fullmatch(message, rec["message"]), rec["message"]
+    elif not recs[-1]["ok"]:
+        # Nobody reads its own output: the writer learns from a reader's abort note, or,
+        # already holding every shard it needs, finishes step 1.
+        rec = failure(recs)
+        assert rec["type"] == "PeerAbortedError", rec["message"]
+        assert re.fullmatch(
+            rf"step 1: rank [02] \({PID}\) gave up on this step: {message}", rec["message"]
+        ), rec["message"]
+
+
+@pytest.mark.xfail(strict=True, reason="no payload checksum yet")
+@pytest.mark.parametrize("name", ["in", "out"])
+def test_flipped_payload_byte_is_detected(tmp_path: Path, name: str) -> None:
+    results = run_ranks(
+        fault_workers.corrupt_own_file, 3, (3, str(tmp_path), 1, name, "payload", 2)
+    )
+    # No rank may end step 1 with a wrong mean; whoever reads the bad bytes names rank 1.
+    for r in range(3):
+        check_arrays(r, records(results[r]), 3)
+    errors = [results[r].value["records"][-1] for r in (0, 2)]
+    assert any(e["type"] == "CorruptFileError" and e["ranks"] == (1,) for e in errors)
+
+
+# -- 4. the environment --------------------------------------------------------------------------
+
+
+def _remove_tree(path: Path) -> None:
+    # Ranks may add files while rm -rf runs (rmdir then fails with ENOTEMPTY): repeat.
+    deadline = time.monotonic() + 10
+    while path.exists() and time.monotonic() < deadline:
+        shutil.rmtree(path, ignore_errors=True)
+    assert not path.exists()
+
+
+def _wait_for(path: Path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def test_sync_dir_removed_while_one_rank_is_about_to_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rm -rf while rank 2 is about to start step 2 (stopped before publishing) and ranks 0
+    # and 1 wait for it in s-3: rank 2 cannot create s-3 and exits; the waiters see it go.
+    sync = tmp_path / "sync"
+    watcher = StopWatcher(hold_s=0.3, before_cont=lambda: _remove_tree(sync))
+    with fault("before_publish@2@3=sigstop", monkeypatch), watcher:
+        results = run_ranks(fault_workers.steps_until_error, 3, (3, str(sync), 5, {}))
+    assert watcher.stopped_at is not None
+    removed_at = watcher.stopped_at + 0.3
+    rec = failure(records(results[2]))
+    assert rec["type"] == "SyncDirError"
+    assert rec["errno"] == errno.ENOENT
+    assert re.fullmatch(
+        rf"step 2: creating the step directory {re.escape(str(sync))}/gen-[0-9a-f]+/s-3 failed: "
+        r"No such file or directory",
+        rec["message"],
+    ), rec["message"]
+    for r in range(3):
+        recs = records(results[r])
+        check_arrays(r, recs, 3)
+        rec = failure(recs)
+        assert rec["step"] == 2
+        assert rec["at"] - removed_at < 5.0
+        if r != 2:
+            assert rec["type"] == "PeerLostError", rec["message"]
+            assert re.fullmatch(
+                rf"step 2: rank 2 \({PID}\) has exited before publishing its gradients in \S+/s-3 "
+                r"\(waited \d+\.\d s\)",
+                rec["message"],
+            ), rec["message"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: StepEngine._await never notices that its step directory is gone "
+    "(list_names() returns an empty set for a missing directory): when the sync dir is "
+    "removed while every rank waits, all of them wait for max_wait_s (600 s by default)",
+)
+def test_sync_dir_removed_while_every_rank_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 2 stops right after publishing its shard of step 1 (s-2). Ranks 0 and 1 finish
+    # step 1 and wait for rank 2's input in s-3; rank 2, resumed after the removal, waits
+    # for their shards in s-2. Nobody has anything left to write, nobody exits: only
+    # noticing the missing directory can end the wait. (This is what happens in a free
+    # running loop whenever the removal catches every rank inside a wait.)
+    sync = tmp_path / "sync"
+    watcher = StopWatcher(hold_s=0.5, before_cont=lambda: _remove_tree(sync))
+    with fault("after_output@2@2=sigstop", monkeypatch), watcher:
+        results = run_ranks(
+            fault_workers.steps_until_error, 3, (3, str(sync), 4, {"max_wait_s": 6.0})
+        )
+    assert watcher.stopped_at is not None
+    removed_at = watcher.stopped_at + 0.5
+    for r in range(3):
+        recs = records(results[r])
+        check_arrays(r, recs, 3)
+        rec = failure(recs)
+        assert rec["type"] == "SyncDirError", rec["message"]
+        assert rec["errno"] == errno.ENOENT
+        assert rec["step"] == (1 if r == 2 else 2)
+        assert rec["at"] - removed_at < 5.0
+
+
+@contextlib.contextmanager
+def mounted(args: list[str], target: Path, what: str) -> Iterator[None]:
+    target.mkdir(exist_ok=True)
+    done = subprocess.run(["mount", *args, str(target)], capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount {what} here: {done.stderr.decode().strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@pytest.mark.parametrize(
+    ("kind", "message0", "message1"),
+    [
+        # An empty read-only filesystem: nothing can even be created.
+        (
+            "tmpfs",
+            r"creating the rendezvous directory {mnt}/rdzv failed: Read-only file system",
+            r"creating the rendezvous directory {mnt}/rdzv failed: Read-only file system",
+        ),
+        # A read-only view of a directory an earlier run left: rdzv/ already exists.
+        (
+            "bind",
+            r"creating the generation directory {mnt}/gen-[0-9a-f]+ failed: Read-only file system",
+            r"registering a join in {mnt}/rdzv/join-1-[0-9a-f]+\.json failed: Read-only file "
+            r"system",
+        ),
+    ],
+)
+def test_read_only_sync_dir(tmp_path: Path, kind: str, message0: str, message1: str) -> None:
+    mnt = tmp_path / "mnt"
+    if kind == "tmpfs":
+        args, what = ["-t", "tmpfs", "-o", "ro,size=1m", "tmpfs"], "a read-only tmpfs"
+    else:
+        source = tmp_path / "source"
+        (source / "rdzv").mkdir(parents=True)
+        args, what = ["--bind", "-o", "ro", str(source)], "a read-only bind mount"
+    with mounted(args, mnt, what):
+        if os.access(mnt, os.W_OK) and kind == "bind":
+            # Some kernels ignore "ro" on the first bind: remount it read-only.
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(mnt)], check=False)
+        results = run_ranks(
+            fault_workers.steps_until_error, 2, (2, str(mnt), 1, {"max_wait_s": 5.0})
+        )
+    hint = r" \(the sync directory is not writable by this process\)"
+    for r, message in ((0, message0), (1, message1)):
+        rec = failure(records(results[r]))
+        assert rec["type"] == "SyncDirError", rec["message"]
+        assert rec["errno"] == errno.EROFS
+        assert re.fullmatch(message.format(mnt=re.escape(str(mnt))) + hint, rec["message"]), rec[
+            "message"
+        ]
+        assert rec["elapsed_s"] < 2.0
+        check_arrays(r, records(results[r]), 2)
+
+
+def test_two_jobs_with_run_ids_share_a_sync_dir(tmp_path: Path) -> None:
+    results = run_ranks(fault_workers.two_jobs, 4, (str(tmp_path), ["job-a", "job-b"], 5))
+    for p in range(4):
+        job, local = divmod(p, 2)
+        recs = records(results[p])
+        assert [r["ok"] for r in recs] == [True] * 5, recs[-1]["message"]
+        check_arrays(local, recs, 2, offset=50 * job)
+    assert results[0].value["gen"] == results[1].value["gen"] != results[2].value["gen"]
+    assert results[2].value["gen"] == results[3].value["gen"]
+
+
+def test_two_jobs_without_run_id_never_mix_within_a_formed_job(tmp_path: Path) -> None:
+    # Without run_id the ranks of two jobs are indistinguishable: whichever processes meet
+    # first form a job (possibly one rank of each "job"). What must hold: every formed job
+    # averages exactly its own members' inputs, and every other process fails clearly.
+    results = run_ranks(fault_workers.two_jobs, 4, (str(tmp_path), [None, None], 3))
+    by_gen: dict[str, list[int]] = {}
+    for p in range(4):
+        recs = records(results[p])
+        if recs[-1]["ok"]:
+            by_gen.setdefault(results[p].value["gen"], []).append(p)
+            continue
+        rec = failure(recs)
+        assert rec["step"] == 0
+        assert rec["type"] in ("RendezvousError", "PeerTimeoutError"), rec["message"]
+        assert re.fullmatch(
+            rf"rendezvous: (another rank 0 \({PID}\) with run_id None is running in \S+; give "
+            r"each job its own sync_dir or run_id"
+            rf"|rank 1 is already taken by {PID} in the running job \S+; this process "
+            rf"\({PID}\) claimed the same rank"
+            r"|ranks \[1\] did not join within 4\.0 s in \S+ \(.*\)"
+            r"|rank 0 did not admit rank 1 within 4\.0 s in \S+ \(.*\))",
+            rec["message"],
+        ), rec["message"]
+        assert own(p % 2, 0, 50 * (p // 2)) == rec["after"]
+    assert by_gen, "no job formed at all"
+    for gen, members in by_gen.items():
+        assert len(members) == 2, (gen, members)
+        assert sorted(p % 2 for p in members) == [0, 1]  # one rank 0, one rank 1
+        inputs = {p % 2: p for p in members}
+        for step in range(3):
+            per_rank = [grads_for(inputs[q] % 2 + 50 * (inputs[q] // 2), step) for q in (0, 1)]
+            want = [a.tobytes() for a in gradsync.average_host_grads(per_rank)]
+            for p in members:
+                assert results[p].value["records"][step]["after"] == want
+
+
+# -- 5. fuzzing the JSON loaders ----------------------------------------------------------------
+# (decode_header is fuzzed in test_format.py; these are the rendezvous files and abort notes.)
+
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 70), 1 << 70),
+    # Infinity/NaN are valid input to json.loads: see the xfail tests below.
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+SELF = MemberInfo.for_self(1, "feedfacefeedface").to_json()
+member_fields = st.one_of(json_values, st.integers(-3, 3), st.sampled_from(list(SELF.values())))
+member_dicts = st.one_of(
+    st.fixed_dictionaries({}, optional=dict.fromkeys(SELF, member_fields)),
+    st.just(SELF),
+    st.builds(lambda d: {**SELF, **d}, st.dictionaries(st.sampled_from(list(SELF)), json_values)),
+)
+
+
+def _file(directory: Path, name: str, content: bytes) -> Path:
+    path = directory / name
+    path.write_bytes(content)
+    return path
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=300), json_values.map(lambda v: json.dumps(v).encode())))
+def test_fuzz_rendezvous_load_returns_a_dict_or_none(content: bytes) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        data = rdzv._load(_file(Path(d), "x.json", content))
+    assert data is None or isinstance(data, dict)
+
+
+@FUZZ
+@given(st.one_of(json_values, member_dicts, st.builds(lambda m: {"member": m}, member_dicts)))
+def test_fuzz_rendezvous_member_returns_member_or_none(value: Any) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        member = rdzv._member(rdzv._load(_file(Path(d), "m.json", json.dumps(value).encode())))
+    assert member is None or isinstance(member, MemberInfo)
+
+
+rosters = st.fixed_dictionaries(
+    {"members": st.lists(member_dicts, max_size=4)},
+    optional={"world_size": json_values, "run_id": st.none()},
+)
+
+
+@FUZZ
+@given(st.one_of(rosters, json_values))
+def test_fuzz_roster_readers_raise_only_gradsync_errors(roster: Any) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        sync = Path(d)
+        gen = sync / "gen-0123456789abcdef"
+        gen.mkdir()
+        _file(gen, "roster.json", json.dumps(roster).encode())
+        cfg = gradsync.FileGradSyncConfig(2, 1, sync, max_wait_s=1.0)
+        me = MemberInfo.for_self(1, "0000000000000000")
+        with contextlib.suppress(gradsync.RendezvousError):
+            rdzv._check_not_taken(cfg, me, rdzv.HeartbeatWatch(1.0))
+        if isinstance(roster, dict):
+            with contextlib.suppress(gradsync.RendezvousError, gradsync.MismatchError):
+                rdzv._accept(cfg, me, gen, roster)
+        rdzv._remove_if_dead(gen)
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+NON_DICT_MEMBERS = json.dumps({"members": [[1], "x"], "run_id": None}).encode()
+INF_MEMBERS = json.dumps({"members": [{**SELF, "rank": float("inf")}] * 2, "run_id": None}).encode()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RecursionError,
+    reason="BUG: _rendezvous._load catches ValueError but not the RecursionError json.loads "
+    "raises for deeply nested input (any garbage file named join-*/leader-*/roster.json "
+    "crashes the rendezvous); catch RecursionError too",
+)
+def test_deeply_nested_rendezvous_file_loads_as_none(tmp_path: Path) -> None:
+    assert rdzv._load(_file(tmp_path, "join-1-00.json", DEEP)) is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=OverflowError,
+    reason="BUG: MemberInfo.from_json does int(value): a JSON Infinity raises OverflowError, "
+    "which _member (catching KeyError, TypeError, ValueError) lets out",
+)
+def test_member_with_infinite_rank_is_none(tmp_path: Path) -> None:
+    content = json.dumps({"member": {**SELF, "rank": float("inf")}}).encode()
+    assert rdzv._member(rdzv._load(_file(tmp_path, "m.json", content))) is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=(AttributeError, OverflowError),
+    reason="BUG: roster readers (_check_not_taken, _remove_if_dead, _accept) pass raw roster "
+    "entries to MemberInfo.from_json, which calls data.get() (AttributeError on a non-dict) "
+    "and int() (OverflowError on Infinity); only KeyError/TypeError/ValueError are caught",
+)
+@pytest.mark.parametrize("content", [NON_DICT_MEMBERS, INF_MEMBERS], ids=["non-dict", "inf"])
+@pytest.mark.parametrize("reader", ["check_not_taken", "remove_if_dead", "accept"])
+def test_garbled_roster_entries_are_not_crashes(
+    tmp_path: Path, content: bytes, reader: str
+) -> None:
+    gen = tmp_path / "gen-0123456789abcdef"
+    gen.mkdir()
+    _file(gen, "roster.json", content)
+    cfg = gradsync.FileGradSyncConfig(2, 1, tmp_path, max_wait_s=1.0)
+    me = MemberInfo.for_self(1, "0000000000000000")
+    with contextlib.suppress(gradsync.RendezvousError, gradsync.MismatchError):
+        if reader == "check_not_taken":
+            rdzv._check_not_taken(cfg, me, rdzv.HeartbeatWatch(1.0))
+        elif reader == "remove_if_dead":
+            rdzv._remove_if_dead(gen)
+        else:
+            rdzv._accept(cfg, me, gen, json.loads(content))
+
+
+@pytest.fixture(scope="module")
+def lone_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StepEngine]:
+    """Rank 0 of a 2-rank generation whose rank 1 (this process too) never publishes."""
+    sync = tmp_path_factory.mktemp("engine")
+    gen_path = sync / "gen-00000000000000ab"
+    gen_path.mkdir()
+    members = (MemberInfo.for_self(0, "00000000000000ab"), MemberInfo.for_self(1, "cd" * 8))
+    gen = rdzv.Generation(gen_path, "00000000000000ab", members, 0)
+    engine = StepEngine(gradsync.FileGradSyncConfig(2, 0, sync, max_wait_s=2.0), gen)
+    yield engine
+    engine.close()
+
+
+def _step_with_abort_note(engine: StepEngine, note: bytes) -> BaseException:
+    step_dir = engine.gen.path / f"s-{engine.seq + 1}"
+    step_dir.mkdir()
+    _file(step_dir, "abort-1", note)
+    grads = [grads_for(0, 0)[0]]
+    start = time.monotonic()
+    with pytest.raises(gradsync.GradSyncError) as info:
+        engine.step(grads, 0)
+    assert time.monotonic() - start < 1.5, "the note was not acted on: waited for a timeout"
+    assert grads[0].tobytes() == grads_for(0, 0)[0].tobytes()
+    return info.value
+
+
+ERROR_NAMES = ["PeerLostError", "PeerTimeoutError", "MismatchError", "CorruptFileError", "", "x"]
+
+
+@FUZZ
+@given(
+    st.one_of(
+        st.binary(max_size=200),
+        json_values.map(lambda v: json.dumps(v).encode()),
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(ERROR_NAMES), "message": json_values, "ranks": json_values}
+        ).map(lambda v: json.dumps(v).encode()),
+    )
+)
+def test_fuzz_abort_note_raises_a_gradsync_error(lone_engine: StepEngine, note: bytes) -> None:
+    exc = _step_with_abort_note(lone_engine, note)
+    assert type(exc).__name__ in [*ERROR_NAMES[:3], "PeerAbortedError"], exc
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RecursionError,
+    reason="BUG: _protocol.StepEngine._raise_abort catches ValueError but not RecursionError "
+    "from json.loads of a deeply nested abort note",
+)
+def test_deeply_nested_abort_note_is_a_peer_aborted_error(lone_engine: StepEngine) -> None:
+    exc = _step_with_abort_note(lone_engine, DEEP)
+    assert isinstance(exc, gradsync.PeerAbortedError)
+
+
+# -- 6. soak (the full run is benchmarks/soak.py: W=4, 10,000 steps) --------------------------
+
+
+def test_short_soak_leaks_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # spawned ranks import soak from there too
+    import soak  # noqa: PLC0415
+
+    reports = soak.run(2, 300, tmp_path / "sync", timeout_s=60)
+    assert soak.check(reports) == [], soak.table(reports)
+    for rep in reports:
+        assert rep["end"]["fds"] == rep["start"]["fds"]
+    assert soak.dir_usage(tmp_path / "sync")["files"] == 0  # a clean close removes the run
