@@ -523,7 +523,7 @@ def test_plan_example() -> None:
     assert (f8.size, f8.in_offset, f8.shards) == (0, 216, ((0, 0), (0, 0)))
     assert f2.out_offsets == (128, 76)
     assert plan.in_len == 216
-    assert plan.out_lens == (64, 152)
+    assert plan.out_lens == (128, 88)
     assert plan.ordered_params() == [0, 2, 3, 1, 4]
     assert [(s.param, s.start, s.stop, s.at) for s in f4.segments(16, 51)] == [
         (0, 16, 40, 0),
