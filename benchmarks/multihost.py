@@ -165,7 +165,10 @@ def main() -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"W=4, {len(args.sizes)} sizes; step time = slowest rank's GradSync.average per step")
-    head = "| size | config | steps | median ms | p90 ms | publish | wait in | reduce | wait out | gather |"
+    head = (
+        "| size | config | steps | median ms | p90 ms "
+        "| publish | wait in | reduce | wait out | gather |"
+    )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:

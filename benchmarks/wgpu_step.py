@@ -30,7 +30,13 @@ import numpy as np
 
 
 def _rank(
-    rank: int, world: int, sync_dir: str, sizes: list[int], steps: int, report: Any
+    rank: int,
+    world: int,
+    sync_dir: str,
+    sizes: list[int],
+    steps: int,
+    report: Any,
+    barrier: Any,
 ) -> None:
     import wgpu  # noqa: PLC0415 - only ranks need a GPU
 
@@ -74,6 +80,8 @@ def _rank(
                 enc.copy_buffer_to_buffer(wr, 0, buf, 0, nbytes)
                 dev.queue.submit([enc.finish()])
                 dev.queue.read_buffer(fence, 0, 4)
+                # All ranks start the step together, as in training after backward().
+                barrier.wait()
                 t2 = time.perf_counter()
                 gs.average([buf], step=step_no, device=dev)
                 t3 = time.perf_counter()
@@ -103,10 +111,11 @@ def main() -> None:
     report = []
     for world in args.world_sizes:
         q = ctx.Queue()
+        barrier = ctx.Barrier(world)
         sync_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
         with tempfile.TemporaryDirectory(dir=sync_root) as d:
             procs = [
-                ctx.Process(target=_rank, args=(r, world, d, sizes, args.steps, q))
+                ctx.Process(target=_rank, args=(r, world, d, sizes, args.steps, q, barrier))
                 for r in range(world)
             ]
             for p in procs:
