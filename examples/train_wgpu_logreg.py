@@ -95,7 +95,13 @@ def main() -> None:
     else:
         tmp = tempfile.mkdtemp(prefix="gradsync-logreg-")
         cfg = gradsync.FileGradSyncConfig(world_size=1, rank=0, sync_dir=tmp)
-    dev = request_device_for_rank()
+    dev = request_device_for_rank()  # LOCAL_RANK picks the adapter on multi-GPU hosts
+    info = dev.adapter.info
+    print(
+        f"rank {cfg.rank} of {cfg.world_size}: adapter {info.get('device')!r} "
+        f"({info.get('backend_type')}, {info.get('adapter_type')})",
+        flush=True,
+    )
     n, d = args.samples, args.features
     x, y = make_shard(cfg.rank, n, d)
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The real-GPU run (issue 3), as made on the lent NVIDIA H200: wgpu tests, the wgpu
+# example on 2 and 4 ranks sharing the GPU, and the copy/step benchmarks. Expects
+# the Vulkan loader debs in .gl/ and wgpu's wheels in .whl/ (see README, Performance).
+set -uo pipefail
+OUT=${OUT:-/tmp/gradsync-h200}
+mkdir -p "$OUT"
+for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 BACKEND=Vulkan
+if ! python3 -c "import wgpu,sys; sys.exit(not any(a.info['backend_type']=='Vulkan' for a in wgpu.gpu.enumerate_adapters_sync()))"; then
+  export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+  export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+fi
+{
+  date -u; nvidia-smi -L; nproc; python3 --version
+  python3 -c "import wgpu, numpy; print('wgpu', wgpu.__version__, 'numpy', numpy.__version__); [print(a.info) for a in wgpu.gpu.enumerate_adapters_sync()]"
+} 2>&1 | tee "$OUT/env.txt"
+python3 -m pytest tests/test_wgpu_bridge.py -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/tests.txt" | tail -15
+for n in 2 4; do
+  python3 -m gradsync launch --nproc $n examples/train_wgpu_logreg.py 2>&1 | tee "$OUT/example-$n.txt" | tail -6
+done
+python3 benchmarks/wgpu_copy.py --sizes-mib 1 16 256 --repeats 7 --backend Vulkan 2>&1 | tee "$OUT/copy.txt"
+python3 benchmarks/wgpu_step.py --world-sizes 2 4 --sizes-mib 1 16 256 --steps 7 --json "$OUT/step.json" 2>&1 | tee "$OUT/step.txt"
