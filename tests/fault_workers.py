@@ -92,37 +92,6 @@ def steps_until_error(
     return {"pid": os.getpid(), "gen": gen_dir, "records": records, "warnings": handler.messages}
 
 
-def loop_until_error(
-    rank: int,
-    world: int,
-    sync_dir: str,
-    mark_dir: str,
-    kw: dict[str, Any],
-    hold_s: float = 0.0,
-    max_s: float = 30.0,
-) -> dict[str, Any]:
-    """Step until an error (or ``max_s``); rank 0 touches ``mark_dir/stepping`` after step 3."""
-    gs = gradsync.GradSync(config(rank, world, sync_dir, **kw))
-    deadline = time.monotonic() + max_s
-    step = 0
-    rec: dict[str, Any] = {"ok": True}
-    while time.monotonic() < deadline:
-        rec = _record(gs, rank, step)
-        if not rec["ok"]:
-            break
-        if rank == 0 and step == 3:
-            Path(mark_dir, "stepping").write_text("")
-        step += 1
-    time.sleep(hold_s)
-    with_close_error = None
-    try:
-        gs.close()
-    except Exception as exc:  # reported to the test: close must not raise either
-        with_close_error = f"{type(exc).__name__}: {exc}"
-    rec.pop("after", None)
-    return {"last": rec, "steps": step, "close_error": with_close_error}
-
-
 def corrupt_own_file(
     rank: int,
     world: int,

@@ -18,7 +18,7 @@ import hashlib
 import json
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import CorruptFileError
@@ -69,10 +69,19 @@ class Header:
     meta: dict[str, Any]
     payload_offset: int
     payload_len: int
+    meta_raw: bytes = field(default=b"", compare=False, repr=False)
 
-    def layout(self) -> Layout:
+    def full_meta(self, path: str) -> dict[str, Any]:
+        """The meta, parsing it now if ``decode_header`` was told to skip it.
+
+        Raises:
+            CorruptFileError: the meta is not valid.
+        """
+        return self.meta if self.meta or not self.meta_raw else _parse_meta(self.meta_raw, path)
+
+    def layout(self, path: str = "") -> Layout:
         """The param layout carried in the meta (input files only)."""
-        raw = self.meta.get("layout", [])
+        raw = self.full_meta(path).get("layout", [])
         return tuple((str(d), tuple(int(x) for x in s)) for d, s in raw)
 
 
@@ -118,8 +127,11 @@ def encode_header(
     return head + bytes(offset - len(head))
 
 
-def decode_header(data: bytes, path: str) -> Header:
+def decode_header(data: bytes, path: str, *, parse_meta: bool = True) -> Header:
     """Decode the header at the start of ``data`` (at least the whole header).
+
+    With ``parse_meta=False`` the meta is checksummed but not parsed (``meta`` is
+    empty): the hot path needs it only when layouts differ; ``full_meta`` parses it.
 
     Raises:
         CorruptFileError: naming ``path`` and what is wrong; nothing else, for any input.
@@ -154,13 +166,18 @@ def decode_header(data: bytes, path: str) -> Header:
         raise CorruptFileError(f"{path} has a corrupt header (checksum mismatch)", path=path)
     if kind not in _KINDS:
         raise CorruptFileError(f"{path} has unknown kind {kind}", path=path)
+    meta = _parse_meta(meta_bytes, path) if parse_meta else {}
+    return Header(kind, flags, rank, world, seq, step, gen, digest, meta, offset, plen, meta_bytes)
+
+
+def _parse_meta(meta_bytes: bytes, path: str) -> dict[str, Any]:
     try:
         meta = json.loads(meta_bytes)
     except (ValueError, RecursionError):
         raise CorruptFileError(f"{path} has an unreadable header meta", path=path) from None
     if not isinstance(meta, dict) or not _valid_meta(meta):
         raise CorruptFileError(f"{path} has a malformed header meta", path=path)
-    return Header(kind, flags, rank, world, seq, step, gen, digest, meta, offset, plen)
+    return meta
 
 
 def _valid_meta(meta: dict[str, Any]) -> bool:

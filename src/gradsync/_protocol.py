@@ -1,16 +1,23 @@
 """One averaging step over files: publish, wait, reduce a shard, gather the mean.
 
-In generation directory ``gen-<id>/``, call number ``seq`` of every rank uses
-``s-<seq>/``::
+In generation directory ``gen-<id>/``, every rank owns four data files, reused
+from step to step (rewriting a file in place keeps its tmpfs pages, where a fresh
+file costs a page fault per 4 KiB)::
 
-    in-<r>     rank r's whole gradient (header + payload), published by rename
-    out-<r>    rank r's shard of the mean, published once all inputs are read
-    abort-<r>  why rank r gave up on this step (peers raise it at once)
+    d-<r>-<slot>.in    rank r's whole gradient (header + payload), slot = call % 2
+    d-<r>-<slot>.out   rank r's shard of the mean
 
-Rank q's call seq+1 starts only after it has gathered call seq, which needs
-every rank's ``out`` of seq, written after that rank read all inputs of seq and
-finished seq-1. So when rank 0 starts call seq, nobody will touch ``s-<seq-2>``
-again and rank 0 removes it: at most three steps are ever on disk.
+and call number ``seq`` of every rank uses ``s-<seq>/``, whose names are never reused::
+
+    in-<r>     empty marker: rank r's input for this call is complete and closed
+    out-<r>    empty marker: rank r's shard of the mean is complete and closed
+    abort-<r>  why rank r gave up on this call (peers raise it at once)
+
+Rank q writes slot ``seq % 2`` only after finishing call seq-1, which needed every
+rank's ``out`` of seq-1, written after that rank had read every input of seq-1 and
+so finished call seq-2: nobody still reads what the slot held. For the same reason,
+when rank 0 starts call seq nobody will look at ``s-<seq-2>`` again and rank 0
+removes it. Disk use: two slots of inputs and shards per rank, a few markers.
 """
 
 from __future__ import annotations
@@ -50,7 +57,15 @@ from ._format import (
     decode_header,
     encode_header,
 )
-from ._fsio import Backoff, list_names, read_exact_into, translate_oserror, write_atomic
+from ._fsio import (
+    Backoff,
+    create_marker,
+    list_names,
+    read_exact_into,
+    translate_oserror,
+    write_atomic,
+    write_in_place,
+)
 from ._liveness import Heartbeat, HeartbeatWatch
 from ._plan import Group, Plan
 from ._reduce import check_dtype, mean_into
@@ -163,8 +178,6 @@ class StepEngine:
 
     def _step(self, arrays: list[np.ndarray], step: int, step_dir: Path) -> StepStats:
         t0 = time.perf_counter()
-        if self.rank == 0 and self.seq > 2:
-            shutil.rmtree(self.gen.path / f"s-{self.seq - 2}", ignore_errors=True)
         plan = self._plan_for(_layout_of(arrays))
         flats = [a.reshape(-1) for a in arrays]
         nonfinite = (
@@ -175,6 +188,9 @@ class StepEngine:
         fault_point("before_publish", self.rank, self.seq)
         self._publish(step_dir, plan, flats, step, nonfinite)
         fault_point("after_publish", self.rank, self.seq)
+        if self.rank == 0 and self.seq > 2:
+            # Off the critical path: peers are still publishing while this runs.
+            shutil.rmtree(self.gen.path / f"s-{self.seq - 2}", ignore_errors=True)
         t1 = time.perf_counter()
         peers: dict[int, _Peer] = {}
         outs: dict[int, _Peer] = {}
@@ -186,12 +202,7 @@ class StepEngine:
             if plan.out_lens[self.rank]:
                 head = self._header(KIND_OUTPUT, step, plan, len(shard))[0]
                 half = len(shard) // 2
-                self._write(
-                    step_dir / f"out-{self.rank}",
-                    [head, shard[:half], shard[half:]],
-                    step,
-                    "mid_output",
-                )
+                self._write(step_dir, "out", [head, shard[:half], shard[half:]], step)
             fault_point("after_output", self.rank, self.seq)
             t3 = time.perf_counter()
             publishers = [q for q in range(self.world) if plan.out_lens[q] and q != self.rank]
@@ -243,21 +254,33 @@ class StepEngine:
         )
         return head, len(head)
 
+    def data_path(self, rank: int, kind: str, seq: int | None = None) -> Path:
+        """The reused data file holding ``rank``'s ``kind`` ("in"/"out") for call ``seq``."""
+        return self.gen.path / f"d-{rank}-{(self.seq if seq is None else seq) % 2}.{kind}"
+
     def _write(
         self,
-        path: Path,
+        step_dir: Path,
+        kind: str,
         chunks: Sequence[bytes | memoryview | np.ndarray],
         step: int,
-        phase: str,
     ) -> None:
+        """Write this rank's ``kind`` data in place, then publish its marker."""
+
         def midway() -> None:
-            fault_point(phase, self.rank, self.seq)
+            fault_point(f"mid_{'publish' if kind == 'in' else 'output'}", self.rank, self.seq)
 
         views = [c if not isinstance(c, np.ndarray) else c.data for c in chunks]
+        path = self.data_path(self.rank, kind)
         try:
-            write_atomic(path, views, midway=midway if _FAULTS_ON else None)
+            write_in_place(path, views, midway=midway if _FAULTS_ON else None)
         except OSError as exc:
-            raise translate_oserror(exc, "publishing", path, step=step) from exc
+            raise translate_oserror(exc, "writing", path, step=step) from exc
+        marker = step_dir / f"{kind}-{self.rank}"
+        try:
+            create_marker(marker)
+        except OSError as exc:
+            raise translate_oserror(exc, "publishing", marker, step=step) from exc
 
     def _publish(
         self,
@@ -276,7 +299,7 @@ class StepEngine:
         head, _ = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite)
         chunks: list[bytes | memoryview | np.ndarray] = [head]
         chunks.extend(flats[i] for i in plan.ordered_params() if flats[i].size)
-        self._write(step_dir / f"in-{self.rank}", chunks, step, "mid_publish")
+        self._write(step_dir, "in", chunks, step)
 
     # -- waiting --------------------------------------------------------------------
 
@@ -300,7 +323,7 @@ class StepEngine:
         while missing:
             names = list_names(step_dir)
             for q in [q for q in missing if f"{prefix}-{q}" in names]:
-                found[q] = self._open(step_dir / f"{prefix}-{q}", q, kind, step)
+                found[q] = self._open(self.data_path(q, prefix), q, kind, step)
                 missing.remove(q)
                 if not first_look:
                     last = q
@@ -341,17 +364,14 @@ class StepEngine:
     def _open(self, path: Path, rank: int, kind: int, step: int) -> _Peer:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError as exc:
-            # Listed a moment ago: only a removed sync directory explains it.
-            raise translate_oserror(exc, "opening", path, step=step) from exc
         except OSError as exc:
             raise translate_oserror(exc, "opening", path, step=step) from exc
         try:
             head = os.pread(fd, HEADER_READ_BYTES, 0)
-            header = decode_header(head, str(path))
+            header = decode_header(head, str(path), parse_meta=False)
             if len(head) < header.payload_offset and header.payload_offset > HEADER_READ_BYTES:
                 head = os.pread(fd, header.payload_offset, 0)
-                header = decode_header(head, str(path))
+                header = decode_header(head, str(path), parse_meta=False)
             size = os.fstat(fd).st_size
         except CorruptFileError as exc:
             os.close(fd)
@@ -407,7 +427,9 @@ class StepEngine:
     def _check_alive(
         self, missing: Sequence[int], step: int, step_dir: Path, what: str, elapsed: float
     ) -> None:
+        """Raise PeerLostError naming every missing rank that is gone for good."""
         names = list_names(self.gen.path)
+        lost: dict[int, str] = {}
         for q in missing:
             member = self.gen.members[q]
             reason: str | None
@@ -419,13 +441,26 @@ class StepEngine:
                 silent = self._watch.is_lost(self.gen.heartbeat_path(q))
                 reason = None if silent is None else f"stopped its heartbeat {silent:.1f} s ago"
             if reason is not None:
-                raise PeerLostError(
-                    f"step {step}: rank {q} ({member.describe()}) {reason} before publishing "
-                    f"{what} in {step_dir} (waited {elapsed:.1f} s)",
-                    step=step,
-                    ranks=[q],
-                    path=step_dir,
-                )
+                lost[q] = reason
+        if not lost:
+            return
+        # A peer may publish, finish the step and exit between our listing and its
+        # liveness check: only a marker still missing now means it never published.
+        prefix = "in" if what == "its gradients" else "out"
+        present = list_names(step_dir)
+        lost = {q: r for q, r in lost.items() if f"{prefix}-{q}" not in present}
+        if not lost:
+            return
+        described = "; ".join(
+            f"rank {q} ({self.gen.members[q].describe()}) {r}" for q, r in sorted(lost.items())
+        )
+        raise PeerLostError(
+            f"step {step}: {described} before publishing {what} in {step_dir} "
+            f"(waited {elapsed:.1f} s)",
+            step=step,
+            ranks=sorted(lost),
+            path=step_dir,
+        )
 
     def _check_inputs(self, plan: Plan, step: int, peers: dict[int, _Peer], step_dir: Path) -> None:
         steps = {q: p.header.step for q, p in peers.items()}
@@ -440,8 +475,15 @@ class StepEngine:
         for q in range(self.world):
             other = peers[q].header
             if other.layout_digest != plan.digest:
-                raise self._mismatch(plan.layout, other.layout(), q, step, step_dir)
-        bad = [(q, i) for q in range(self.world) for i in peers[q].header.meta.get("nonfinite", [])]
+                raise self._mismatch(
+                    plan.layout, other.layout(str(peers[q].path)), q, step, step_dir
+                )
+        bad = [
+            (q, i)
+            for q in range(self.world)
+            if peers[q].header.flags & FLAG_NONFINITE
+            for i in peers[q].header.full_meta(str(peers[q].path)).get("nonfinite", [])
+        ]
         if bad:
             ranks = sorted({q for q, _ in bad})
             listing = ", ".join(f"rank {q} param {i}" for q, i in bad)
@@ -587,7 +629,7 @@ class StepEngine:
             raise
 
     def _restore(self, plan: Plan, flats: list[np.ndarray]) -> None:
-        path = self.gen.path / f"s-{self.seq}" / f"in-{self.rank}"
+        path = self.data_path(self.rank, "in")
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:

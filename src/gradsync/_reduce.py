@@ -114,17 +114,29 @@ def mean_into(
     in_buf = scratch if scratch is not None and scratch.size >= chunk else None
     if in_buf is None:
         in_buf = np.empty(chunk, dtype=out.dtype)
+    # Two float32 ranks: (a + b) * 0.5 in float32 is the float64 mean rounded to float32,
+    # bit for bit: a + b rounds once (a sum that lands in the subnormal range is exact),
+    # halving is exact, and float64's own rounding of a + b can never sit on a float32
+    # tie. Only an overflowing a + b differs; chunks holding an Inf are redone in float64.
+    pair = world == 2 and out.dtype == np.float32
+    other_buf = np.empty(chunk, dtype=out.dtype) if pair else in_buf
     # NaN and Inf propagate as IEEE says; a warning (an error under -W error) would
     # fail this rank alone, which reduces this shard, and so the whole step.
     with np.errstate(all="ignore"):
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
+            dst = out[start:stop]
+            if pair:
+                np.add(fetch[0](start, stop, in_buf), fetch[1](start, stop, other_buf), out=dst)
+                np.multiply(dst, 0.5, out=dst)
+                if not np.isinf(dst).any():
+                    continue
             acc = acc_buf[: stop - start]
             np.copyto(acc, fetch[0](start, stop, in_buf))
             for q in range(1, world):
                 np.add(acc, fetch[q](start, stop, in_buf), out=acc)
             np.divide(acc, world, out=acc)
-            np.copyto(out[start:stop], acc, casting="same_kind")
+            np.copyto(dst, acc, casting="same_kind")
 
 
 def average_host_grads(
