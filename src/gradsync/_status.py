@@ -92,7 +92,8 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
         if published:
             last = published[-1]
             entry["last_call"] = last
-            entry["last_step"] = _user_step(gen / f"s-{last}" / f"in-{m.rank}")
+            # The marker is empty; the header lives in the rank's reused data file.
+            entry["last_step"] = _user_step(gen / f"d-{m.rank}-{last % 2}.in")
         entry["failed"] = any(f"abort-{m.rank}" in names.get(seq, set()) for seq in seqs)
         ranks.append(entry)
     info["ranks"] = ranks
