@@ -97,11 +97,11 @@ def base_values(idx: np.ndarray) -> np.ndarray:
 
 
 def rank_scale(rank: int) -> np.float32:
-    return np.float32(1.0 + 0.25 * rank)
+    return np.float32(1.0 + 0.25 * rank)  # type: ignore[no-any-return]
 
 
 def step_offset(rank: int, step: int) -> np.float32:
-    return np.float32(0.5 * rank + 0.01 * (step + 1))
+    return np.float32(0.5 * rank + 0.01 * (step + 1))  # type: ignore[no-any-return]
 
 
 def rank_inputs(base: np.ndarray, rank: int, step: int) -> np.ndarray:
@@ -335,7 +335,7 @@ class NaivePeer:
     def _write(path: Path, data: np.ndarray) -> None:
         tmp = path.with_name(f".{path.name}.tmp")
         with open(tmp, "wb") as f:
-            f.write(memoryview(data).cast("B"))
+            f.write(data.data.cast("B"))
         os.rename(tmp, path)
 
     @staticmethod
@@ -370,7 +370,7 @@ class NaivePeer:
             self._wait([d / "done"])
             for i, g in enumerate(self.grads):
                 with open(d / f"out-{i}", "rb") as f:
-                    f.readinto(memoryview(g).cast("B"))
+                    f.readinto(g.data.cast("B"))
 
     def barrier(self) -> None:
         self._barrier.wait(timeout=WORKER_TIMEOUT_S)
@@ -435,7 +435,7 @@ def _check_full(grads: list[np.ndarray], world: int, step: int) -> float:
 def _digest(grads: list[np.ndarray]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for g in grads:
-        h.update(memoryview(g).cast("B"))
+        h.update(g.data.cast("B"))
     return h.hexdigest()
 
 
@@ -737,14 +737,18 @@ def check_targets(rows: list[Row], workloads: list[str]) -> list[Target]:
     }
     targets: list[Target] = []
 
-    def ratio_target(name: str, keys: list[tuple[str, int, str]], attr: str, limit: float) -> None:
-        vals = [(k, getattr(gs[k], attr) if k in gs else None) for k in keys]
+    def ratio_target(
+        name: str, keys: Sequence[tuple[str, int, str]], attr: str, limit: float
+    ) -> None:
+        vals: list[tuple[tuple[str, int, str], float | None]] = [
+            (k, getattr(gs[k], attr) if k in gs else None) for k in keys
+        ]
         if not keys or any(v is None for _, v in vals):
             missing = [f"W={k[1]} {k[2]}" for k, v in vals if v is None]
             targets.append(Target(name, None, f"not measured: {', '.join(missing) or 'no rows'}"))
             return
-        bad = [(k, v) for k, v in vals if v > limit]
-        detail = ", ".join(f"W={k[1]} {k[2]} {v:.2f}x" for k, v in vals)
+        bad = [(k, v) for k, v in vals if v is not None and v > limit]
+        detail = ", ".join(f"W={k[1]} {k[2]} {v or 0:.2f}x" for k, v in vals)
         targets.append(Target(name, not bad, detail))
 
     w2 = [("tmpfs", 2, w) for w in workloads]

@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import gradsync
-from gradsync._format import decode_header
+from gradsync._format import KIND_INPUT, KIND_OUTPUT, MAGIC, decode_header
 from gradsync._protocol import StepEngine
 from ranks import config
 from workers import grads_for
@@ -108,28 +107,40 @@ def corrupt_own_file(
     ``payload`` flips the sign/exponent byte of the first payload element.
     """
     if rank == victim:
+        kind = KIND_INPUT if name == "in" else KIND_OUTPUT
         original = StepEngine._write
 
-        def damaged(self: StepEngine, path: Path, chunks: Any, step: int, phase: str) -> None:
-            if path.name != f"{name}-{rank}" or self.seq != call:
-                original(self, path, chunks, step, phase)
-                return
-            data = bytearray(
-                b"".join(c.tobytes() if isinstance(c, np.ndarray) else bytes(c) for c in chunks)
-            )
-            offset = decode_header(bytes(data), str(path)).payload_offset
-            if how == "header":
-                data[24] ^= 0x01  # the low byte of the step number
-            elif how == "truncate":
-                del data[offset + 4 :]
-            elif how == "short":
-                del data[40:]
-            elif how == "payload":
-                data[offset + 3] ^= 0x40  # exponent bits of the first element
-            original(self, path, [bytes(data)], step, phase)
+        def damaged(self: StepEngine, *args: Any, **kwargs: Any) -> None:
+            # Whatever _write's signature, one argument is the chunk list, header first.
+            args = tuple(_damage(a, kind, call, how) for a in args)
+            kwargs = {k: _damage(v, kind, call, how) for k, v in kwargs.items()}
+            original(self, *args, **kwargs)
 
         StepEngine._write = damaged  # type: ignore[method-assign]
     return steps_until_error(rank, world, sync_dir, 2, {"max_wait_s": 20.0})
+
+
+def _damage(arg: Any, kind: int, call: int, how: str) -> Any:
+    """``arg`` damaged if it is the chunk list of a ``kind`` file for call ``call``."""
+    if not isinstance(arg, (list, tuple)) or not arg:
+        return arg
+    first = arg[0]
+    if not isinstance(first, (bytes, bytearray, memoryview)) or bytes(first[:4]) != MAGIC:
+        return arg
+    header = decode_header(bytes(first), "chunk")
+    if header.kind != kind or header.seq != call:
+        return arg
+    data = bytearray(b"".join(c.tobytes() if isinstance(c, np.ndarray) else bytes(c) for c in arg))
+    offset = header.payload_offset
+    if how == "header":
+        data[24] ^= 0x01  # the low byte of the step number
+    elif how == "truncate":
+        del data[offset + 4 :]
+    elif how == "short":
+        del data[40:]
+    elif how == "payload":
+        data[offset + 3] ^= 0x40  # exponent bits of the first element
+    return [bytes(data)]
 
 
 def two_jobs(rank: int, sync_dir: str, run_ids: list[str | None], steps: int) -> Any:

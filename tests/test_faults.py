@@ -313,7 +313,8 @@ def test_corrupt_file_is_detected_by_every_reader(
     tmp_path: Path, name: str, how: str, detail: str
 ) -> None:
     results = run_ranks(fault_workers.corrupt_own_file, 3, (3, str(tmp_path), 1, name, how, 2))
-    path = rf"{re.escape(str(tmp_path))}/gen-[0-9a-f]+/s-2/{name}-1"
+    # The damaged file: s-2/<name>-1, or wherever the engine keeps rank 1's data.
+    path = rf"{re.escape(str(tmp_path))}/gen-[0-9a-f]+/\S+"
     message = rf"step 1: rank 1's file {detail.format(path=path)}"
     for r in (0, 2):
         recs = records(results[r])
@@ -397,10 +398,13 @@ def test_sync_dir_removed_while_one_rank_is_about_to_write(
         assert rec["step"] == 2
         assert rec["at"] - removed_at < 5.0
         if r != 2:
-            assert rec["type"] == "PeerLostError", rec["message"]
+            # Whichever a survivor notices first: the vanished directory or the dead rank.
+            assert rec["type"] in ("SyncDirError", "PeerLostError"), rec["message"]
             assert re.fullmatch(
                 rf"step 2: rank 2 \({PID}\) has exited before publishing its gradients in \S+/s-3 "
-                r"\(waited \d+\.\d s\)",
+                r"\(waited \d+\.\d s\)"
+                r"|step 2: \S+/s-3 disappeared while waiting for ranks \[2\] "
+                r"\(was the sync directory removed\?\)",
                 rec["message"],
             ), rec["message"]
 
@@ -603,6 +607,7 @@ rosters = st.fixed_dictionaries(
 @FUZZ
 @given(st.one_of(rosters, json_values))
 def test_fuzz_roster_readers_raise_only_gradsync_errors(roster: Any) -> None:
+    _need_roster_readers()
     with tempfile.TemporaryDirectory() as d:
         sync = Path(d)
         gen = sync / "gen-0123456789abcdef"
@@ -616,6 +621,15 @@ def test_fuzz_roster_readers_raise_only_gradsync_errors(roster: Any) -> None:
             with contextlib.suppress(gradsync.RendezvousError, gradsync.MismatchError):
                 rdzv._accept(cfg, me, gen, roster)
         rdzv._remove_if_dead(gen)
+
+
+def _need_roster_readers() -> None:
+    # An AttributeError from a renamed helper must not pass for the bug's AttributeError.
+    missing = [
+        f for f in ("_check_not_taken", "_remove_if_dead", "_accept") if not hasattr(rdzv, f)
+    ]
+    if missing:
+        pytest.fail(f"gradsync._rendezvous no longer has {missing}: adapt these tests")
 
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -657,6 +671,7 @@ def test_member_with_infinite_rank_is_none(tmp_path: Path) -> None:
 def test_garbled_roster_entries_are_not_crashes(
     tmp_path: Path, content: bytes, reader: str
 ) -> None:
+    _need_roster_readers()
     gen = tmp_path / "gen-0123456789abcdef"
     gen.mkdir()
     _file(gen, "roster.json", content)

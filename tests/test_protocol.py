@@ -14,8 +14,9 @@ import workers
 from ranks import run_ranks
 
 
-def expected(world: int, step: int, offset: int = 0) -> list[bytes]:
-    per_rank = [workers.grads_for(r + offset, step) for r in range(world)]
+def expected(world: int, step: int, offset: int = 0, big: bool = False) -> list[bytes]:
+    shapes = workers.SHAPES_BIG if big else workers.SHAPES
+    per_rank = [workers.grads_for(r + offset, step, shapes) for r in range(world)]
     return [a.tobytes() for a in gradsync.average_host_grads(per_rank)]
 
 
@@ -27,14 +28,24 @@ def assert_ok(results: dict[int, object]) -> None:
 # -- 1. the mean, bit-identical on every rank, whatever the order and strategy -----------
 
 
-@pytest.mark.parametrize("strategy", ["sharded", "root"])
-def test_every_rank_gets_the_same_bits_as_average_host_grads(tmp_path: Path, strategy: str) -> None:
-    world, steps = 3, 4
-    kw = {"strategy": strategy, "jitter_s": 0.05}
+@pytest.mark.parametrize(
+    ("strategy", "big"),
+    [("sharded", False), ("sharded", True), ("root", False), ("root", True)],
+    ids=["small-replicated", "big-sharded", "small-root", "big-root"],
+)
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_gets_the_same_bits_as_average_host_grads(
+    tmp_path: Path, strategy: str, big: bool, world: int
+) -> None:
+    # Small payloads are reduced whole by every rank, big ones in shards or by rank 0:
+    # all of them must give exactly average_host_grads's bits (float32 pairs take a
+    # fast path at world 2, the float64 accumulator at 3).
+    steps = 3
+    kw = {"strategy": strategy, "jitter_s": 0.05, "big": big}
     results = run_ranks(workers.average_steps, world, (world, str(tmp_path), steps, kw))
     assert_ok(results)
     for step in range(steps):
-        want = expected(world, step)
+        want = expected(world, step, big=big)
         for r in range(world):
             assert results[r].value[step] == want, f"rank {r} step {step}"
 

@@ -23,6 +23,14 @@ SHAPES: list[tuple[tuple[int, ...], str]] = [
 ]
 
 
+# Over 256 KiB per rank: reduced in shards rather than by every rank.
+SHAPES_BIG: list[tuple[tuple[int, ...], str]] = [
+    *SHAPES,
+    ((70_001,), "float32"),
+    ((3, 20_000), "float16"),
+]
+
+
 def grads_for(
     rank: int, step: int, shapes: list[tuple[tuple[int, ...], str]] = SHAPES
 ) -> list[np.ndarray]:
@@ -39,13 +47,14 @@ def average_steps(
 ) -> list[list[bytes]]:
     """Average ``steps`` rounds; return each round's results as bytes."""
     delay = kw.pop("jitter_s", 0.0)
+    shapes = SHAPES_BIG if kw.pop("big", False) else SHAPES
     rng = np.random.default_rng(rank + 99)
     results = []
     with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
         for step in range(steps):
             if delay:
                 time.sleep(float(rng.uniform(0, delay)))
-            grads = grads_for(rank, step)
+            grads = grads_for(rank, step, shapes)
             gs.average(grads, step=step)
             results.append([g.tobytes() for g in grads])
     return results

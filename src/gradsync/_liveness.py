@@ -91,16 +91,25 @@ class MemberInfo:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> MemberInfo:
+    def from_json(cls, data: object) -> MemberInfo:
+        """Parse what :meth:`to_json` wrote.
+
+        Raises:
+            ValueError: for anything else (files may be garbled or from elsewhere).
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"a member must be a JSON object, got {type(data).__name__}")
+        ints = [data.get(k) for k in ("rank", "pid")]
         start = data.get("start_ticks")
-        return cls(
-            int(data["rank"]),
-            str(data["nonce"]),
-            str(data["hostname"]),
-            str(data["host_id"]),
-            int(data["pid"]),
-            None if start is None else int(start),
-        )
+        texts = [data.get(k) for k in ("nonce", "hostname", "host_id")]
+        if not all(type(v) is int and v >= 0 for v in ints):
+            raise ValueError(f"a member needs integer rank and pid, got {ints}")
+        if start is not None and type(start) is not int:
+            raise ValueError(f"start_ticks must be an integer or null, got {start!r}")
+        if not all(isinstance(v, str) for v in texts):
+            raise ValueError(f"a member needs string nonce, hostname and host_id, got {texts}")
+        nonce, hostname, host_id = (str(v) for v in texts)
+        return cls(int(data["rank"]), nonce, hostname, host_id, int(data["pid"]), start)
 
     @property
     def same_host(self) -> bool:

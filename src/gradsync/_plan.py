@@ -56,9 +56,20 @@ class Plan:
     groups: tuple[Group, ...]
     in_len: int  # input payload bytes
     out_lens: tuple[int, ...]  # per rank: output payload bytes
+    # Every rank reduces everything itself and publishes no shard (small payloads).
+    replicated: bool = False
 
     @classmethod
-    def build(cls, layout: Layout, world_size: int, root_only: bool) -> Plan:
+    def build(
+        cls, layout: Layout, world_size: int, root_only: bool, *, replicate_below: int = 0
+    ) -> Plan:
+        """The plan for ``layout``.
+
+        ``root_only``: rank 0 reduces everything. Otherwise, payloads of fewer than
+        ``replicate_below`` bytes are reduced whole by every rank, which skips a round
+        of files and waiting; larger ones are split into one shard per rank. The mean
+        of every element is computed alike in all three, so the bits are the same.
+        """
         order: list[str] = []
         members: dict[str, list[int]] = {}
         for index, (name, _shape) in enumerate(layout):
@@ -66,6 +77,10 @@ class Plan:
                 order.append(name)
                 members[name] = []
             members[name].append(index)
+        total = sum(
+            int(np.prod(shape, dtype=np.int64)) * np.dtype(name).itemsize for name, shape in layout
+        )
+        replicate = not root_only and total < replicate_below
         groups: list[Group] = []
         in_offset = 0
         out_lens = [0] * world_size
@@ -77,7 +92,9 @@ class Plan:
                 count = int(np.prod(layout[index][1], dtype=np.int64))
                 params.append((index, size, count))
                 size += count
-            if root_only:
+            if replicate:
+                shards = tuple((0, size) for _ in range(world_size))
+            elif root_only:
                 shards = tuple((0, size) if q == 0 else (size, size) for q in range(world_size))
             else:
                 shards = tuple(shard_range(size, q, world_size) for q in range(world_size))
@@ -86,7 +103,9 @@ class Plan:
                 out_lens[q] += (hi - lo) * dtype.itemsize
             groups.append(Group(dtype, tuple(params), size, in_offset, shards, out_offsets))
             in_offset += size * dtype.itemsize
-        return cls(layout, layout_hash(layout), tuple(groups), in_offset, tuple(out_lens))
+        return cls(
+            layout, layout_hash(layout), tuple(groups), in_offset, tuple(out_lens), replicate
+        )
 
     def ordered_params(self) -> list[int]:
         """Param indices in payload order."""

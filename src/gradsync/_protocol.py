@@ -23,6 +23,7 @@ removes it. Disk use: two slots of inputs and shards per rank, a few markers.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ from ._errors import (
     PeerAbortedError,
     PeerLostError,
     PeerTimeoutError,
+    SyncDirError,
 )
 from ._faults import fault_point
 from ._format import (
@@ -76,6 +78,9 @@ __all__ = ["StepEngine", "validate_grads"]
 
 _log = logging.getLogger("gradsync")
 _LIVENESS_EVERY_S = 0.1
+# Below this many bytes per rank every rank reduces all of it: reading W small inputs
+# costs less than a second round of files, waiting and gathering.
+REPLICATE_BELOW_BYTES = 256 * 1024
 _FAULTS_ON = bool(os.environ.get("GRADSYNC_TEST_FAULT"))
 # Errors about the job rather than one rank: a peer's report is re-raised as is.
 _SHARED_ERRORS: dict[str, type[GradSyncError]] = {
@@ -146,7 +151,9 @@ class StepEngine:
         self._gen_bytes = bytes.fromhex(gen.gen_id).ljust(16, b"\0")[:16]
         self._plan: Plan | None = None
         self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
-        self._heartbeat = Heartbeat(gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s)
+        self._heartbeat = gen.heartbeat or Heartbeat(
+            gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s
+        )
 
     def close(self) -> None:
         self._heartbeat.stop()
@@ -199,13 +206,17 @@ class StepEngine:
             self._check_inputs(plan, step, peers, step_dir)
             t2 = time.perf_counter()
             shard = self._reduce(plan, flats, peers, step_dir, step)
-            if plan.out_lens[self.rank]:
+            if plan.out_lens[self.rank] and not plan.replicated:
                 head = self._header(KIND_OUTPUT, step, plan, len(shard))[0]
                 half = len(shard) // 2
                 self._write(step_dir, "out", [head, shard[:half], shard[half:]], step)
             fault_point("after_output", self.rank, self.seq)
             t3 = time.perf_counter()
-            publishers = [q for q in range(self.world) if plan.out_lens[q] and q != self.rank]
+            publishers = [
+                q
+                for q in range(self.world)
+                if plan.out_lens[q] and q != self.rank and not plan.replicated
+            ]
             self._await(step_dir, "out", publishers, step, outs)
             t4 = time.perf_counter()
             self._gather(plan, flats, shard, outs, step)
@@ -231,7 +242,12 @@ class StepEngine:
 
     def _plan_for(self, layout: Layout) -> Plan:
         if self._plan is None or self._plan.layout != layout:
-            self._plan = Plan.build(layout, self.world, self.cfg.strategy == "root")
+            self._plan = Plan.build(
+                layout,
+                self.world,
+                self.cfg.strategy == "root",
+                replicate_below=REPLICATE_BELOW_BYTES,
+            )
         return self._plan
 
     def _header(
@@ -338,6 +354,16 @@ class StepEngine:
             elapsed = backoff.elapsed_s()
             if elapsed >= next_check:
                 next_check = elapsed + _LIVENESS_EVERY_S
+                if not names and not step_dir.is_dir():
+                    # This rank published into it: only removal explains its absence.
+                    raise SyncDirError(
+                        f"step {step}: {step_dir} disappeared while waiting for ranks {missing} "
+                        "(was the sync directory removed?)",
+                        errno=errno.ENOENT,
+                        step=step,
+                        ranks=missing,
+                        path=step_dir,
+                    )
                 self._check_alive(missing, step, step_dir, what, elapsed)
             if elapsed >= self.cfg.max_wait_s:
                 raise PeerTimeoutError(
@@ -409,8 +435,9 @@ class StepEngine:
         path = step_dir / f"abort-{rank}"
         try:
             note = json.loads(path.read_bytes())
-            kind, message, ranks = str(note["type"]), str(note["message"]), list(note["ranks"])
-        except (OSError, ValueError, KeyError, TypeError):
+            kind, message = str(note["type"]), str(note["message"])
+            ranks = [int(r) for r in note["ranks"] if type(r) is int]
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             kind, message, ranks = "", "(its reason is unreadable)", []
         shared = _SHARED_ERRORS.get(kind)
         if shared is not None:
@@ -596,7 +623,7 @@ class StepEngine:
         """
         try:
             for group in plan.groups:
-                for q in range(self.world):
+                for q in [self.rank] if plan.replicated else range(self.world):
                     lo, hi = group.shards[q]
                     if lo == hi:
                         continue

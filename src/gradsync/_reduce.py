@@ -37,7 +37,7 @@ SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = tuple(ACCUMULATOR)
 
 # Elements per chunk of the reduction: the accumulator and one input chunk stay in
 # L2 cache while W inputs are added into it.
-CHUNK_ELEMS = 1 << 16
+CHUNK_ELEMS = 1 << 15
 
 # Shard boundaries fall on multiples of this many elements (64 bytes of float32),
 # so ranks never write to the same cache line of a shared mapping.

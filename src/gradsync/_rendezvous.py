@@ -24,8 +24,9 @@ import json
 import logging
 import secrets
 import shutil
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from ._errors import (
     RendezvousError,
 )
 from ._fsio import Backoff, list_names, read_small, translate_oserror, write_atomic
-from ._liveness import HeartbeatWatch, MemberInfo
+from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo
 
 __all__ = ["Generation", "leave", "rendezvous"]
 
@@ -59,6 +60,9 @@ class Generation:
     gen_id: str
     members: tuple[MemberInfo, ...]
     rank: int
+    # Started as soon as the rank knew its generation: peers on other hosts judge it
+    # by this during the rendezvous too.
+    heartbeat: Heartbeat | None = field(default=None, compare=False, repr=False)
 
     @property
     def me(self) -> MemberInfo:
@@ -85,7 +89,7 @@ def _load(path: Path) -> dict[str, Any] | None:
         return None
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -95,7 +99,7 @@ def _member(data: dict[str, Any] | None) -> MemberInfo | None:
         return None
     try:
         return MemberInfo.from_json(data["member"])
-    except (KeyError, TypeError, ValueError):
+    except ValueError:
         return None
 
 
@@ -156,9 +160,18 @@ class _Leader:
             raise translate_oserror(
                 exc, "creating the generation directory", self.gen_path
             ) from exc
-        _write(self.leader_file, self._info(), "registering rank 0 in")
+        heartbeat = Heartbeat(self.gen_path / f"hb-{self.me.nonce}", self.cfg.heartbeat_interval_s)
         try:
-            return self._admit()
+            _write(self.leader_file, self._info(), "registering rank 0 in")
+            gen = self._admit()
+        except BaseException:
+            heartbeat.stop()
+            raise
+        return Generation(gen.path, gen.gen_id, gen.members, 0, heartbeat)
+
+    def _admit(self) -> Generation:
+        try:
+            return self._admit_ranks()
         except GradSyncError as exc:
             # Requesters that already confirmed learn the reason instead of timing out.
             with contextlib.suppress(OSError):
@@ -168,7 +181,7 @@ class _Leader:
                 self.leader_file.unlink()
             raise
 
-    def _admit(self) -> Generation:
+    def _admit_ranks(self) -> Generation:
         cfg = self.cfg
         backoff = Backoff()
         next_check = 0.0
@@ -325,45 +338,76 @@ class _Leader:
                 if stale is not None and stale.local_death() is not None:
                     with contextlib.suppress(OSError):
                         (self.rdzv / name).unlink()
-        for name in list_names(self.cfg.sync_dir):
-            if name.startswith(GEN_PREFIX) and name != self.gen_path.name:
-                _remove_if_dead(self.cfg.sync_dir / name)
+        _reap_stale_generations(self.cfg.sync_dir, self.gen_path, self.cfg.heartbeat_timeout_s)
 
 
-def _remove_if_dead(gen_path: Path) -> None:
-    """Remove an old generation whose members all exited on this host or left cleanly."""
+def _members_of(gen_path: Path) -> list[MemberInfo] | None:
+    """The members of an old generation (just its rank 0 before the roster), or None."""
     roster = _load(gen_path / ROSTER)
     if roster is None:
-        leader = _member(_load(gen_path.parent / RDZV / f"leader-{gen_path.name[4:]}.json"))
-        if leader is not None and leader.local_death() is None:
-            return
-        if leader is None and not _older_than(gen_path, 3600.0):
-            # Could be a rank 0 that has just made it and not yet registered.
-            return
-    else:
-        members = roster.get("members")
-        if not isinstance(members, list):
-            return
-        for i, raw in enumerate(members):
-            try:
-                member = MemberInfo.from_json(raw)
-            except (KeyError, TypeError, ValueError):
-                return
-            left = (gen_path / f"left-{i}").exists()
-            if not left and member.local_death() is None:
-                return
-    _log.debug("removing %s: every member of that run has exited", gen_path)
+        gen_id = gen_path.name[len(GEN_PREFIX) :]
+        leader = _member(_load(gen_path.parent / RDZV / f"leader-{gen_id}.json"))
+        return [leader] if leader is not None else []
+    raw = roster.get("members")
+    if not isinstance(raw, list):
+        return None
+    try:
+        return [MemberInfo.from_json(m) for m in raw]
+    except ValueError:
+        return None
+
+
+def _remove(gen_path: Path) -> None:
+    _log.debug("removing %s: every member of that run is gone", gen_path)
     shutil.rmtree(gen_path, ignore_errors=True)
     with contextlib.suppress(OSError):
-        (gen_path.parent / RDZV / f"leader-{gen_path.name[4:]}.json").unlink()
+        (gen_path.parent / RDZV / f"leader-{gen_path.name[len(GEN_PREFIX) :]}.json").unlink()
 
 
-def _older_than(path: Path, age_s: float) -> bool:
-    # Local filesystem times only: this compares this host's clock with itself.
-    try:
-        return time.time() - path.stat().st_mtime > age_s
-    except OSError:
-        return False
+def _reap_stale_generations(sync_dir: Path, keep: Path, timeout_s: float) -> None:
+    """Remove generations of earlier runs whose every member is gone.
+
+    Members on this host are judged at once by their process; members on other
+    hosts by a heartbeat that stays still for ``timeout_s`` of this host's clock,
+    which a daemon thread waits out so that this job starts without delay.
+    """
+    pending: list[tuple[Path, list[Path]]] = []
+    watch = HeartbeatWatch(timeout_s)
+    for name in list_names(sync_dir):
+        gen_path = sync_dir / name
+        if not name.startswith(GEN_PREFIX) or gen_path == keep:
+            continue
+        members = _members_of(gen_path)
+        if members is None:
+            continue
+        gen_id = name[len(GEN_PREFIX) :]
+        beats: list[Path] = [gen_path / f"hb-{gen_id}"] if not members else []
+        alive = False
+        for m in members:
+            if (gen_path / f"left-{m.rank}").exists():
+                continue
+            if m.same_host:
+                alive = alive or m.local_death() is None
+            else:
+                beats.append(gen_path / f"hb-{m.nonce}")
+        if alive:
+            continue
+        if not beats:
+            _remove(gen_path)
+            continue
+        for hb in beats:
+            watch.silent_for_s(hb)
+        pending.append((gen_path, beats))
+    if not pending:
+        return
+
+    def later() -> None:
+        time.sleep(timeout_s * 1.1)
+        for gen_path, beats in pending:
+            if all(watch.silent_for_s(hb) >= timeout_s for hb in beats):
+                _remove(gen_path)
+
+    threading.Thread(target=later, name="gradsync-reaper", daemon=True).start()
 
 
 def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
@@ -381,6 +425,7 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
     gen_path: Path | None = None
     watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
     next_check = 0.0
+    heartbeat: Heartbeat | None = None
     try:
         while True:
             elapsed = backoff.elapsed_s()
@@ -391,6 +436,7 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
                     candidate = cfg.sync_dir / f"{GEN_PREFIX}{offer.get('gen')}"
                     if leader is not None and candidate.is_dir():
                         gen_path = candidate
+                        heartbeat = Heartbeat(gen_path / f"hb-{me.nonce}", cfg.heartbeat_interval_s)
                         _write(
                             gen_path / f"member-{cfg.rank}-{me.nonce}.json",
                             {"member": me.to_json(), "world_size": cfg.world_size},
@@ -405,7 +451,8 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
                     _raise_abort(abort, gen_path)
                 roster = _load(gen_path / ROSTER)
                 if roster is not None:
-                    return _accept(cfg, me, gen_path, roster)
+                    gen = _accept(cfg, me, gen_path, roster)
+                    return Generation(gen.path, gen.gen_id, gen.members, gen.rank, heartbeat)
                 if elapsed >= next_check:
                     next_check = elapsed + _CHECK_EVERY_S
                     _check_leader(cfg, leader, gen_path, watch)
@@ -427,6 +474,10 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
                 )
                 next_warn += cfg.warn_after_s
             backoff.pause()
+    except BaseException:
+        if heartbeat is not None:
+            heartbeat.stop()
+        raise
     finally:
         for path in (join, offer_path):
             with contextlib.suppress(OSError):
