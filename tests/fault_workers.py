@@ -7,18 +7,20 @@ every child inherits it and only the rank it names acts on it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import gradsync
-from gradsync._format import KIND_INPUT, KIND_OUTPUT, MAGIC, decode_header
+from gradsync import _protocol
+from gradsync._format import HEADER_READ_BYTES, decode_header
 from gradsync._protocol import StepEngine
 from ranks import config
-from workers import grads_for
+from workers import SHAPES, SHAPES_BIG, grads_for
 
 _log = logging.getLogger("gradsync")
 
@@ -36,9 +38,7 @@ def _record(
     gs: gradsync.GradSync, rank: int, step: int, offset: int = 0, shapes: Any = None
 ) -> dict[str, Any]:
     """One averaging call: what it raised (if anything), how long it took, the arrays after."""
-    grads = (
-        grads_for(rank + offset, step) if shapes is None else grads_for(rank + offset, step, shapes)
-    )
+    grads = grads_for(rank + offset, step, SHAPES if shapes is None else shapes)
     start = time.monotonic()
     rec: dict[str, Any] = {"step": step, "ok": True, "type": "", "message": "", "ranks": ()}
     try:
@@ -66,13 +66,18 @@ def steps_until_error(
     kw: dict[str, Any],
     offset: int = 0,
     hold_s: float = 0.0,
+    big: bool = False,
 ) -> dict[str, Any]:
     """Average ``steps`` rounds, stopping at the first error.
 
     Returns every call's record and the warnings logged by logger ``gradsync``.
     ``hold_s``: after an error, stay alive this long (a process that does not exit
     at once), so that peers cannot learn of the failure from its death.
+    ``big``: use ``SHAPES_BIG``, large enough to be reduced in shards (every rank
+    publishes a shard of the mean); the default ``SHAPES`` are small enough that every
+    rank reduces everything itself and no ``out`` file is written.
     """
+    shapes = SHAPES_BIG if big else SHAPES
     handler = _Collect()
     _log.addHandler(handler)
     records = []
@@ -80,7 +85,7 @@ def steps_until_error(
     try:
         with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
             for step in range(steps):
-                rec = _record(gs, rank, step, offset)
+                rec = _record(gs, rank, step, offset, shapes)
                 gen_dir = gs.generation_dir
                 records.append(rec)
                 if not rec["ok"]:
@@ -100,38 +105,55 @@ def corrupt_own_file(
     how: str,
     call: int,
 ) -> dict[str, Any]:
-    """Average 2 steps; ``victim`` publishes a damaged ``<name>-<victim>`` on call ``call``.
+    """Average 2 steps (``SHAPES_BIG``); ``victim`` publishes a damaged ``name`` on call ``call``.
 
+    ``name`` is ``in`` or ``out``: the victim's data file ``d-<victim>-<call % 2>.<name>``
+    is damaged on disk after it is written and closed, just before its marker
+    ``s-<call>/<name>-<victim>`` is created, so every reader sees the damage.
     ``how``: ``header`` flips a byte of the fixed header (the step field), ``truncate``
     cuts the file inside its payload, ``short`` cuts it inside the fixed header,
     ``payload`` flips the sign/exponent byte of the first payload element.
+    The result's ``damaged`` names the file damaged (None in other ranks).
     """
+    damaged: list[str] = []
     if rank == victim:
-        kind = KIND_INPUT if name == "in" else KIND_OUTPUT
         original = StepEngine._write
 
-        def damaged(self: StepEngine, *args: Any, **kwargs: Any) -> None:
-            # Whatever _write's signature, one argument is the chunk list, header first.
-            args = tuple(_damage(a, kind, call, how) for a in args)
-            kwargs = {k: _damage(v, kind, call, how) for k, v in kwargs.items()}
-            original(self, *args, **kwargs)
+        def write(self: StepEngine, step_dir: Path, kind: str, chunks: Any, step: int) -> None:
+            if kind != name or self.seq != call:
+                original(self, step_dir, kind, chunks, step)
+                return
+            path = self.data_path(self.rank, kind)
+            with _before_marker(lambda: _damage(path, how)):
+                original(self, step_dir, kind, chunks, step)
+            damaged.append(str(path))
 
-        StepEngine._write = damaged  # type: ignore[method-assign]
-    return steps_until_error(rank, world, sync_dir, 2, {"max_wait_s": 20.0})
+        StepEngine._write = write  # type: ignore[method-assign]
+    result = steps_until_error(rank, world, sync_dir, 2, {"max_wait_s": 20.0}, big=True)
+    result["damaged"] = damaged[0] if damaged else None
+    return result
 
 
-def _damage(arg: Any, kind: int, call: int, how: str) -> Any:
-    """``arg`` damaged if it is the chunk list of a ``kind`` file for call ``call``."""
-    if not isinstance(arg, (list, tuple)) or not arg:
-        return arg
-    first = arg[0]
-    if not isinstance(first, (bytes, bytearray, memoryview)) or bytes(first[:4]) != MAGIC:
-        return arg
-    header = decode_header(bytes(first), "chunk")
-    if header.kind != kind or header.seq != call:
-        return arg
-    data = bytearray(b"".join(c.tobytes() if isinstance(c, np.ndarray) else bytes(c) for c in arg))
-    offset = header.payload_offset
+@contextlib.contextmanager
+def _before_marker(action: Any) -> Iterator[None]:
+    """Run ``action()`` just before the engine creates its next marker file."""
+    original = _protocol.create_marker
+
+    def create(path: Path) -> None:
+        action()
+        original(path)
+
+    _protocol.create_marker = create  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _protocol.create_marker = original
+
+
+def _damage(path: Path, how: str) -> None:
+    """Damage the complete, closed data file ``path`` in place."""
+    data = bytearray(path.read_bytes())
+    offset = decode_header(bytes(data[:HEADER_READ_BYTES]), str(path)).payload_offset
     if how == "header":
         data[24] ^= 0x01  # the low byte of the step number
     elif how == "truncate":
@@ -140,7 +162,11 @@ def _damage(arg: Any, kind: int, call: int, how: str) -> Any:
         del data[40:]
     elif how == "payload":
         data[offset + 3] ^= 0x40  # exponent bits of the first element
-    return [bytes(data)]
+    else:
+        raise ValueError(how)
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate(len(data))
 
 
 def two_jobs(rank: int, sync_dir: str, run_ids: list[str | None], steps: int) -> Any:

@@ -34,7 +34,7 @@ from gradsync._format import FIXED_SIZE
 from gradsync._liveness import MemberInfo
 from gradsync._protocol import StepEngine
 from ranks import Outcome, run_ranks
-from workers import grads_for
+from workers import SHAPES, SHAPES_BIG, grads_for
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -44,13 +44,17 @@ PID = r"pid \d+ on \S+"
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def mean_of(world: int, step: int, offset: int = 0) -> list[bytes]:
-    per_rank = [grads_for(r + offset, step) for r in range(world)]
+def _shapes(big: bool) -> list[tuple[tuple[int, ...], str]]:
+    return SHAPES_BIG if big else SHAPES
+
+
+def mean_of(world: int, step: int, offset: int = 0, big: bool = False) -> list[bytes]:
+    per_rank = [grads_for(r + offset, step, _shapes(big)) for r in range(world)]
     return [a.tobytes() for a in gradsync.average_host_grads(per_rank)]
 
 
-def own(rank: int, step: int, offset: int = 0) -> list[bytes]:
-    return [a.tobytes() for a in grads_for(rank + offset, step)]
+def own(rank: int, step: int, offset: int = 0, big: bool = False) -> list[bytes]:
+    return [a.tobytes() for a in grads_for(rank + offset, step, _shapes(big))]
 
 
 def records(out: Outcome) -> list[dict[str, Any]]:
@@ -58,10 +62,13 @@ def records(out: Outcome) -> list[dict[str, Any]]:
     return out.value["records"]  # type: ignore[no-any-return]
 
 
-def check_arrays(rank: int, recs: list[dict[str, Any]], world: int, offset: int = 0) -> None:
+def check_arrays(
+    rank: int, recs: list[dict[str, Any]], world: int, offset: int = 0, big: bool = False
+) -> None:
     """A successful call leaves the exact mean, a failed one the rank's own input."""
     for rec in recs:
-        want = mean_of(world, rec["step"], offset) if rec["ok"] else own(rank, rec["step"], offset)
+        step = rec["step"]
+        want = mean_of(world, step, offset, big) if rec["ok"] else own(rank, step, offset, big)
         what = "the exact mean" if rec["ok"] else f"restored after {rec['type']}"
         assert rec["after"] == want, f"rank {rank} step {rec['step']}: arrays not {what}"
 
@@ -143,11 +150,12 @@ class StopWatcher(threading.Thread):
 
 # -- 1. a rank killed at each phase of a step --------------------------------------------------
 
-# Rank 1 of 3 kills itself (SIGKILL) in call 2 (step 1). Before its input is whole and
-# published, nobody can finish step 1. After its input but before its shard of the mean,
-# the survivors have reduced their shards but cannot gather rank 1's: they fail step 1.
-# Once its shard is published (after_output, mid_gather) the survivors need nothing more
-# from it: they complete step 1 with the exact mean and fail step 2, naming it.
+# Rank 1 of 3 kills itself (SIGKILL) in call 2 (step 1), with payloads large enough to be
+# reduced in shards (SHAPES_BIG). Before its input is whole and published, nobody can
+# finish step 1. After its input but before its shard of the mean, the survivors have
+# reduced their shards but cannot gather rank 1's: they fail step 1. Once its shard is
+# published (after_output, mid_gather) the survivors need nothing more from it: they
+# complete step 1 with the exact mean and fail step 2, naming it.
 KILL_CASES = [
     ("before_publish", 1, "its gradients", 2),
     ("mid_publish", 1, "its gradients", 2),
@@ -156,12 +164,26 @@ KILL_CASES = [
     ("after_output", 2, "its gradients", 3),
     ("mid_gather", 2, "its gradients", 3),
 ]
+# Small payloads (SHAPES) are reduced whole by every rank: no shard is published or
+# gathered (mid_output and mid_gather never happen), so once rank 1's input is published
+# the survivors need nothing more from it in step 1.
+REPLICATED_KILL_CASES = [
+    ("before_publish", 1, "its gradients", 2),
+    ("mid_publish", 1, "its gradients", 2),
+    ("after_publish", 2, "its gradients", 3),
+    ("after_output", 2, "its gradients", 3),
+]
 
 
-@pytest.mark.parametrize(("phase", "fail_step", "what", "call"), KILL_CASES)
+@pytest.mark.parametrize(
+    ("big", "phase", "fail_step", "what", "call"),
+    [(True, *case) for case in KILL_CASES] + [(False, *case) for case in REPLICATED_KILL_CASES],
+    ids=[f"sharded-{c[0]}" for c in KILL_CASES] + [f"replicated-{c[0]}" for c in REPLICATED_KILL_CASES],
+)
 def test_sigkill_at_each_phase(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    big: bool,
     phase: str,
     fail_step: int,
     what: str,
@@ -171,12 +193,12 @@ def test_sigkill_at_each_phase(
         results = run_ranks(
             fault_workers.steps_until_error,
             3,
-            (3, str(tmp_path), 4, {"max_wait_s": 30.0}),
+            (3, str(tmp_path), 4, {"max_wait_s": 30.0}, 0, 0.0, big),
             expect=[0, 2],
         )
     for r in (0, 2):
         recs = records(results[r])
-        check_arrays(r, recs, 3)
+        check_arrays(r, recs, 3, big=big)
         rec = failure(recs)
         assert rec["step"] == fail_step
         assert rec["type"] == "PeerLostError", rec["message"]
@@ -194,11 +216,14 @@ def test_sigkill_of_rank_0_mid_output(tmp_path: Path, monkeypatch: pytest.Monkey
     # Rank 0 also removes old step directories; its death is reported like any other.
     with fault("mid_output@0@2=sigkill", monkeypatch):
         results = run_ranks(
-            fault_workers.steps_until_error, 3, (3, str(tmp_path), 4, {}), expect=[1, 2]
+            fault_workers.steps_until_error,
+            3,
+            (3, str(tmp_path), 4, {}, 0, 0.0, True),
+            expect=[1, 2],
         )
     for r in (1, 2):
         recs = records(results[r])
-        check_arrays(r, recs, 3)
+        check_arrays(r, recs, 3, big=True)
         rec = failure(recs)
         assert rec["type"] == "PeerLostError"
         assert re.fullmatch(
@@ -209,21 +234,23 @@ def test_sigkill_of_rank_0_mid_output(tmp_path: Path, monkeypatch: pytest.Monkey
         assert rec["elapsed_s"] < 5.0
 
 
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
 def test_root_strategy_needs_no_shard_from_rank_1(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, big: bool
 ) -> None:
-    # With strategy "root" only rank 0 publishes a shard: rank 1's data is complete once its
-    # input is published, so the survivors finish step 1 and fail step 2.
+    # With strategy "root" only rank 0 publishes a shard (whatever the payload size): rank
+    # 1's data is complete once its input is published, so the survivors finish step 1 and
+    # fail step 2.
     with fault("after_publish@1@2=sigkill", monkeypatch):
         results = run_ranks(
             fault_workers.steps_until_error,
             3,
-            (3, str(tmp_path), 4, {"strategy": "root"}),
+            (3, str(tmp_path), 4, {"strategy": "root"}, 0, 0.0, big),
             expect=[0, 2],
         )
     for r in (0, 2):
         recs = records(results[r])
-        check_arrays(r, recs, 3)
+        check_arrays(r, recs, 3, big=big)
         rec = failure(recs)
         assert rec["step"] == 2
         assert re.fullmatch(
@@ -237,21 +264,24 @@ def test_root_strategy_needs_no_shard_from_rank_1(
 
 
 @pytest.mark.parametrize(
-    ("phase", "what", "call"),
-    [("before_publish", "gradients", 2), ("mid_output", "shard of the mean", 2)],
+    ("phase", "what", "call", "big"),
+    # Only sharded (big) payloads have a shard of the mean to publish.
+    [("before_publish", "gradients", 2, False), ("mid_output", "shard of the mean", 2, True)],
 )
 def test_stopped_rank_resumed_completes_and_is_named_in_warnings(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str, what: str, call: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str, what: str, call: int, big: bool
 ) -> None:
     watcher = StopWatcher(hold_s=3.0)
     kw = {"warn_after_s": 1.0, "max_wait_s": 20.0}
     with fault(f"{phase}@1@2=sigstop", monkeypatch), watcher:
-        results = run_ranks(fault_workers.steps_until_error, 3, (3, str(tmp_path), 3, kw))
+        results = run_ranks(
+            fault_workers.steps_until_error, 3, (3, str(tmp_path), 3, kw, 0, 0.0, big)
+        )
     assert watcher.done.is_set(), "rank 1 never stopped"
     for r in range(3):
         recs = records(results[r])
         assert [rec["ok"] for rec in recs] == [True, True, True], recs[-1]["message"]
-        check_arrays(r, recs, 3)
+        check_arrays(r, recs, 3, big=big)
     for r in (0, 2):
         assert results[r].value["records"][1]["elapsed_s"] >= 2.5
         warnings = results[r].value["warnings"]
@@ -298,7 +328,8 @@ def test_stopped_rank_past_max_wait_is_a_timeout_naming_only_it(
 
 # -- 3. corrupted files --------------------------------------------------------------------------
 
-# Rank 1 of 3 publishes a damaged file in call 2 (step 1); ranks 0 and 2 read it.
+# Rank 1 of 3 damages its data file d-1-0.<name> of call 2 (step 1) on disk before
+# publishing its marker; ranks 0 and 2 read it. SHAPES_BIG, so that shards (out) exist.
 CORRUPT_CASES = [
     ("in", "header", r"is unusable: {path} has a corrupt header \(checksum mismatch\)"),
     ("in", "short", rf"is unusable: {{path}} is truncated: 40 bytes, a header needs {FIXED_SIZE}"),
@@ -308,24 +339,31 @@ CORRUPT_CASES = [
 ]
 
 
+def _damaged_file(results: dict[int, Outcome], tmp_path: Path, name: str) -> str:
+    """The path rank 1 damaged: its data file for call 2 (slot 0), never a marker."""
+    path = results[1].value["damaged"]
+    assert path is not None, "rank 1 never wrote the file to damage"
+    assert re.fullmatch(rf"{re.escape(str(tmp_path))}/gen-[0-9a-f]+/d-1-0\.{name}", path), path
+    return path
+
+
 @pytest.mark.parametrize(("name", "how", "detail"), CORRUPT_CASES)
 def test_corrupt_file_is_detected_by_every_reader(
     tmp_path: Path, name: str, how: str, detail: str
 ) -> None:
     results = run_ranks(fault_workers.corrupt_own_file, 3, (3, str(tmp_path), 1, name, how, 2))
-    # The damaged file: s-2/<name>-1, or wherever the engine keeps rank 1's data.
-    path = rf"{re.escape(str(tmp_path))}/gen-[0-9a-f]+/\S+"
+    path = re.escape(_damaged_file(results, tmp_path, name))
     message = rf"step 1: rank 1's file {detail.format(path=path)}"
     for r in (0, 2):
         recs = records(results[r])
-        check_arrays(r, recs, 3)
+        check_arrays(r, recs, 3, big=True)
         rec = failure(recs)
         assert rec["step"] == 1
         assert rec["type"] == "CorruptFileError", rec["message"]
         assert re.fullmatch(message, rec["message"]), rec["message"]
         assert rec["ranks"] == (1,)
     recs = records(results[1])
-    check_arrays(1, recs, 3)
+    check_arrays(1, recs, 3, big=True)
     if name == "in":
         # Every rank opens every input, its own included: the writer finds it too.
         rec = failure(recs)
@@ -347,9 +385,10 @@ def test_flipped_payload_byte_is_detected(tmp_path: Path, name: str) -> None:
     results = run_ranks(
         fault_workers.corrupt_own_file, 3, (3, str(tmp_path), 1, name, "payload", 2)
     )
+    _damaged_file(results, tmp_path, name)
     # No rank may end step 1 with a wrong mean; whoever reads the bad bytes names rank 1.
     for r in range(3):
-        check_arrays(r, records(results[r]), 3)
+        check_arrays(r, records(results[r]), 3, big=True)
     errors = [results[r].value["records"][-1] for r in (0, 2)]
     assert any(e["type"] == "CorruptFileError" and e["ranks"] == (1,) for e in errors)
 

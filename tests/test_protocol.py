@@ -34,14 +34,15 @@ def assert_ok(results: dict[int, object]) -> None:
     ids=["small-replicated", "big-sharded", "small-root", "big-root"],
 )
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("use_mmap", [True, False], ids=["mmap", "pread"])
 def test_every_rank_gets_the_same_bits_as_average_host_grads(
-    tmp_path: Path, strategy: str, big: bool, world: int
+    tmp_path: Path, strategy: str, big: bool, world: int, use_mmap: bool
 ) -> None:
     # Small payloads are reduced whole by every rank, big ones in shards or by rank 0:
     # all of them must give exactly average_host_grads's bits (float32 pairs take a
     # fast path at world 2, the float64 accumulator at 3).
     steps = 3
-    kw = {"strategy": strategy, "jitter_s": 0.05, "big": big}
+    kw = {"strategy": strategy, "jitter_s": 0.05, "big": big, "use_mmap": use_mmap}
     results = run_ranks(workers.average_steps, world, (world, str(tmp_path), steps, kw))
     assert_ok(results)
     for step in range(steps):

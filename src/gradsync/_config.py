@@ -42,6 +42,10 @@ class FileGradSyncConfig:
         check_finite: Check every published gradient for NaN/Inf and fail the step on
             every rank, naming the rank and param, if one is found. Off by default:
             NaN/Inf then propagate into the mean as IEEE arithmetic says.
+        use_mmap: Map the data files into memory (``True``) or use ``pread``/``pwrite``
+            (``False``). ``None`` (default): map them when ``sync_dir`` is on a
+            filesystem local to this host (tmpfs, ext4...), where every rank sees the
+            same pages; never on NFS, Lustre or FUSE, whose mappings are not coherent.
         run_id: Optional name of the job. Ranks only join peers with the same run_id,
             so concurrent jobs sharing one sync_dir stay apart. ``gradsync launch`` sets
             one; without it, a fresh rendezvous still keeps earlier runs' files out.
@@ -60,6 +64,7 @@ class FileGradSyncConfig:
     warn_after_s: float = 10.0
     check_finite: bool = False
     run_id: str | None = field(default=None)
+    use_mmap: bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("world_size", self.world_size, minimum=1)
@@ -84,6 +89,8 @@ class FileGradSyncConfig:
             raise ConfigError(f"strategy must be one of {_STRATEGIES}, got {self.strategy!r}")
         if not isinstance(self.check_finite, bool):
             raise ConfigError(f"check_finite must be a bool, got {self.check_finite!r}")
+        if self.use_mmap is not None and not isinstance(self.use_mmap, bool):
+            raise ConfigError(f"use_mmap must be a bool or None, got {self.use_mmap!r}")
         if self.run_id is not None and (
             not isinstance(self.run_id, str) or not _RUN_ID_RE.fullmatch(self.run_id)
         ):

@@ -63,16 +63,15 @@ from ._fsio import (
     Backoff,
     create_marker,
     list_names,
-    read_exact_into,
     translate_oserror,
     write_atomic,
-    write_in_place,
 )
 from ._liveness import Heartbeat, HeartbeatWatch
 from ._plan import Group, Plan
 from ._reduce import check_dtype, mean_into
 from ._rendezvous import Generation
 from ._stats import StepStats
+from ._transport import DataReader, Transport, local_filesystem
 
 __all__ = ["StepEngine", "validate_grads"]
 
@@ -134,7 +133,7 @@ def _layout_of(arrays: Sequence[np.ndarray]) -> Layout:
 
 @dataclass
 class _Peer:
-    fd: int
+    reader: DataReader
     header: Header
     path: Path
 
@@ -151,12 +150,15 @@ class StepEngine:
         self._gen_bytes = bytes.fromhex(gen.gen_id).ljust(16, b"\0")[:16]
         self._plan: Plan | None = None
         self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
+        mapped = cfg.use_mmap if cfg.use_mmap is not None else local_filesystem(gen.path)
+        self._transport = Transport(mapped=mapped, head_bytes=HEADER_READ_BYTES)
         self._heartbeat = gen.heartbeat or Heartbeat(
             gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s
         )
 
     def close(self) -> None:
         self._heartbeat.stop()
+        self._transport.close()
 
     # -- the step -----------------------------------------------------------------
 
@@ -205,9 +207,23 @@ class StepEngine:
             last_in = self._await(step_dir, "in", range(self.world), step, peers)
             self._check_inputs(plan, step, peers, step_dir)
             t2 = time.perf_counter()
-            shard = self._reduce(plan, flats, peers, step_dir, step)
-            if plan.out_lens[self.rank] and not plan.replicated:
-                head = self._header(KIND_OUTPUT, step, plan, len(shard))[0]
+            publishes = bool(plan.out_lens[self.rank]) and not plan.replicated
+            head = self._header(KIND_OUTPUT, step, plan, plan.out_lens[self.rank])[0]
+            # Mapped: reduce straight into this rank's output file, saving a copy.
+            target = (
+                self._reserve(
+                    self.data_path(self.rank, "out"), len(head) + plan.out_lens[self.rank], step
+                )
+                if publishes and self._transport.mapped
+                else None
+            )
+            shard = self._reduce(
+                plan, flats, peers, step, None if target is None else target[len(head) :]
+            )
+            if target is not None:
+                target[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+                self._write(step_dir, "out", [], step)
+            elif publishes:
                 half = len(shard) // 2
                 self._write(step_dir, "out", [head, shard[:half], shard[half:]], step)
             fault_point("after_output", self.rank, self.seq)
@@ -218,13 +234,14 @@ class StepEngine:
                 if plan.out_lens[q] and q != self.rank and not plan.replicated
             ]
             self._await(step_dir, "out", publishers, step, outs)
+            for q, peer in outs.items():
+                self._check_length(peer, q, plan.out_lens[q], step)
             t4 = time.perf_counter()
             self._gather(plan, flats, shard, outs, step)
             t5 = time.perf_counter()
         finally:
             for peer in (*peers.values(), *outs.values()):
-                with contextlib.suppress(OSError):
-                    os.close(peer.fd)
+                peer.reader.close()
         stats = StepStats(
             step=step,
             world_size=self.world,
@@ -271,8 +288,16 @@ class StepEngine:
         return head, len(head)
 
     def data_path(self, rank: int, kind: str, seq: int | None = None) -> Path:
-        """The reused data file holding ``rank``'s ``kind`` ("in"/"out") for call ``seq``."""
-        return self.gen.path / f"d-{rank}-{(self.seq if seq is None else seq) % 2}.{kind}"
+        """The reused data file holding ``rank``'s ``kind`` ("in"/"out") for call ``seq``.
+
+        One slot per rank suffices when shards are exchanged: a rank starts call
+        seq+1 only once every rank has published its shard of seq, which each did
+        after reading every input of seq. When every rank reduces everything itself
+        nothing orders the readers, and two slots alternate.
+        """
+        replicated = self._plan is not None and self._plan.replicated
+        call = self.seq if seq is None else seq
+        return self.gen.path / f"d-{rank}-{call % 2 if replicated else 0}.{kind}"
 
     def _write(
         self,
@@ -281,17 +306,22 @@ class StepEngine:
         chunks: Sequence[bytes | memoryview | np.ndarray],
         step: int,
     ) -> None:
-        """Write this rank's ``kind`` data in place, then publish its marker."""
+        """Write this rank's ``kind`` data in place (no ``chunks``: already written
+        through a mapping), then publish its marker."""
 
         def midway() -> None:
             fault_point(f"mid_{'publish' if kind == 'in' else 'output'}", self.rank, self.seq)
 
         views = [c if not isinstance(c, np.ndarray) else c.data for c in chunks]
         path = self.data_path(self.rank, kind)
-        try:
-            write_in_place(path, views, midway=midway if _FAULTS_ON else None)
-        except OSError as exc:
-            raise translate_oserror(exc, "writing", path, step=step) from exc
+        if not views:  # already written in place through a mapping
+            if _FAULTS_ON:
+                midway()
+        else:
+            try:
+                self._transport.write(path, views, midway if _FAULTS_ON else None)
+            except OSError as exc:
+                raise translate_oserror(exc, "writing", path, step=step) from exc
         marker = step_dir / f"{kind}-{self.rank}"
         try:
             create_marker(marker)
@@ -389,27 +419,27 @@ class StepEngine:
 
     def _open(self, path: Path, rank: int, kind: int, step: int) -> _Peer:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            reader = self._transport.open(path)
         except OSError as exc:
             raise translate_oserror(exc, "opening", path, step=step) from exc
         try:
-            head = os.pread(fd, HEADER_READ_BYTES, 0)
-            header = decode_header(head, str(path), parse_meta=False)
-            if len(head) < header.payload_offset and header.payload_offset > HEADER_READ_BYTES:
-                head = os.pread(fd, header.payload_offset, 0)
-                header = decode_header(head, str(path), parse_meta=False)
-            size = os.fstat(fd).st_size
+            header = decode_header(reader.head, str(path), parse_meta=False)
+            if len(reader.head) < header.payload_offset <= reader.size:
+                head = np.empty(header.payload_offset, dtype=np.uint8)
+                reader.read_into(0, head)
+                header = decode_header(head.tobytes(), str(path), parse_meta=False)
+            size = reader.size
         except CorruptFileError as exc:
-            os.close(fd)
+            reader.close()
             raise CorruptFileError(
                 f"step {step}: rank {rank}'s file is unusable: {exc}",
                 step=step,
                 ranks=[rank],
                 path=path,
             ) from exc
-        except OSError as exc:
-            os.close(fd)
-            raise translate_oserror(exc, "reading", path, step=step) from exc
+        except (OSError, EOFError) as exc:
+            reader.close()
+            raise translate_oserror(OSError(str(exc)), "reading", path, step=step) from exc
         problem = None
         if header.kind != kind or header.rank != rank:
             problem = f"holds kind {header.kind} of rank {header.rank}"
@@ -422,14 +452,14 @@ class StepEngine:
                 f"is {size} bytes, its header promises {header.payload_offset + header.payload_len}"
             )
         if problem is not None:
-            os.close(fd)
+            reader.close()
             raise CorruptFileError(
                 f"step {step}: rank {rank}'s file {path} {problem}",
                 step=step,
                 ranks=[rank],
                 path=path,
             )
-        return _Peer(fd, header, path)
+        return _Peer(reader, header, path)
 
     def _raise_abort(self, step_dir: Path, rank: int, step: int) -> None:
         path = step_dir / f"abort-{rank}"
@@ -489,6 +519,16 @@ class StepEngine:
             path=step_dir,
         )
 
+    def _check_length(self, peer: _Peer, rank: int, expected: int, step: int) -> None:
+        if peer.header.payload_len != expected:
+            raise CorruptFileError(
+                f"step {step}: rank {rank}'s file {peer.path} holds {peer.header.payload_len} "
+                f"bytes of data, its layout needs {expected}",
+                step=step,
+                ranks=[rank],
+                path=peer.path,
+            )
+
     def _check_inputs(self, plan: Plan, step: int, peers: dict[int, _Peer], step_dir: Path) -> None:
         steps = {q: p.header.step for q, p in peers.items()}
         if len(set(steps.values())) > 1:
@@ -505,6 +545,7 @@ class StepEngine:
                 raise self._mismatch(
                     plan.layout, other.layout(str(peers[q].path)), q, step, step_dir
                 )
+            self._check_length(peers[q], q, plan.in_len, step)
         bad = [
             (q, i)
             for q in range(self.world)
@@ -538,16 +579,23 @@ class StepEngine:
 
     # -- reducing and gathering -------------------------------------------------------
 
+    def _reserve(self, path: Path, size: int, step: int) -> np.ndarray:
+        try:
+            return self._transport.reserve(path, size)
+        except OSError as exc:
+            raise translate_oserror(exc, "writing", path, step=step) from exc
+
     def _reduce(
         self,
         plan: Plan,
         flats: list[np.ndarray],
         peers: dict[int, _Peer],
-        step_dir: Path,
         step: int,
+        into: np.ndarray | None,
     ) -> np.ndarray:
-        """This rank's shard of every group, as one byte array (the output payload)."""
-        shard = np.empty(plan.out_lens[self.rank], dtype=np.uint8)
+        """This rank's shard of every group, as bytes (the output payload), in ``into``
+        if given."""
+        shard = np.empty(plan.out_lens[self.rank], dtype=np.uint8) if into is None else into
         for group in plan.groups:
             lo, hi = group.shards[self.rank]
             if lo == hi:
@@ -591,9 +639,12 @@ class StepEngine:
         itemsize = group.dtype.itemsize
 
         def theirs(start: int, stop: int, buf: np.ndarray) -> np.ndarray:
+            mapped = peer.reader.view(base + start * itemsize, stop - start, group.dtype)
+            if mapped is not None:
+                return mapped
             out = buf[: stop - start]
             try:
-                read_exact_into(peer.fd, base + start * itemsize, out.data, peer.path)
+                peer.reader.read_into(base + start * itemsize, out)
             except EOFError as exc:
                 raise CorruptFileError(
                     f"step {step}: rank {q}'s file {peer.path} is truncated: {exc}",
@@ -636,12 +687,7 @@ class StepEngine:
                         fault_point("mid_gather", self.rank, self.seq)
                         peer = outs[q]
                         try:
-                            read_exact_into(
-                                peer.fd,
-                                peer.header.payload_offset + offset,
-                                dst.data,
-                                peer.path,
-                            )
+                            peer.reader.read_into(peer.header.payload_offset + offset, dst)
                         except EOFError as exc:
                             raise CorruptFileError(
                                 f"step {step}: rank {q}'s file {peer.path} is truncated: {exc}",
@@ -658,18 +704,17 @@ class StepEngine:
     def _restore(self, plan: Plan, flats: list[np.ndarray]) -> None:
         path = self.data_path(self.rank, "in")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            reader = self._transport.open(path)
         except OSError:
             _log.error("could not restore the gradients from %s after a failed step", path)
             return
         try:
-            offset = decode_header(os.pread(fd, HEADER_READ_BYTES, 0), str(path)).payload_offset
+            offset = decode_header(reader.head, str(path)).payload_offset
             for i in plan.ordered_params():
-                view = flats[i].data
                 if flats[i].size:
-                    read_exact_into(fd, offset, view, path)
+                    reader.read_into(offset, flats[i])
                 offset += flats[i].nbytes
         except (OSError, EOFError, GradSyncError):
             _log.error("could not restore the gradients from %s after a failed step", path)
         finally:
-            os.close(fd)
+            reader.close()

@@ -1,0 +1,193 @@
+"""Moving bytes between arrays and the reused data files: ``pread``/``pwrite`` or ``mmap``.
+
+On a filesystem local to this host (tmpfs above all) every rank maps the data files
+once and then copies straight between its arrays and the page cache: writing is a
+memory copy, and a peer's shard is added from the mapping without being read into
+a buffer first. Across hosts (NFS, Lustre, FUSE) mappings are not kept coherent, so
+data goes through ``pwrite``/``pread`` and close-to-open consistency instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._fsio import read_exact_into, write_in_place
+
+__all__ = ["DataReader", "Transport", "local_filesystem"]
+
+# Filesystems whose pages every process of this host shares, so mappings are coherent.
+_LOCAL_FS = frozenset(
+    {"tmpfs", "ramfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "overlay"}
+)
+
+
+def local_filesystem(path: Path) -> bool:
+    """Whether ``path`` lives on a filesystem of this host only (by /proc/self/mounts)."""
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return False
+    best, fstype = "", ""
+    for fields in mounts:
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, fstype = point, fields[2]
+    return fstype in _LOCAL_FS
+
+
+class DataReader:
+    """One peer's published data file, open for one step."""
+
+    def __init__(self, path: Path, head: bytes, size: int, fd: int | None, buf: Any) -> None:
+        self.path = path
+        self.head = head
+        self.size = size
+        self._fd = fd
+        self._buf = buf  # a uint8 array over a mapping, or None
+
+    def view(self, offset: int, count: int, dtype: np.dtype[Any]) -> np.ndarray | None:
+        """``count`` elements at byte ``offset`` without copying, if the file is mapped."""
+        if self._buf is None:
+            return None
+        if offset + count * dtype.itemsize > self.size:
+            raise EOFError(
+                f"{self.path} ends at byte {self.size}, expected {offset + count * dtype.itemsize}"
+            )
+        return np.frombuffer(self._buf, dtype=dtype, count=count, offset=offset)
+
+    def read_into(self, offset: int, dst: np.ndarray) -> None:
+        """Fill ``dst`` from byte ``offset``.
+
+        Raises:
+            EOFError: the file is shorter than that. OSError: reading failed.
+        """
+        if self._buf is not None:
+            if offset + dst.nbytes > self.size:
+                raise EOFError(
+                    f"{self.path} ends at byte {self.size}, expected {offset + dst.nbytes}"
+                )
+            np.copyto(dst.reshape(-1).view(np.uint8), self._buf[offset : offset + dst.nbytes])
+            return
+        assert self._fd is not None
+        read_exact_into(self._fd, offset, dst.data, self.path)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+
+class Transport:
+    """Writes and opens data files; keeps their mappings when ``mapped``."""
+
+    def __init__(self, *, mapped: bool, head_bytes: int) -> None:
+        self.mapped = mapped
+        self._head_bytes = head_bytes
+        self._maps: dict[Path, tuple[int, int, mmap.mmap, np.ndarray]] = {}
+
+    def write(
+        self,
+        path: Path,
+        chunks: Sequence[bytes | memoryview],
+        midway: Callable[[], None] | None,
+    ) -> None:
+        """Overwrite ``path`` with ``chunks`` (readers wait for a marker before looking).
+
+        Raises:
+            OSError: as the system reported it, ENOSPC included: mapped files are
+                allocated up front, so a full tmpfs never turns into SIGBUS.
+        """
+        if not self.mapped:
+            write_in_place(path, chunks, midway=midway)
+            return
+        sizes = [memoryview(c).nbytes for c in chunks]
+        buf = self._writable(path, sum(sizes))
+        offset = 0
+        half = len(chunks) // 2
+        for i, (chunk, size) in enumerate(zip(chunks, sizes, strict=True)):
+            if i == half and midway is not None:
+                midway()
+            if size:
+                np.copyto(buf[offset : offset + size], np.frombuffer(chunk, dtype=np.uint8))
+            offset += size
+
+    def reserve(self, path: Path, size: int) -> np.ndarray:
+        """A writable view of ``size`` bytes mapped from ``path`` (mapped transports only).
+
+        Raises:
+            OSError: the file could not be sized (ENOSPC) or mapped.
+        """
+        assert self.mapped
+        return self._writable(path, size)
+
+    def _writable(self, path: Path, size: int) -> np.ndarray:
+        cached = self._maps.get(path)
+        if cached is not None and cached[1] == size:
+            return cached[3]
+        self._forget(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            if size:
+                os.posix_fallocate(fd, 0, size)
+            ino = os.fstat(fd).st_ino
+            mm = mmap.mmap(fd, max(size, 1)) if size else None
+        finally:
+            os.close(fd)
+        buf = (
+            np.frombuffer(mm, dtype=np.uint8, count=size)
+            if mm is not None
+            else np.empty(0, np.uint8)
+        )
+        if mm is not None:
+            self._maps[path] = (ino, size, mm, buf)
+        return buf
+
+    def open(self, path: Path) -> DataReader:
+        """Open a published file: its first bytes (the header) and a way to read the rest.
+
+        Raises:
+            OSError: as the system reported it.
+        """
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not self.mapped or st.st_size == 0:
+                head = os.pread(fd, self._head_bytes, 0)
+                reader = DataReader(path, head, st.st_size, fd, None)
+                fd = -1  # the reader owns it now
+                return reader
+            cached = self._maps.get(path)
+            if cached is None or cached[:2] != (st.st_ino, st.st_size):
+                self._forget(path)
+                mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+                cached = (st.st_ino, st.st_size, mm, np.frombuffer(mm, dtype=np.uint8))
+                self._maps[path] = cached
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        buf = cached[3]
+        return DataReader(path, bytes(buf[: self._head_bytes]), st.st_size, None, buf)
+
+    def _forget(self, path: Path) -> None:
+        cached = self._maps.pop(path, None)
+        if cached is not None:
+            with contextlib.suppress(BufferError):
+                cached[2].close()
+
+    def close(self) -> None:
+        for path in list(self._maps):
+            self._forget(path)
