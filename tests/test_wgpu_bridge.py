@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import gradsync
+from gradsync import average_host_grads
 from gradsync._errors import ConfigError, GradSyncError, InvalidGradsError
 from gradsync._wgpu import (
     WgpuBridge,
@@ -402,41 +403,75 @@ def _core_api_missing() -> str | None:
     return None
 
 
+# (element count, dtype): byte sizes 4, 12, 4000, 280004 (big enough to be reduced in
+# shards), 12 and 16 bytes: several are not multiples of 8.
+_WGPU_LAYOUT = [
+    (1, "float32"),
+    (3, "float32"),
+    (1000, "float32"),
+    (70_001, "float32"),
+    (6, "float16"),
+    (2, "float64"),
+]
+
+
+def _wgpu_inputs(rank: int, step: int) -> list[np.ndarray]:
+    rng = np.random.default_rng([rank, step, 7])
+    return [rng.standard_normal(n).astype(dt) for n, dt in _WGPU_LAYOUT]
+
+
 _WORKER = textwrap.dedent(
     """
     import sys
     import numpy as np
     import wgpu
     import gradsync
-    from gradsync._wgpu import request_device_for_rank
+    from test_wgpu_bridge import _WGPU_LAYOUT, _wgpu_inputs
 
-    world, rank, sync_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    dev = request_device_for_rank(local_rank=rank)
+    world, rank, sync_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dev = gradsync.request_device_for_rank(local_rank=rank)
     usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-    data = [np.full(n, rank + 1, np.float32) for n in (1, 3, 1000)]
-    bufs = [dev.create_buffer_with_data(data=d, usage=usage) for d in data]
+    dtypes = [dt for _, dt in _WGPU_LAYOUT]
     cfg = gradsync.FileGradSyncConfig(world, rank, sync_dir, max_wait_s=60)
+    results = []
+    bufs = None
     for step in range(2):
-        gradsync.average_grads_file_sync(bufs, dev, cfg, step)
-    mean = sum(range(1, world + 1)) / world
-    for buf, d in zip(bufs, data):
-        got = np.frombuffer(dev.queue.read_buffer(buf), np.float32)
-        assert np.allclose(got, mean), (got, mean)
-    print("ok", rank)
+        data = _wgpu_inputs(rank, step)
+        if bufs is None:
+            bufs = [dev.create_buffer_with_data(data=d, usage=usage) for d in data]
+        else:
+            for b, d in zip(bufs, data):
+                dev.queue.write_buffer(b, 0, d)
+        gradsync.average_grads_file_sync(bufs, dev, cfg, step, dtype=dtypes)
+        results.append(b"".join(bytes(dev.queue.read_buffer(b)) for b in bufs))
+    with open(out, "wb") as f:
+        f.write(b"".join(results))
     """
 )
 
 
 @pytest.mark.wgpu
 @pytest.mark.slow
-def test_two_ranks_average_wgpu_buffers(tmp_path: Path) -> None:
+def test_two_ranks_average_wgpu_buffers_bit_for_bit_like_numpy(tmp_path: Path) -> None:
     if (reason := _core_api_missing() or _adapter_reason()) is not None:
         pytest.skip(reason)
     world = 2
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    path = os.pathsep.join(
+        [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    )
+    env = {**os.environ, "PYTHONPATH": path}
+    outs = [tmp_path / f"rank{r}.bin" for r in range(world)]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _WORKER, str(world), str(r), str(tmp_path / "sync")],
+            [
+                sys.executable,
+                "-c",
+                _WORKER,
+                str(world),
+                str(r),
+                str(tmp_path / "sync"),
+                str(outs[r]),
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -444,10 +479,23 @@ def test_two_ranks_average_wgpu_buffers(tmp_path: Path) -> None:
         )
         for r in range(world)
     ]
-    for r, p in enumerate(procs):
-        out, err = p.communicate(timeout=100)
-        assert p.returncode == 0, err
-        assert f"ok {r}" in out
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=100)
+            assert p.returncode == 0, err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    want = b"".join(
+        b"".join(
+            a.tobytes() for a in average_host_grads([_wgpu_inputs(r, step) for r in range(world)])
+        )
+        for step in range(2)
+    )
+    for r in range(world):
+        assert outs[r].read_bytes() == want, f"rank {r} differs from the numpy path"
 
 
 @pytest.mark.wgpu
@@ -455,7 +503,7 @@ def test_example_trains_single_rank(tmp_path: Path) -> None:
     if (reason := _core_api_missing() or _adapter_reason()) is not None:
         pytest.skip(reason)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
-    env["PYTHONPATH"] = str(REPO / "src")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
     out = subprocess.run(
         [sys.executable, str(REPO / "examples" / "train_wgpu_logreg.py"), "--steps", "3"],
         env=env,
