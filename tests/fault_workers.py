@@ -108,7 +108,7 @@ def corrupt_own_file(
     """Average 2 steps (``SHAPES_BIG``); ``victim`` publishes a damaged ``name`` on call ``call``.
 
     ``name`` is ``in`` or ``out``: the victim's data file ``d-<victim>-<call % 2>.<name>``
-    is damaged on disk after it is written and closed, just before its marker
+    is replaced by a damaged copy after it is written and closed, just before its marker
     ``s-<call>/<name>-<victim>`` is created, so every reader sees the damage.
     ``how``: ``header`` flips a byte of the fixed header (the step field), ``truncate``
     cuts the file inside its payload, ``short`` cuts it inside the fixed header,
@@ -151,7 +151,7 @@ def _before_marker(action: Any) -> Iterator[None]:
 
 
 def _damage(path: Path, how: str) -> None:
-    """Damage the complete, closed data file ``path`` in place."""
+    """Replace the complete, closed data file ``path`` by a damaged copy."""
     data = bytearray(path.read_bytes())
     offset = decode_header(bytes(data[:HEADER_READ_BYTES]), str(path)).payload_offset
     if how == "header":
@@ -164,9 +164,12 @@ def _damage(path: Path, how: str) -> None:
         data[offset + 3] ^= 0x40  # exponent bits of the first element
     else:
         raise ValueError(how)
-    with open(path, "r+b") as f:
-        f.write(data)
-        f.truncate(len(data))
+    # Replace the file rather than rewrite it: the writer may keep its own data mapped
+    # (and read its shard back from the mapping), as a writer that wrote a damaged file
+    # would still hold the right bytes in memory. Readers open the damaged file by name.
+    temp = path.with_name(path.name + ".damaged")
+    temp.write_bytes(data)
+    os.replace(temp, path)
 
 
 def two_jobs(rank: int, sync_dir: str, run_ids: list[str | None], steps: int) -> Any:

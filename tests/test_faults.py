@@ -300,13 +300,19 @@ def test_stopped_rank_resumed_completes_and_is_named_in_warnings(
     assert results[1].value["warnings"] == []
 
 
+@pytest.mark.parametrize("big", [False, True], ids=["replicated", "sharded"])
 def test_stopped_rank_past_max_wait_is_a_timeout_naming_only_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, big: bool
 ) -> None:
+    # Rank 1, resumed after ranks 0 and 2 gave up on step 1, finds their inputs of step 1
+    # published and their abort notes beside them. It must fail step 1 like them: a rank
+    # that applied the mean of a step its peers failed would leave the replicas diverged.
     watcher = StopWatcher(hold_s=4.0)  # resumed after the survivors gave up
     with fault("before_publish@1@2=sigstop", monkeypatch), watcher:
         results = run_ranks(
-            fault_workers.steps_until_error, 3, (3, str(tmp_path), 3, {"max_wait_s": 2.0})
+            fault_workers.steps_until_error,
+            3,
+            (3, str(tmp_path), 3, {"max_wait_s": 2.0}, 0, 0.0, big),
         )
     assert watcher.done.is_set(), "rank 1 never stopped"
     message = (
@@ -315,9 +321,9 @@ def test_stopped_rank_past_max_wait_is_a_timeout_naming_only_it(
     )
     for r in range(3):
         recs = records(results[r])
-        check_arrays(r, recs, 3)
+        check_arrays(r, recs, 3, big=big)
         rec = failure(recs)
-        assert rec["step"] == 1
+        assert rec["step"] == 1, f"rank {r}: {rec['message']}"
         assert rec["type"] == "PeerTimeoutError", rec["message"]
         assert re.fullmatch(message, rec["message"]), rec["message"]
         assert rec["ranks"] == (1,)

@@ -616,7 +616,9 @@ class StepEngine:
         peers: dict[int, _Peer],
         step: int,
     ) -> Any:
-        if q == self.rank:
+        if q == self.rank and not self._transport.mapped:
+            # Mapped, this rank's own input is read back from its mapping like a peer's:
+            # one contiguous view instead of pieces of many params.
             segments = group.segments(lo, hi)
 
             def own(start: int, stop: int, buf: np.ndarray) -> np.ndarray:
