@@ -57,6 +57,16 @@ def own(rank: int, step: int, offset: int = 0, big: bool = False) -> list[bytes]
     return [a.tobytes() for a in grads_for(rank + offset, step, _shapes(big))]
 
 
+def reported(results: dict[int, Outcome], ranks: tuple[int, ...]) -> None:
+    """Every rank in ``ranks`` reported (run_ranks stops at as many reports as expected)."""
+    others = {
+        r: o.value["records"][-1]["message"] if o.ok else o.message
+        for r, o in results.items()
+        if r not in ranks
+    }
+    assert sorted(results) == sorted(ranks), f"unexpected reports: {others}"
+
+
 def records(out: Outcome) -> list[dict[str, Any]]:
     assert out.ok, f"rank {out.rank} crashed: {out.message}\n{out.value}"
     return out.value["records"]  # type: ignore[no-any-return]
@@ -197,6 +207,7 @@ def test_sigkill_at_each_phase(
             (3, str(tmp_path), 4, {"max_wait_s": 30.0}, 0, 0.0, big),
             expect=[0, 2],
         )
+    reported(results, (0, 2))
     for r in (0, 2):
         recs = records(results[r])
         check_arrays(r, recs, 3, big=big)
@@ -222,6 +233,7 @@ def test_sigkill_of_rank_0_mid_output(tmp_path: Path, monkeypatch: pytest.Monkey
             (3, str(tmp_path), 4, {}, 0, 0.0, True),
             expect=[1, 2],
         )
+    reported(results, (1, 2))
     for r in (1, 2):
         recs = records(results[r])
         check_arrays(r, recs, 3, big=True)
@@ -249,6 +261,7 @@ def test_root_strategy_needs_no_shard_from_rank_1(
             (3, str(tmp_path), 4, {"strategy": "root"}, 0, 0.0, big),
             expect=[0, 2],
         )
+    reported(results, (0, 2))
     for r in (0, 2):
         recs = records(results[r])
         check_arrays(r, recs, 3, big=big)
@@ -384,13 +397,12 @@ def test_corrupt_file_is_detected_by_every_reader(
         assert rec["type"] == "CorruptFileError", rec["message"]
         assert re.fullmatch(message, rec["message"]), rec["message"]
     elif not recs[-1]["ok"]:
-        # Nobody reads its own output: the writer learns from a reader's abort note, or,
-        # already holding every shard it needs, finishes step 1.
+        # Nobody reads its own output: the writer learns from a reader's abort note (the
+        # same error, naming its file), or, already holding every shard it needs,
+        # finishes step 1.
         rec = failure(recs)
-        assert rec["type"] == "PeerAbortedError", rec["message"]
-        assert re.fullmatch(
-            rf"step 1: rank [02] \({PID}\) gave up on this step: {message}", rec["message"]
-        ), rec["message"]
+        assert rec["type"] == "CorruptFileError", rec["message"]
+        assert re.fullmatch(message, rec["message"]), rec["message"]
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="no payload checksum yet")
@@ -616,7 +628,7 @@ def test_two_jobs_without_run_id_never_mix_within_a_formed_job(tmp_path: Path) -
             rf"rendezvous: (another rank 0 \({PID}\) with run_id None is running in \S+; give "
             r"each job its own sync_dir or run_id"
             rf"|rank 1 is already taken by {PID} in the running job \S+; this process "
-            rf"\({PID}\) claimed the same rank"
+            rf"\({PID}\) claimed the same rank; give each job its own sync_dir or run_id"
             r"|ranks \[1\] did not join within 4\.0 s in \S+ \(.*\)"
             r"|rank 0 did not admit rank 1 within 4\.0 s in \S+ \(.*\)"
             rf"|two processes claim rank 1: {PID} and {PID} in \S+"
@@ -624,7 +636,7 @@ def test_two_jobs_without_run_id_never_mix_within_a_formed_job(tmp_path: Path) -
             rec["message"],
         ), rec["message"]
         assert own(p % 2, 0, 50 * (p // 2)) == rec["after"]
-    assert by_gen, "no job formed at all"
+    # No job at all is allowed too: two rank 0s that start together both refuse (above).
     for gen, members in by_gen.items():
         assert len(members) == 2, (gen, members)
         assert sorted(p % 2 for p in members) == [0, 1]  # one rank 0, one rank 1
@@ -813,7 +825,8 @@ ERROR_NAMES = ["PeerLostError", "PeerTimeoutError", "MismatchError", "CorruptFil
 )
 def test_fuzz_abort_note_raises_a_gradsync_error(lone_engine: StepEngine, note: bytes) -> None:
     exc = _step_with_abort_note(lone_engine, note)
-    assert type(exc).__name__ in [*ERROR_NAMES[:3], "PeerAbortedError"], exc
+    # A peer's job-wide error comes back as its own type; anything else as PeerAbortedError.
+    assert type(exc).__name__ in [*ERROR_NAMES[:4], "PeerAbortedError"], exc
 
 
 def test_deeply_nested_abort_note_is_a_peer_aborted_error(lone_engine: StepEngine) -> None:

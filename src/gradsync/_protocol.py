@@ -90,6 +90,7 @@ _SHARED_ERRORS: dict[str, type[GradSyncError]] = {
         MismatchError,
         NonFiniteGradError,
         PeerAbortedError,
+        CorruptFileError,  # names the damaged file, which every reader would reject alike
     )
 }
 
@@ -290,14 +291,17 @@ class StepEngine:
     def data_path(self, rank: int, kind: str, seq: int | None = None) -> Path:
         """The reused data file holding ``rank``'s ``kind`` ("in"/"out") for call ``seq``.
 
-        One slot per rank suffices when shards are exchanged: a rank starts call
-        seq+1 only once every rank has published its shard of seq, which each did
-        after reading every input of seq. When every rank reduces everything itself
-        nothing orders the readers, and two slots alternate.
+        One slot per rank suffices when every rank publishes a shard: a rank starts
+        call seq+1 only once every rank has published its shard of seq, which each did
+        after reading every input of seq. Otherwise (every rank reduces everything, or
+        rank 0 does, or some ranks have empty shards) nothing orders the last readers
+        of call seq before the writers of seq+1, but all of them have finished seq
+        before anyone starts seq+2, so two slots alternate.
         """
-        replicated = self._plan is not None and self._plan.replicated
+        plan = self._plan
+        one_slot = plan is not None and not plan.replicated and all(plan.out_lens)
         call = self.seq if seq is None else seq
-        return self.gen.path / f"d-{rank}-{call % 2 if replicated else 0}.{kind}"
+        return self.gen.path / f"d-{rank}-{0 if one_slot else call % 2}.{kind}"
 
     def _write(
         self,
@@ -374,11 +378,13 @@ class StepEngine:
                 if not first_look:
                     last = q
             first_look = False
-            if not missing:
-                break
+            # Checked even when nothing is missing any more: a peer that gave up (timed
+            # out, found a mismatch) must not leave this rank averaging without it.
             aborted = [q for q in range(self.world) if q != self.rank and f"abort-{q}" in names]
             if aborted:
                 self._raise_abort(step_dir, aborted[0], step)
+            if not missing:
+                break
             if not missing:
                 break
             elapsed = backoff.elapsed_s()

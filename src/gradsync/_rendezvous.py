@@ -523,7 +523,8 @@ def _check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWa
         if all(_is_alive(m, gen_path, watch) for m in (leader, holder)):
             raise RendezvousError(
                 f"rendezvous: rank {cfg.rank} is already taken by {holder.describe()} in the "
-                f"running job {gen_path}; this process ({me.describe()}) claimed the same rank",
+                f"running job {gen_path}; this process ({me.describe()}) claimed the same rank; "
+                "give each job its own sync_dir or run_id",
                 ranks=[cfg.rank],
                 path=gen_path,
             )
