@@ -20,6 +20,7 @@ so that every rank raises the same error.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import secrets
@@ -40,7 +41,7 @@ from ._errors import (
     RendezvousError,
 )
 from ._fsio import Backoff, list_names, read_small, translate_oserror, write_atomic
-from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo
+from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo, read_counter
 
 __all__ = ["Generation", "leave", "rendezvous"]
 
@@ -163,6 +164,8 @@ class _Leader:
         heartbeat = Heartbeat(self.gen_path / f"hb-{self.me.nonce}", self.cfg.heartbeat_interval_s)
         try:
             _write(self.leader_file, self._info(), "registering rank 0 in")
+            # First thing, so that the look at dead runs' heartbeats starts early.
+            _reap_stale_generations(self.cfg.sync_dir, self.gen_path, self.cfg.heartbeat_timeout_s)
             gen = self._admit()
         except BaseException:
             heartbeat.stop()
@@ -338,7 +341,6 @@ class _Leader:
                 if stale is not None and stale.local_death() is not None:
                     with contextlib.suppress(OSError):
                         (self.rdzv / name).unlink()
-        _reap_stale_generations(self.cfg.sync_dir, self.gen_path, self.cfg.heartbeat_timeout_s)
 
 
 def _members_of(gen_path: Path) -> list[MemberInfo] | None:
@@ -364,12 +366,33 @@ def _remove(gen_path: Path) -> None:
         (gen_path.parent / RDZV / f"leader-{gen_path.name[len(GEN_PREFIX) :]}.json").unlink()
 
 
+def _silent_since_last_look(gen_path: Path, beats: list[Path], timeout_s: float) -> bool:
+    """Whether an earlier look from this host saw the same counters ``timeout_s`` ago.
+
+    The note is keyed by host and boot, so the monotonic clock it holds is only ever
+    compared with the same clock: no wall-clock times cross hosts.
+    """
+    counters = {hb.name: read_counter(hb) for hb in beats}
+    key = hashlib.blake2b(MemberInfo.for_self(0, "").host_id.encode(), digest_size=8).hexdigest()
+    note_path = gen_path / f"seen-{key}.json"
+    note = _load(note_path)
+    now = time.monotonic()
+    if note is not None and note.get("counters") == counters:
+        seen_at = note.get("monotonic")
+        return isinstance(seen_at, (int, float)) and now - seen_at >= timeout_s
+    with contextlib.suppress(OSError):
+        write_atomic(note_path, [_dump({"counters": counters, "monotonic": now})])
+    return False
+
+
 def _reap_stale_generations(sync_dir: Path, keep: Path, timeout_s: float) -> None:
     """Remove generations of earlier runs whose every member is gone.
 
     Members on this host are judged at once by their process; members on other
     hosts by a heartbeat that stays still for ``timeout_s`` of this host's clock,
-    which a daemon thread waits out so that this job starts without delay.
+    which a daemon thread waits out so that this job starts without delay. Jobs
+    shorter than that still get there: each leaves a note of what it saw, which the
+    next rank 0 on the same host compares with its own look.
     """
     pending: list[tuple[Path, list[Path]]] = []
     watch = HeartbeatWatch(timeout_s)
@@ -397,6 +420,9 @@ def _reap_stale_generations(sync_dir: Path, keep: Path, timeout_s: float) -> Non
             continue
         for hb in beats:
             watch.silent_for_s(hb)
+        if _silent_since_last_look(gen_path, beats, timeout_s):
+            _remove(gen_path)
+            continue
         pending.append((gen_path, beats))
     if not pending:
         return

@@ -11,16 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 WORKER = Path(__file__).resolve().parent / "race_worker.py"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gradsync bug: _check_alive trusts left-<q> (or a dead pid) without looking "
-    "again for the file q published just before leaving",
-)
 def test_peer_closing_after_last_step_is_not_lost() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "gradsync", "launch", "--nproc", "2", str(WORKER)],

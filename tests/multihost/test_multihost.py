@@ -243,11 +243,6 @@ def test_killed_run_is_never_read(killed_then_rerun: dict[str, Any]) -> None:
     assert gen_a != gen_b
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gradsync bug: a hard-killed multi-host job's gen-<id>/ (3 steps of every rank's "
-    "inputs and outputs) is never removed; _remove_if_dead only trusts same-host pid checks",
-)
 def test_killed_multihost_runs_files_are_removed(
     cluster: Cluster, killed_then_rerun: dict[str, Any]
 ) -> None:
