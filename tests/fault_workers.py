@@ -104,6 +104,7 @@ def corrupt_own_file(
     name: str,
     how: str,
     call: int,
+    checksums: bool = False,
 ) -> dict[str, Any]:
     """Average 2 steps (``SHAPES_BIG``); ``victim`` publishes a damaged ``name`` on call ``call``.
 
@@ -129,7 +130,8 @@ def corrupt_own_file(
             damaged.append(str(path))
 
         StepEngine._write = write  # type: ignore[method-assign]
-    result = steps_until_error(rank, world, sync_dir, 2, {"max_wait_s": 20.0}, big=True)
+    kw = {"max_wait_s": 20.0, "checksums": checksums}
+    result = steps_until_error(rank, world, sync_dir, 2, kw, big=True)
     result["damaged"] = damaged[0] if damaged else None
     return result
 

@@ -51,6 +51,17 @@ def test_every_rank_gets_the_same_bits_as_average_host_grads(
             assert results[r].value[step] == want, f"rank {r} step {step}"
 
 
+@pytest.mark.parametrize("use_mmap", [True, False], ids=["mmap", "pread"])
+@pytest.mark.parametrize("strategy", ["sharded", "root"])
+def test_checksums_change_no_bits(tmp_path: Path, use_mmap: bool, strategy: str) -> None:
+    kw = {"big": True, "checksums": True, "use_mmap": use_mmap, "strategy": strategy}
+    results = run_ranks(workers.average_steps, 3, (3, str(tmp_path), 2, kw))
+    assert_ok(results)
+    for step in range(2):
+        for r in range(3):
+            assert results[r].value[step] == expected(3, step, big=True)
+
+
 def test_function_form_matches_and_needs_nothing_else(tmp_path: Path) -> None:
     results = run_ranks(workers.function_form, 2, (2, str(tmp_path), 3))
     assert_ok(results)

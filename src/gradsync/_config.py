@@ -46,6 +46,11 @@ class FileGradSyncConfig:
             (``False``). ``None`` (default): map them when ``sync_dir`` is on a
             filesystem local to this host (tmpfs, ext4...), where every rank sees the
             same pages; never on NFS, Lustre or FUSE, whose mappings are not coherent.
+        checksums: Give every published file a CRC-32 per MiB of data, checked by every
+            reader before use: a truncated or garbled payload then fails the step on
+            every rank (CorruptFileError naming the rank and file) instead of entering
+            the mean. Off by default: about one more pass over the data per rank (see
+            the README's performance section). Headers are always checked.
         run_id: Optional name of the job. Ranks only join peers with the same run_id,
             so concurrent jobs sharing one sync_dir stay apart. ``gradsync launch`` sets
             one; without it, a fresh rendezvous still keeps earlier runs' files out.
@@ -65,6 +70,7 @@ class FileGradSyncConfig:
     check_finite: bool = False
     run_id: str | None = field(default=None)
     use_mmap: bool | None = None
+    checksums: bool = False
 
     def __post_init__(self) -> None:
         _check_int("world_size", self.world_size, minimum=1)
@@ -89,6 +95,8 @@ class FileGradSyncConfig:
             raise ConfigError(f"strategy must be one of {_STRATEGIES}, got {self.strategy!r}")
         if not isinstance(self.check_finite, bool):
             raise ConfigError(f"check_finite must be a bool, got {self.check_finite!r}")
+        if not isinstance(self.checksums, bool):
+            raise ConfigError(f"checksums must be a bool, got {self.checksums!r}")
         if self.use_mmap is not None and not isinstance(self.use_mmap, bool):
             raise ConfigError(f"use_mmap must be a bool or None, got {self.use_mmap!r}")
         if self.run_id is not None and (

@@ -18,6 +18,7 @@ import hashlib
 import json
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,8 @@ KIND_INPUT = 1  # a rank's whole gradient, as handed in
 KIND_OUTPUT = 2  # a rank's reduced shard of the mean
 _KINDS = (KIND_INPUT, KIND_OUTPUT)
 FLAG_NONFINITE = 1
+FLAG_CHECKSUMS = 2  # meta["crc"]: CRC-32 of every CRC_BLOCK bytes of payload, 8 hex digits each
+CRC_BLOCK = 1 << 20
 _FIXED = struct.Struct("<4sHBBIIQq16s16sIQQ")
 _CRC = struct.Struct("<I")
 FIXED_SIZE = _FIXED.size + _CRC.size
@@ -180,7 +183,39 @@ def _parse_meta(meta_bytes: bytes, path: str) -> dict[str, Any]:
     return meta
 
 
+def block_crcs(chunks: Sequence[bytes | memoryview], total: int) -> str:
+    """CRC-32 of every ``CRC_BLOCK`` bytes of the concatenated ``chunks``, as hex."""
+    out: list[str] = []
+    crc = 0
+    filled = 0
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while len(view):
+            take = min(len(view), CRC_BLOCK - filled)
+            crc = zlib.crc32(view[:take], crc)
+            filled += take
+            view = view[take:]
+            if filled == CRC_BLOCK:
+                out.append(f"{crc:08x}")
+                crc, filled = 0, 0
+    if filled:
+        out.append(f"{crc:08x}")
+    if len(out) != -(-total // CRC_BLOCK):
+        raise ValueError(
+            f"chunks hold {sum(len(memoryview(c).cast('B')) for c in chunks)} bytes, not {total}"
+        )
+    return "".join(out)
+
+
+def crc_placeholder(total: int) -> str:
+    """A CRC string of the right length for ``total`` bytes (headers are sized first)."""
+    return "0" * 8 * -(-total // CRC_BLOCK)
+
+
 def _valid_meta(meta: dict[str, Any]) -> bool:
+    crc = meta.get("crc", "")
+    if not isinstance(crc, str) or len(crc) % 8 or any(c not in "0123456789abcdef" for c in crc):
+        return False
     layout = meta.get("layout", [])
     nonfinite = meta.get("nonfinite", [])
     if not isinstance(layout, list) or not isinstance(nonfinite, list):

@@ -50,12 +50,15 @@ from ._errors import (
 )
 from ._faults import fault_point
 from ._format import (
+    FLAG_CHECKSUMS,
     FLAG_NONFINITE,
     HEADER_READ_BYTES,
     KIND_INPUT,
     KIND_OUTPUT,
     Header,
     Layout,
+    block_crcs,
+    crc_placeholder,
     decode_header,
     encode_header,
 )
@@ -71,7 +74,7 @@ from ._plan import Group, Plan
 from ._reduce import check_dtype, mean_into
 from ._rendezvous import Generation
 from ._stats import StepStats
-from ._transport import DataReader, Transport, local_filesystem
+from ._transport import ChecksumError, DataReader, Transport, local_filesystem
 
 __all__ = ["StepEngine", "validate_grads"]
 
@@ -209,7 +212,9 @@ class StepEngine:
             self._check_inputs(plan, step, peers, step_dir)
             t2 = time.perf_counter()
             publishes = bool(plan.out_lens[self.rank]) and not plan.replicated
-            head = self._header(KIND_OUTPUT, step, plan, plan.out_lens[self.rank])[0]
+            out_len = plan.out_lens[self.rank]
+            placeholder = crc_placeholder(out_len) if self.cfg.checksums else None
+            head = self._header(KIND_OUTPUT, step, plan, out_len, (), placeholder)[0]
             # Mapped: reduce straight into this rank's output file, saving a copy.
             target = (
                 self._reserve(
@@ -221,6 +226,9 @@ class StepEngine:
             shard = self._reduce(
                 plan, flats, peers, step, None if target is None else target[len(head) :]
             )
+            if publishes and self.cfg.checksums:
+                crc = block_crcs([shard.data], out_len)
+                head = self._header(KIND_OUTPUT, step, plan, out_len, (), crc)[0]
             if target is not None:
                 target[: len(head)] = np.frombuffer(head, dtype=np.uint8)
                 self._write(step_dir, "out", [], step)
@@ -269,11 +277,19 @@ class StepEngine:
         return self._plan
 
     def _header(
-        self, kind: int, step: int, plan: Plan, payload_len: int, nonfinite: Sequence[int] = ()
+        self,
+        kind: int,
+        step: int,
+        plan: Plan,
+        payload_len: int,
+        nonfinite: Sequence[int] = (),
+        crc: str | None = None,
     ) -> tuple[bytes, int]:
         meta: dict[str, Any] = {}
         if kind == KIND_INPUT:
             meta = {"layout": [[d, list(s)] for d, s in plan.layout], "nonfinite": list(nonfinite)}
+        if crc is not None:
+            meta["crc"] = crc
         head = encode_header(
             kind=kind,
             rank=self.rank,
@@ -284,7 +300,7 @@ class StepEngine:
             layout_digest=plan.digest,
             meta=meta,
             payload_len=payload_len,
-            flags=FLAG_NONFINITE if nonfinite else 0,
+            flags=(FLAG_NONFINITE if nonfinite else 0) | (FLAG_CHECKSUMS if crc is not None else 0),
         )
         return head, len(head)
 
@@ -346,10 +362,10 @@ class StepEngine:
             raise translate_oserror(
                 exc, "creating the step directory", step_dir, step=step
             ) from exc
-        head, _ = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite)
-        chunks: list[bytes | memoryview | np.ndarray] = [head]
-        chunks.extend(flats[i] for i in plan.ordered_params() if flats[i].size)
-        self._write(step_dir, "in", chunks, step)
+        payload = [flats[i] for i in plan.ordered_params() if flats[i].size]
+        crc = block_crcs([p.data for p in payload], plan.in_len) if self.cfg.checksums else None
+        head, _ = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite, crc)
+        self._write(step_dir, "in", [head, *payload], step)
 
     # -- waiting --------------------------------------------------------------------
 
@@ -435,6 +451,9 @@ class StepEngine:
                 reader.read_into(0, head)
                 header = decode_header(head.tobytes(), str(path), parse_meta=False)
             size = reader.size
+            if header.flags & FLAG_CHECKSUMS:
+                crc = header.full_meta(str(path)).get("crc", "")
+                reader.expect_crcs(crc, header.payload_offset, header.payload_len)
         except CorruptFileError as exc:
             reader.close()
             raise CorruptFileError(
@@ -585,6 +604,16 @@ class StepEngine:
 
     # -- reducing and gathering -------------------------------------------------------
 
+    def _bad_checksum(
+        self, exc: ChecksumError, rank: int, peer: _Peer, step: int
+    ) -> CorruptFileError:
+        return CorruptFileError(
+            f"step {step}: rank {rank}'s file is unusable: {exc}",
+            step=step,
+            ranks=[rank],
+            path=peer.path,
+        )
+
     def _reserve(self, path: Path, size: int, step: int) -> np.ndarray:
         try:
             return self._transport.reserve(path, size)
@@ -647,12 +676,14 @@ class StepEngine:
         itemsize = group.dtype.itemsize
 
         def theirs(start: int, stop: int, buf: np.ndarray) -> np.ndarray:
-            mapped = peer.reader.view(base + start * itemsize, stop - start, group.dtype)
-            if mapped is not None:
-                return mapped
             out = buf[: stop - start]
             try:
+                mapped = peer.reader.view(base + start * itemsize, stop - start, group.dtype)
+                if mapped is not None:
+                    return mapped
                 peer.reader.read_into(base + start * itemsize, out)
+            except ChecksumError as exc:
+                raise self._bad_checksum(exc, q, peer, step) from exc
             except EOFError as exc:
                 raise CorruptFileError(
                     f"step {step}: rank {q}'s file {peer.path} is truncated: {exc}",
@@ -696,6 +727,8 @@ class StepEngine:
                         peer = outs[q]
                         try:
                             peer.reader.read_into(peer.header.payload_offset + offset, dst)
+                        except ChecksumError as exc:
+                            raise self._bad_checksum(exc, q, peer, step) from exc
                         except EOFError as exc:
                             raise CorruptFileError(
                                 f"step {step}: rank {q}'s file {peer.path} is truncated: {exc}",
@@ -722,7 +755,7 @@ class StepEngine:
                 if flats[i].size:
                     reader.read_into(offset, flats[i])
                 offset += flats[i].nbytes
-        except (OSError, EOFError, GradSyncError):
+        except (OSError, EOFError, GradSyncError, ChecksumError):
             _log.error("could not restore the gradients from %s after a failed step", path)
         finally:
             reader.close()

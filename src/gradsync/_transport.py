@@ -12,15 +12,22 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ._format import CRC_BLOCK
 from ._fsio import read_exact_into, write_in_place
 
-__all__ = ["DataReader", "Transport", "local_filesystem"]
+__all__ = ["ChecksumError", "DataReader", "Transport", "local_filesystem"]
+
+
+class ChecksumError(Exception):
+    """A block of a published file does not match its CRC (translated by the caller)."""
+
 
 # Filesystems whose pages every process of this host shares, so mappings are coherent.
 _LOCAL_FS = frozenset(
@@ -56,6 +63,40 @@ class DataReader:
         self.size = size
         self._fd = fd
         self._buf = buf  # a uint8 array over a mapping, or None
+        self._crcs: list[int] | None = None
+        self._payload_offset = 0
+        self._payload_len = 0
+        self._verified: set[int] = set()
+
+    def expect_crcs(self, crc_hex: str, payload_offset: int, payload_len: int) -> None:
+        """Check every block of the payload against ``crc_hex`` before it is first used."""
+        self._crcs = [int(crc_hex[i : i + 8], 16) for i in range(0, len(crc_hex), 8)]
+        self._payload_offset = payload_offset
+        self._payload_len = payload_len
+
+    def _verify(self, offset: int, nbytes: int) -> None:
+        if self._crcs is None or nbytes == 0:
+            return
+        first = (offset - self._payload_offset) // CRC_BLOCK
+        last = (offset + nbytes - 1 - self._payload_offset) // CRC_BLOCK
+        for block in range(max(first, 0), last + 1):
+            if block in self._verified:
+                continue
+            start = self._payload_offset + block * CRC_BLOCK
+            size = min(CRC_BLOCK, self._payload_len - block * CRC_BLOCK)
+            if block >= len(self._crcs) or size <= 0:
+                raise ChecksumError(f"{self.path} has no checksum for bytes {start}..")
+            if self._buf is not None:
+                data: Any = self._buf[start : start + size]
+            else:
+                data = np.empty(size, dtype=np.uint8)
+                assert self._fd is not None
+                read_exact_into(self._fd, start, data.data, self.path)
+            if zlib.crc32(data) != self._crcs[block]:
+                raise ChecksumError(
+                    f"{self.path} fails its checksum in bytes {start}..{start + size}"
+                )
+            self._verified.add(block)
 
     def view(self, offset: int, count: int, dtype: np.dtype[Any]) -> np.ndarray | None:
         """``count`` elements at byte ``offset`` without copying, if the file is mapped."""
@@ -65,6 +106,7 @@ class DataReader:
             raise EOFError(
                 f"{self.path} ends at byte {self.size}, expected {offset + count * dtype.itemsize}"
             )
+        self._verify(offset, count * dtype.itemsize)
         return np.frombuffer(self._buf, dtype=dtype, count=count, offset=offset)
 
     def read_into(self, offset: int, dst: np.ndarray) -> None:
@@ -73,6 +115,7 @@ class DataReader:
         Raises:
             EOFError: the file is shorter than that. OSError: reading failed.
         """
+        self._verify(offset, dst.nbytes)
         if self._buf is not None:
             if offset + dst.nbytes > self.size:
                 raise EOFError(
