@@ -26,10 +26,7 @@ import itertools
 import json
 import os
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -40,35 +37,16 @@ import gradsync
 Array = npt.NDArray[np.floating]
 
 
-@contextmanager
-def gradsync_config() -> Iterator[gradsync.FileGradSyncConfig]:
-    """The job's config from the environment; one rank and a temp sync dir if unset.
+def gradsync_config() -> gradsync.FileGradSyncConfig:
+    """The job's config from the environment, as ``gradsync launch`` (or torchrun) sets it.
 
-    ``gradsync launch`` (or torchrun, or you) sets ``GRADSYNC_WORLD_SIZE``,
-    ``GRADSYNC_RANK`` and ``GRADSYNC_SYNC_DIR``. Run directly without them, the script
-    is a world of one rank, where averaging is a no-op.
+    Run directly without it, the script is a world of one rank: averaging is a no-op
+    and needs no sync directory.
     """
-    env: dict[str, str] = dict(os.environ)
+    env = dict(os.environ)
     if "GRADSYNC_WORLD_SIZE" not in env and "WORLD_SIZE" not in env:
-        env["GRADSYNC_WORLD_SIZE"] = "1"
-    if "GRADSYNC_RANK" not in env and "RANK" not in env:
-        env["GRADSYNC_RANK"] = "0"
-    if "GRADSYNC_SYNC_DIR" in env or _world_size(env) != 1:
-        # With several ranks a private temp dir would leave each rank alone: let
-        # from_env() report the missing GRADSYNC_SYNC_DIR instead.
-        yield gradsync.FileGradSyncConfig.from_env(env)
-        return
-    with tempfile.TemporaryDirectory(prefix="gradsync-example-") as tmp:
-        env["GRADSYNC_SYNC_DIR"] = tmp
-        yield gradsync.FileGradSyncConfig.from_env(env)
-
-
-def _world_size(env: Mapping[str, str]) -> int | None:
-    raw = env.get("GRADSYNC_WORLD_SIZE", env.get("WORLD_SIZE", ""))
-    try:
-        return int(raw)
-    except ValueError:
-        return None  # from_env() explains what is wrong
+        env.update(GRADSYNC_WORLD_SIZE="1", GRADSYNC_RANK="0")
+    return gradsync.FileGradSyncConfig.from_env(env)
 
 
 def load_data(dtype: npt.DTypeLike) -> tuple[Array, npt.NDArray[np.int64]]:
@@ -172,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     params = init_params([x.shape[1], args.hidden, 10], args.seed, dtype)
     velocity = [np.zeros_like(p) for p in params]
 
-    with gradsync_config() as cfg, gradsync.GradSync(cfg) as sync:
-        rank, world = cfg.rank, cfg.world_size
+    with gradsync.GradSync(gradsync_config()) as sync:
+        rank, world = sync.cfg.rank, sync.cfg.world_size
         global_batch = world * args.batch_size
         if rank == 0:
             print(

@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -42,22 +40,16 @@ from torch import nn
 import gradsync
 
 
-@contextmanager
-def gradsync_config() -> Iterator[gradsync.FileGradSyncConfig]:
-    """The job's config from the environment; one rank and a temp sync dir if unset."""
-    env: dict[str, str] = dict(os.environ)
+def gradsync_config() -> gradsync.FileGradSyncConfig:
+    """The job's config from the environment, as ``gradsync launch`` (or torchrun) sets it.
+
+    Run directly without it, the script is a world of one rank: averaging is a no-op
+    and needs no sync directory.
+    """
+    env = dict(os.environ)
     if "GRADSYNC_WORLD_SIZE" not in env and "WORLD_SIZE" not in env:
-        env["GRADSYNC_WORLD_SIZE"] = "1"
-    if "GRADSYNC_RANK" not in env and "RANK" not in env:
-        env["GRADSYNC_RANK"] = "0"
-    if "GRADSYNC_SYNC_DIR" in env or _env_int(env, "GRADSYNC_WORLD_SIZE", "WORLD_SIZE") != 1:
-        # With several ranks a private temp dir would leave each rank alone: let
-        # from_env() report the missing GRADSYNC_SYNC_DIR instead.
-        yield gradsync.FileGradSyncConfig.from_env(env)
-        return
-    with tempfile.TemporaryDirectory(prefix="gradsync-example-") as tmp:
-        env["GRADSYNC_SYNC_DIR"] = tmp
-        yield gradsync.FileGradSyncConfig.from_env(env)
+        env.update(GRADSYNC_WORLD_SIZE="1", GRADSYNC_RANK="0")
+    return gradsync.FileGradSyncConfig.from_env(env)
 
 
 def _env_int(env: Mapping[str, str], *names: str, default: int | None = None) -> int | None:
@@ -175,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             dist.destroy_process_group()
     else:
-        with gradsync_config() as cfg, gradsync.GradSync(cfg) as sync:
-            rank, world = cfg.rank, cfg.world_size
+        with gradsync.GradSync(gradsync_config()) as sync:
+            rank, world = sync.cfg.rank, sync.cfg.world_size
             train(args, model, model, sync, x, y, rank, world)
 
     if rank == 0 and args.save is not None:
