@@ -284,8 +284,12 @@ def test_full_disk_is_a_sync_dir_error(tmp_path: Path) -> None:
         assert failed
         assert all(o.attrs["errno"] == 28 for o in failed)
         assert all("(the sync directory's filesystem is full)" in o.message for o in failed)
+        assert all(o.elapsed_s < 15 for o in results.values())
     finally:
         os.system(f"umount {mnt}")
+    # The same job in a roomy directory then works.
+    again = run_ranks(_big_average, 2, (str(tmp_path / "roomy"),))
+    assert_ok(again)
 
 
 def _big_average(rank: int, sync_dir: str) -> None:
