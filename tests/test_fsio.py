@@ -23,6 +23,7 @@ from gradsync._fsio import (
     read_small,
     translate_oserror,
     write_atomic,
+    write_in_place,
 )
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -538,31 +539,28 @@ def test_write_atomic_temp_name_is_hidden_and_in_same_dir(
     assert name.endswith(".tmp")
 
 
-def test_write_atomic_midway_hook(tmp_path: Path) -> None:
+def test_write_in_place_midway_hook_and_truncation(tmp_path: Path) -> None:
     target = tmp_path / "out"
+    target.write_bytes(b"z" * 500)  # a longer earlier content must not survive
     chunks = [b"a" * 10, b"b" * 20, b"c" * 30, b"d" * 40]
-    seen: list[tuple[list[str], bytes]] = []
+    seen: list[bytes] = []
 
     def midway() -> None:
-        [tmp] = temp_files(tmp_path)
-        seen.append((sorted(os.listdir(tmp_path)), (tmp_path / tmp).read_bytes()))
+        seen.append(target.read_bytes()[:30])
 
-    assert write_atomic(target, chunks, midway=midway) == 100
-    [(names, partial)] = seen
-    assert "out" not in names  # nothing published yet
-    assert partial == b"a" * 10 + b"b" * 20  # the first half of the chunks
+    assert write_in_place(target, chunks, midway=midway) == 100
+    assert seen == [b"a" * 10 + b"b" * 20]  # the first half of the chunks, in place
     assert target.read_bytes() == b"".join(chunks)
     assert os.listdir(tmp_path) == ["out"]
 
 
-def test_write_atomic_failure_midway_removes_temp(tmp_path: Path) -> None:
+def test_write_in_place_failure_midway_propagates(tmp_path: Path) -> None:
     target = tmp_path / "out"
-    target.write_bytes(b"old")
 
     def boom() -> None:
         raise OSError(errno.EIO, "Input/output error")
 
     with pytest.raises(OSError, match=r"Input/output error"):
-        write_atomic(target, [b"x" * 100, b"y" * 100], midway=boom)
-    assert os.listdir(tmp_path) == ["out"]
-    assert target.read_bytes() == b"old"
+        write_in_place(target, [b"x" * 100, b"y" * 100], midway=boom)
+    # Half-written, as readers never see it: only a marker, created after, publishes it.
+    assert target.read_bytes() == b"x" * 100

@@ -49,18 +49,12 @@ def translate_oserror(
     )
 
 
-def write_atomic(
-    path: Path,
-    chunks: Sequence[bytes | memoryview],
-    *,
-    midway: Callable[[], None] | None = None,
-) -> int:
+def write_atomic(path: Path, chunks: Sequence[bytes | memoryview]) -> int:
     """Write ``chunks`` to ``path`` so that readers see all of it or nothing.
 
     The data goes to a hidden temporary file in the same directory, which is
     closed (surfacing deferred write errors, e.g. NFS's ENOSPC at close) and then
-    renamed over ``path``. Returns the number of bytes written. ``midway`` (for
-    fault-injection tests) is called once about half of the bytes are written.
+    renamed over ``path``. Returns the number of bytes written.
 
     Raises:
         OSError: as the system reported it; the temporary file is removed.
@@ -70,13 +64,7 @@ def write_atomic(
     total = 0
     try:
         try:
-            if midway is None:
-                total = _writev_all(fd, chunks)
-            else:
-                half = len(chunks) // 2
-                total = _writev_all(fd, chunks[:half])
-                midway()
-                total += _writev_all(fd, chunks[half:])
+            total = _writev_all(fd, chunks)
         finally:
             os.close(fd)
         os.rename(tmp, path)
