@@ -22,6 +22,7 @@ removes it. Disk use: two slots of inputs and shards per rank, a few markers.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import json
@@ -129,6 +130,12 @@ def validate_grads(grads: object) -> list[np.ndarray]:
             raise InvalidGradsError(f"param {i} (shape {g.shape}) is read-only")
         arrays.append(g)
     return arrays
+
+
+def _others(group: Group, rank: int) -> list[tuple[int, int]]:
+    """The element ranges of ``group`` outside ``rank``'s shard."""
+    lo, hi = group.shards[rank]
+    return [(a, b) for a, b in ((0, lo), (hi, group.size)) if a < b]
 
 
 def _layout_of(arrays: Sequence[np.ndarray]) -> Layout:
@@ -365,7 +372,31 @@ class StepEngine:
         payload = [flats[i] for i in plan.ordered_params() if flats[i].size]
         crc = block_crcs([p.data for p in payload], plan.in_len) if self.cfg.checksums else None
         head, _ = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite, crc)
-        self._write(step_dir, "in", [head, *payload], step)
+        if not self._skip_own(plan):
+            self._write(step_dir, "in", [head, *payload], step)
+            return
+        # Peers read only their own shards of this file: this rank's shard, which only it
+        # reduces (from its arrays), is left out, saving 1/W of the copying.
+        path = self.data_path(self.rank, "in")
+        buf = self._reserve(path, len(head) + plan.in_len, step)
+        buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        for group in plan.groups:
+            base = len(head) + group.in_offset
+            for lo, hi in _others(group, self.rank):
+                for seg in group.segments(lo, hi):
+                    src = flats[seg.param][seg.start : seg.stop].view(np.uint8)
+                    at = base + (lo + seg.at) * group.dtype.itemsize
+                    buf[at : at + src.nbytes] = src
+        self._write(step_dir, "in", [], step)
+
+    def _skip_own(self, plan: Plan) -> bool:
+        """Whether this rank's input file leaves out its own shard (mapped, sharded)."""
+        return (
+            self._transport.mapped
+            and not self.cfg.checksums
+            and not plan.replicated
+            and self.cfg.strategy == "sharded"
+        )
 
     # -- waiting --------------------------------------------------------------------
 
@@ -614,6 +645,10 @@ class StepEngine:
             path=peer.path,
         )
 
+    def _plan_or_fail(self) -> Plan:
+        assert self._plan is not None
+        return self._plan
+
     def _reserve(self, path: Path, size: int, step: int) -> np.ndarray:
         try:
             return self._transport.reserve(path, size)
@@ -651,13 +686,20 @@ class StepEngine:
         peers: dict[int, _Peer],
         step: int,
     ) -> Any:
-        if q == self.rank and not self._transport.mapped:
+        if q == self.rank and (not self._transport.mapped or self._skip_own(self._plan_or_fail())):
             # Mapped, this rank's own input is read back from its mapping like a peer's:
             # one contiguous view instead of pieces of many params.
             segments = group.segments(lo, hi)
+            starts = [seg.at for seg in segments]
 
             def own(start: int, stop: int, buf: np.ndarray) -> np.ndarray:
-                pieces = [s for s in segments if s.at < stop and s.at + s.stop - s.start > start]
+                first = max(bisect.bisect_right(starts, start) - 1, 0)
+                pieces = []
+                for seg in segments[first:]:
+                    if seg.at >= stop:
+                        break
+                    if seg.at + seg.stop - seg.start > start:
+                        pieces.append(seg)
                 if len(pieces) == 1:
                     s = pieces[0]
                     base = s.start + (start - s.at)
@@ -711,9 +753,13 @@ class StepEngine:
         error can stop this half-way; the arrays are then restored from this
         rank's own published input, so a failed call never leaves a mixed result.
         """
+        # Peers' shards first, this rank's own last: a failure then leaves the own range
+        # untouched, and the rest is restored from the published input.
+        order = [q for q in range(self.world) if q != self.rank and not plan.replicated]
+        order.append(self.rank)
         try:
-            for group in plan.groups:
-                for q in [self.rank] if plan.replicated else range(self.world):
+            for q in order:
+                for group in plan.groups:
                     lo, hi = group.shards[q]
                     if lo == hi:
                         continue
@@ -751,10 +797,12 @@ class StepEngine:
             return
         try:
             offset = decode_header(reader.head, str(path)).payload_offset
-            for i in plan.ordered_params():
-                if flats[i].size:
-                    reader.read_into(offset, flats[i])
-                offset += flats[i].nbytes
+            for group in plan.groups:
+                ranges = _others(group, self.rank) if self._skip_own(plan) else [(0, group.size)]
+                for lo, hi in ranges:
+                    for seg in group.segments(lo, hi):
+                        at = offset + group.in_offset + (lo + seg.at) * group.dtype.itemsize
+                        reader.read_into(at, flats[seg.param][seg.start : seg.stop])
         except (OSError, EOFError, GradSyncError, ChecksumError):
             _log.error("could not restore the gradients from %s after a failed step", path)
         finally:
