@@ -117,26 +117,36 @@ def mean_into(
     # Two float32 ranks: (a + b) * 0.5 in float32 is the float64 mean rounded to float32,
     # bit for bit: a + b rounds once (a sum that lands in the subnormal range is exact),
     # halving is exact, and float64's own rounding of a + b can never sit on a float32
-    # tie. Only an overflowing a + b differs; chunks holding an Inf are redone in float64.
+    # tie. Only a + b that overflows differs: the FPU's overflow flag (which numpy
+    # turns into FloatingPointError here, at no extra pass) sends that chunk to the
+    # float64 path. Inf or NaN inputs raise no flag and give the same bits either way.
     pair = world == 2 and out.dtype == np.float32
-    other_buf = np.empty(chunk, dtype=out.dtype) if pair else in_buf
+    redo: Sequence[int] = range(0, n, chunk)
+    if pair:
+        other_buf = np.empty(chunk, dtype=out.dtype)
+        overflowed: list[int] = []
+        with np.errstate(all="ignore", over="raise"):
+            for start in redo:
+                stop = min(start + chunk, n)
+                dst = out[start:stop]
+                try:
+                    np.add(fetch[0](start, stop, in_buf), fetch[1](start, stop, other_buf), out=dst)
+                except FloatingPointError:
+                    overflowed.append(start)
+                    continue
+                np.multiply(dst, 0.5, out=dst)
+        redo = overflowed
     # NaN and Inf propagate as IEEE says; a warning (an error under -W error) would
     # fail this rank alone, which reduces this shard, and so the whole step.
     with np.errstate(all="ignore"):
-        for start in range(0, n, chunk):
+        for start in redo:
             stop = min(start + chunk, n)
-            dst = out[start:stop]
-            if pair:
-                np.add(fetch[0](start, stop, in_buf), fetch[1](start, stop, other_buf), out=dst)
-                np.multiply(dst, 0.5, out=dst)
-                if not np.isinf(dst).any():
-                    continue
             acc = acc_buf[: stop - start]
             np.copyto(acc, fetch[0](start, stop, in_buf))
             for q in range(1, world):
                 np.add(acc, fetch[q](start, stop, in_buf), out=acc)
             np.divide(acc, world, out=acc)
-            np.copyto(dst, acc, casting="same_kind")
+            np.copyto(out[start:stop], acc, casting="same_kind")
 
 
 def average_host_grads(
