@@ -218,30 +218,7 @@ class StepEngine:
             last_in = self._await(step_dir, "in", range(self.world), step, peers)
             self._check_inputs(plan, step, peers, step_dir)
             t2 = time.perf_counter()
-            publishes = bool(plan.out_lens[self.rank]) and not plan.replicated
-            out_len = plan.out_lens[self.rank]
-            placeholder = crc_placeholder(out_len) if self.cfg.checksums else None
-            head = self._header(KIND_OUTPUT, step, plan, out_len, (), placeholder)[0]
-            # Mapped: reduce straight into this rank's output file, saving a copy.
-            target = (
-                self._reserve(
-                    self.data_path(self.rank, "out"), len(head) + plan.out_lens[self.rank], step
-                )
-                if publishes and self._transport.mapped
-                else None
-            )
-            shard = self._reduce(
-                plan, flats, peers, step, None if target is None else target[len(head) :]
-            )
-            if publishes and self.cfg.checksums:
-                crc = block_crcs([shard.data], out_len)
-                head = self._header(KIND_OUTPUT, step, plan, out_len, (), crc)[0]
-            if target is not None:
-                target[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-                self._write(step_dir, "out", [], step)
-            elif publishes:
-                half = len(shard) // 2
-                self._write(step_dir, "out", [head, shard[:half], shard[half:]], step)
+            shard = self._reduce_and_publish(plan, flats, peers, step, step_dir)
             fault_point("after_output", self.rank, self.seq)
             t3 = time.perf_counter()
             publishers = [
@@ -273,6 +250,39 @@ class StepEngine:
         _log.debug("%s", stats)
         return stats
 
+    def _reduce_and_publish(
+        self,
+        plan: Plan,
+        flats: list[np.ndarray],
+        peers: dict[int, _Peer],
+        step: int,
+        step_dir: Path,
+    ) -> np.ndarray:
+        """Reduce this rank's shard and, unless every rank reduces all, publish it."""
+        publishes = bool(plan.out_lens[self.rank]) and not plan.replicated
+        out_len = plan.out_lens[self.rank]
+        placeholder = crc_placeholder(out_len) if self.cfg.checksums else None
+        head = self._header(KIND_OUTPUT, step, plan, out_len, (), placeholder)
+        # Mapped: reduce straight into this rank's output file, saving a copy.
+        target = None
+        if publishes and self._transport.mapped:
+            target = self._reserve(self.data_path(self.rank, "out"), len(head) + out_len, step)
+        shard = self._reduce(
+            plan, flats, peers, step, None if target is None else target[len(head) :]
+        )
+        if publishes and self.cfg.checksums:
+            # Same length as the placeholder: the payload does not move.
+            head = self._header(
+                KIND_OUTPUT, step, plan, out_len, (), block_crcs([shard.data], out_len)
+            )
+        if target is not None:
+            target[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+            self._write(step_dir, "out", [], step)
+        elif publishes:
+            half = len(shard) // 2
+            self._write(step_dir, "out", [head, shard[:half], shard[half:]], step)
+        return shard
+
     def _plan_for(self, layout: Layout) -> Plan:
         if self._plan is None or self._plan.layout != layout:
             self._plan = Plan.build(
@@ -291,13 +301,13 @@ class StepEngine:
         payload_len: int,
         nonfinite: Sequence[int] = (),
         crc: str | None = None,
-    ) -> tuple[bytes, int]:
+    ) -> bytes:
         meta: dict[str, Any] = {}
         if kind == KIND_INPUT:
             meta = {"layout": [[d, list(s)] for d, s in plan.layout], "nonfinite": list(nonfinite)}
         if crc is not None:
             meta["crc"] = crc
-        head = encode_header(
+        return encode_header(
             kind=kind,
             rank=self.rank,
             world_size=self.world,
@@ -309,7 +319,6 @@ class StepEngine:
             payload_len=payload_len,
             flags=(FLAG_NONFINITE if nonfinite else 0) | (FLAG_CHECKSUMS if crc is not None else 0),
         )
-        return head, len(head)
 
     def data_path(self, rank: int, kind: str, seq: int | None = None) -> Path:
         """The reused data file holding ``rank``'s ``kind`` ("in"/"out") for call ``seq``.
@@ -371,7 +380,7 @@ class StepEngine:
             ) from exc
         payload = [flats[i] for i in plan.ordered_params() if flats[i].size]
         crc = block_crcs([p.data for p in payload], plan.in_len) if self.cfg.checksums else None
-        head, _ = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite, crc)
+        head = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite, crc)
         if not self._skip_own(plan):
             self._write(step_dir, "in", [head, *payload], step)
             return
@@ -645,10 +654,6 @@ class StepEngine:
             path=peer.path,
         )
 
-    def _plan_or_fail(self) -> Plan:
-        assert self._plan is not None
-        return self._plan
-
     def _reserve(self, path: Path, size: int, step: int) -> np.ndarray:
         try:
             return self._transport.reserve(path, size)
@@ -666,13 +671,17 @@ class StepEngine:
         """This rank's shard of every group, as bytes (the output payload), in ``into``
         if given."""
         shard = np.empty(plan.out_lens[self.rank], dtype=np.uint8) if into is None else into
+        own_from_arrays = not self._transport.mapped or self._skip_own(plan)
         for group in plan.groups:
             lo, hi = group.shards[self.rank]
             if lo == hi:
                 continue
             start = group.out_offsets[self.rank]
             out = shard[start : start + (hi - lo) * group.dtype.itemsize].view(group.dtype)
-            fetch = [self._fetcher(group, q, lo, hi, flats, peers, step) for q in range(self.world)]
+            fetch = [
+                self._fetcher(group, q, lo, hi, flats, peers, step, own_from_arrays)
+                for q in range(self.world)
+            ]
             mean_into(fetch, hi - lo, out)
         return shard
 
@@ -685,10 +694,15 @@ class StepEngine:
         flats: list[np.ndarray],
         peers: dict[int, _Peer],
         step: int,
+        own_from_arrays: bool,
     ) -> Any:
-        if q == self.rank and (not self._transport.mapped or self._skip_own(self._plan_or_fail())):
-            # Mapped, this rank's own input is read back from its mapping like a peer's:
-            # one contiguous view instead of pieces of many params.
+        """Rank q's elements of ``group`` in ``[lo, hi)``, chunk by chunk (see mean_into).
+
+        This rank's own come from its arrays when its file lacks them (``pread``, or
+        left out of a mapped file); otherwise from its mapping like a peer's: one
+        contiguous view instead of pieces of many params.
+        """
+        if q == self.rank and own_from_arrays:
             segments = group.segments(lo, hi)
             starts = [seg.at for seg in segments]
 

@@ -98,14 +98,20 @@ class DataReader:
                 )
             self._verified.add(block)
 
+    def _check_mapped_end(self, offset: int, nbytes: int) -> None:
+        # A read past the end of a mapping would be SIGBUS, not an error: check first.
+        if offset + nbytes > self.size:
+            raise EOFError(f"{self.path} ends at byte {self.size}, expected {offset + nbytes}")
+
     def view(self, offset: int, count: int, dtype: np.dtype[Any]) -> np.ndarray | None:
-        """``count`` elements at byte ``offset`` without copying, if the file is mapped."""
+        """``count`` elements at byte ``offset`` without copying, if the file is mapped.
+
+        Raises:
+            EOFError: the file is shorter. ChecksumError: a block fails its CRC.
+        """
         if self._buf is None:
             return None
-        if offset + count * dtype.itemsize > self.size:
-            raise EOFError(
-                f"{self.path} ends at byte {self.size}, expected {offset + count * dtype.itemsize}"
-            )
+        self._check_mapped_end(offset, count * dtype.itemsize)
         self._verify(offset, count * dtype.itemsize)
         return np.frombuffer(self._buf, dtype=dtype, count=count, offset=offset)
 
@@ -113,14 +119,13 @@ class DataReader:
         """Fill ``dst`` from byte ``offset``.
 
         Raises:
-            EOFError: the file is shorter than that. OSError: reading failed.
+            EOFError: the file is shorter. ChecksumError: a block fails its CRC.
+            OSError: reading failed.
         """
+        if self._buf is not None:
+            self._check_mapped_end(offset, dst.nbytes)
         self._verify(offset, dst.nbytes)
         if self._buf is not None:
-            if offset + dst.nbytes > self.size:
-                raise EOFError(
-                    f"{self.path} ends at byte {self.size}, expected {offset + dst.nbytes}"
-                )
             np.copyto(dst.reshape(-1).view(np.uint8), self._buf[offset : offset + dst.nbytes])
             return
         assert self._fd is not None
