@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # The real-GPU run (issue 3), as made on the lent NVIDIA H200: wgpu tests, the wgpu
-# example on 2 and 4 ranks sharing the GPU, and the copy/step benchmarks. Expects
-# the Vulkan loader debs in .gl/ and wgpu's wheels in .whl/ (see README, Performance).
+# example on 2 and 4 ranks sharing the GPU, and the copy/step benchmarks. The GPU
+# machine has Python 3.12 and numpy but no network, so two git-ignored folders travel
+# with the checkout, prepared on a machine with one:
+#   .whl/  wgpu's wheels: python3 -m pip download --no-deps --only-binary=:all:
+#          --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+#          --platform manylinux2014_x86_64 -d .whl wgpu==0.32.0 cffi pycparser rendercanvas
+#   .gl/   the Vulkan/GL loaders: apt-get download libvulkan1 libegl1 libglvnd0 libopengl0
+#          libgl1 libglx0 libgles2 (amd64), unpacked into / below.
 set -uo pipefail
 OUT=${OUT:-/tmp/gradsync-h200}
 mkdir -p "$OUT"
