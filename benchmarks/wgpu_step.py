@@ -9,6 +9,10 @@ float32 gradient buffers of the given size and, per step:
               and one persistent MAP_WRITE buffer + one copy back;
 - gradsync:   ``average_grads_file_sync(buffers, device, cfg, step)``: download,
               the file protocol across ranks, upload; buffers change every step.
+              "(host sync)" is the file protocol's share (``StepStats.total_s``).
+
+All ranks start each of the three together (a barrier), so ranks that share a GPU
+contend alike in all of them.
 
 Reported per size: medians over steps of the slowest rank, and ratios.
 Run: ``python benchmarks/wgpu_step.py --world-sizes 2 4 --sizes-mib 1 16 256``.
@@ -57,15 +61,20 @@ def _rank(
             rd = dev.create_buffer(size=nbytes, usage=bu.MAP_READ | bu.COPY_DST)
             wr = dev.create_buffer(size=nbytes, usage=bu.MAP_WRITE | bu.COPY_SRC)
             out = np.empty_like(host)
-            times: dict[str, list[float]] = {"naive": [], "staged": [], "gradsync": []}
+            times: dict[str, list[float]] = {"naive": [], "staged": [], "gradsync": [], "host": []}
             for i in range(steps + 1):
                 host[:8] = rank + i  # inputs change every step
                 dev.queue.write_buffer(buf, 0, host)
                 dev.queue.read_buffer(fence, 0, 4)
+                # Every phase starts on all ranks together, as a step does after backward():
+                # ranks sharing a GPU then contend the same way in all three.
+                barrier.wait()
                 t0 = time.perf_counter()
                 np.copyto(out, np.frombuffer(dev.queue.read_buffer(buf), np.float32))
                 dev.queue.write_buffer(buf, 0, out)
                 dev.queue.read_buffer(fence, 0, 4)
+                t0_end = time.perf_counter()
+                barrier.wait()
                 t1 = time.perf_counter()
                 enc = dev.create_command_encoder()
                 enc.copy_buffer_to_buffer(buf, 0, rd, 0, nbytes)
@@ -80,16 +89,17 @@ def _rank(
                 enc.copy_buffer_to_buffer(wr, 0, buf, 0, nbytes)
                 dev.queue.submit([enc.finish()])
                 dev.queue.read_buffer(fence, 0, 4)
-                # All ranks start the step together, as in training after backward().
+                t1_end = time.perf_counter()
                 barrier.wait()
                 t2 = time.perf_counter()
-                gs.average([buf], step=step_no, device=dev)
+                stats = gs.average([buf], step=step_no, device=dev)
                 t3 = time.perf_counter()
                 step_no += 1
                 if i:  # the first round allocates staging buffers and files
-                    times["naive"].append(t1 - t0)
-                    times["staged"].append(t2 - t1)
+                    times["naive"].append(t0_end - t0)
+                    times["staged"].append(t1_end - t1)
                     times["gradsync"].append(t3 - t2)
+                    times["host"].append(stats.total_s)
             check = np.frombuffer(dev.queue.read_buffer(buf, 0, 32), np.float32)
             want = np.float32(np.mean([r + steps for r in range(world)]))
             rows.append({"bytes": nbytes, "times": times, "ok": bool(np.all(check == want))})
@@ -133,19 +143,20 @@ def main() -> None:
         )
         print(
             f"{'MiB':>6} {'raw naive ms':>13} {'raw staged ms':>14} {'gradsync ms':>12} "
-            f"{'gs/naive':>9} {'gs/staged':>10} {'correct':>8}"
+            f"{'(host sync)':>12} {'gs/naive':>9} {'gs/staged':>10} {'correct':>8}"
         )
         for k, nbytes in enumerate(sizes):
             per = [rows[k] for _, _, rows in results]
             slowest = {
                 name: [max(p["times"][name][s] for p in per) for s in range(args.steps)]
-                for name in ("naive", "staged", "gradsync")
+                for name in ("naive", "staged", "gradsync", "host")
             }
             med = {name: statistics.median(v) for name, v in slowest.items()}
             ok = all(p["ok"] for p in per)
             print(
                 f"{nbytes / 2**20:>6g} {med['naive'] * 1e3:>13.2f} {med['staged'] * 1e3:>14.2f} "
-                f"{med['gradsync'] * 1e3:>12.2f} {med['gradsync'] / med['naive']:>9.2f} "
+                f"{med['gradsync'] * 1e3:>12.2f} {med['host'] * 1e3:>12.2f} "
+                f"{med['gradsync'] / med['naive']:>9.2f} "
                 f"{med['gradsync'] / med['staged']:>10.2f} {ok!s:>8}"
             )
             report.append(
