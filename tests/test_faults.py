@@ -642,7 +642,7 @@ def test_two_jobs_without_run_id_never_mix_within_a_formed_job(tmp_path: Path) -
         assert re.fullmatch(
             rf"rendezvous: (another rank 0 \({PID}\) with run_id None is running in \S+; give "
             r"each job its own sync_dir or run_id"
-            rf"|rank 1 is already taken by {PID} in the running job \S+; this process "
+            rf"|rank 1 is already taken by {PID} in \S+; this process "
             rf"\({PID}\) claimed the same rank; give each job its own sync_dir or run_id"
             r"|ranks \[1\] did not join within 4\.0 s in \S+ \(.*\)"
             r"|rank 0 did not admit rank 1 within 4\.0 s in \S+ \(.*\)"

@@ -547,13 +547,17 @@ def _check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWa
         if (gen_path / f"left-{cfg.rank}").exists():
             continue
         if all(_is_alive(m, gen_path, watch) for m in (leader, holder)):
-            raise RendezvousError(
-                f"rendezvous: rank {cfg.rank} is already taken by {holder.describe()} in the "
-                f"running job {gen_path}; this process ({me.describe()}) claimed the same rank; "
-                "give each job its own sync_dir or run_id",
-                ranks=[cfg.rank],
-                path=gen_path,
-            )
+            raise _taken(cfg.rank, holder, me, gen_path)
+
+
+def _taken(rank: int, holder: MemberInfo, me: MemberInfo, gen_path: Path) -> RendezvousError:
+    return RendezvousError(
+        f"rendezvous: rank {rank} is already taken by {holder.describe()} in {gen_path}; "
+        f"this process ({me.describe()}) claimed the same rank; give each job its own "
+        "sync_dir or run_id",
+        ranks=[rank],
+        path=gen_path,
+    )
 
 
 def _is_alive(member: MemberInfo, gen_path: Path, watch: HeartbeatWatch) -> bool:
@@ -604,12 +608,7 @@ def _accept(
         )
     holder = members[cfg.rank]
     if holder.nonce != me.nonce:
-        raise RendezvousError(
-            f"rendezvous: rank {cfg.rank} is already taken by {holder.describe()} in "
-            f"{gen_path}; this process ({me.describe()}) claimed the same rank",
-            ranks=[cfg.rank],
-            path=gen_path,
-        )
+        raise _taken(cfg.rank, holder, me, gen_path)
     return Generation(gen_path, gen_path.name[len(GEN_PREFIX) :], members, cfg.rank)
 
 
