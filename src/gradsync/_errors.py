@@ -147,3 +147,46 @@ class WgpuBridgeError(GradSyncError, RuntimeError):
 
     Raised ``from`` the original wgpu exception, which stays in ``__cause__``.
     """
+
+
+def error_note(exc: BaseException) -> dict[str, object]:
+    """What a rank tells its peers when it gives up: the error's type, message and ranks."""
+    if isinstance(exc, GradSyncError):
+        return {"type": type(exc).__name__, "message": str(exc), "ranks": list(exc.ranks)}
+    return {"type": "", "message": f"{type(exc).__name__}: {exc}", "ranks": []}
+
+
+# Errors about the whole job, which every rank would find itself (a lost peer, a
+# mismatch, a damaged file): a peer's report of one is raised as the same error.
+_JOB_WIDE: dict[str, type[GradSyncError]] = {
+    cls.__name__: cls
+    for cls in (
+        PeerLostError,
+        PeerTimeoutError,
+        MismatchError,
+        NonFiniteGradError,
+        CorruptFileError,
+        RendezvousError,
+        PeerAbortedError,
+    )
+}
+
+
+def note_reason(note: object) -> str:
+    """The message of a peer's note, or a placeholder if the note is unreadable."""
+    message = note.get("message") if isinstance(note, dict) else None
+    return message if isinstance(message, str) else "(its reason is unreadable)"
+
+
+def job_wide_error(
+    note: object, *, step: int | None, path: str | Path | None
+) -> GradSyncError | None:
+    """The error a peer's note (see :func:`error_note`) reports, if it concerns the job."""
+    if not isinstance(note, dict) or not isinstance(note.get("message"), str):
+        return None
+    cls = _JOB_WIDE.get(str(note.get("type")))
+    if cls is None:
+        return None
+    raw = note.get("ranks")
+    ranks = [r for r in raw if type(r) is int] if isinstance(raw, list) else []
+    return cls(note["message"], step=step, ranks=ranks, path=path)

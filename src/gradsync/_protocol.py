@@ -48,6 +48,9 @@ from ._errors import (
     PeerLostError,
     PeerTimeoutError,
     SyncDirError,
+    error_note,
+    job_wide_error,
+    note_reason,
 )
 from ._faults import fault_point
 from ._format import (
@@ -85,18 +88,6 @@ _LIVENESS_EVERY_S = 0.1
 # costs less than a second round of files, waiting and gathering.
 REPLICATE_BELOW_BYTES = 256 * 1024
 _FAULTS_ON = bool(os.environ.get("GRADSYNC_TEST_FAULT"))
-# Errors about the job rather than one rank: a peer's report is re-raised as is.
-_SHARED_ERRORS: dict[str, type[GradSyncError]] = {
-    cls.__name__: cls
-    for cls in (
-        PeerLostError,
-        PeerTimeoutError,
-        MismatchError,
-        NonFiniteGradError,
-        PeerAbortedError,
-        CorruptFileError,  # names the damaged file, which every reader would reject alike
-    )
-}
 
 
 def validate_grads(grads: object) -> list[np.ndarray]:
@@ -188,13 +179,9 @@ class StepEngine:
             raise
 
     def _tell_peers(self, step_dir: Path, exc: BaseException) -> None:
-        if isinstance(exc, GradSyncError):
-            note = {"type": type(exc).__name__, "message": str(exc), "ranks": list(exc.ranks)}
-        else:
-            note = {"type": "", "message": f"{type(exc).__name__}: {exc}", "ranks": []}
         with contextlib.suppress(OSError):
             step_dir.mkdir(exist_ok=True)
-            write_atomic(step_dir / f"abort-{self.rank}", [json.dumps(note).encode()])
+            write_atomic(step_dir / f"abort-{self.rank}", [json.dumps(error_note(exc)).encode()])
 
     def _step(self, arrays: list[np.ndarray], step: int, step_dir: Path) -> StepStats:
         t0 = time.perf_counter()
@@ -529,18 +516,16 @@ class StepEngine:
     def _raise_abort(self, step_dir: Path, rank: int, step: int) -> None:
         path = step_dir / f"abort-{rank}"
         try:
-            note = json.loads(path.read_bytes())
-            kind, message = str(note["type"]), str(note["message"])
-            ranks = [int(r) for r in note["ranks"] if type(r) is int]
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
-            kind, message, ranks = "", "(its reason is unreadable)", []
-        shared = _SHARED_ERRORS.get(kind)
+            note: object = json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError):
+            note = None
+        shared = job_wide_error(note, step=step, path=step_dir)
         if shared is not None:
-            # Every rank would find this itself (a lost peer, a mismatch): raise the same.
-            raise shared(message, step=step, ranks=ranks, path=step_dir)
+            raise shared
         member = self.gen.members[rank]
         raise PeerAbortedError(
-            f"step {step}: rank {rank} ({member.describe()}) gave up on this step: {message}",
+            f"step {step}: rank {rank} ({member.describe()}) gave up on this step: "
+            f"{note_reason(note)}",
             step=step,
             ranks=[rank],
             path=path,

@@ -39,6 +39,9 @@ from ._errors import (
     PeerLostError,
     PeerTimeoutError,
     RendezvousError,
+    error_note,
+    job_wide_error,
+    note_reason,
 )
 from ._fsio import Backoff, list_names, read_small, translate_oserror, write_atomic
 from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo, read_counter
@@ -178,8 +181,7 @@ class _Leader:
         except GradSyncError as exc:
             # Requesters that already confirmed learn the reason instead of timing out.
             with contextlib.suppress(OSError):
-                note = {"type": type(exc).__name__, "message": str(exc), "ranks": list(exc.ranks)}
-                write_atomic(self.gen_path / ABORT, [_dump(note)])
+                write_atomic(self.gen_path / ABORT, [_dump(error_note(exc))])
             with contextlib.suppress(OSError):
                 self.leader_file.unlink()
             raise
@@ -511,14 +513,12 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
 
 
 def _raise_abort(note: dict[str, Any], gen_path: Path) -> None:
-    message = str(note.get("message"))
-    raw = note.get("ranks")
-    ranks = [int(r) for r in raw if isinstance(r, int)] if isinstance(raw, list) else [0]
-    for cls in (MismatchError, RendezvousError, PeerTimeoutError, PeerLostError):
-        if note.get("type") == cls.__name__:
-            # Rank 0 found a problem of the whole job: every rank raises it alike.
-            raise cls(message, ranks=ranks, path=gen_path)
-    raise PeerAbortedError(f"rendezvous failed on rank 0: {message}", ranks=[0], path=gen_path)
+    shared = job_wide_error(note, step=None, path=gen_path)
+    if shared is not None:
+        raise shared  # rank 0 found a problem of the whole job: every rank raises it alike
+    raise PeerAbortedError(
+        f"rendezvous failed on rank 0: {note_reason(note)}", ranks=[0], path=gen_path
+    )
 
 
 def _check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWatch) -> None:
