@@ -155,6 +155,22 @@ def malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def pss_bytes() -> int | None:
+    """This process's proportional set size: shared pages divided among their mappers.
+
+    RSS counts a page of a file that W ranks map W times; PSS counts 1/W in each, so
+    summed over ranks it is the memory really used. None where the kernel lacks it.
+    """
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * KIB
+    except OSError:
+        return None
+    return None
+
+
 def reset_peak_rss() -> bool:
     """Reset the peak RSS to the current RSS (Linux >= 4.0); False if unsupported."""
     try:
@@ -453,6 +469,7 @@ def run_workload(
     malloc_trim()
     rss_reset = reset_peak_rss()
     rss_base = maxrss_bytes()
+    pss_base = pss_bytes()
     grads = [np.empty(n, F32) for n in sizes]
     peer.prepare(grads)
     sample_err = 0.0
@@ -476,6 +493,7 @@ def run_workload(
         sample_err = max(sample_err, _check_sample(grads, sample, world, step))
         step += 1
     rss_peak = maxrss_bytes()
+    pss_end = pss_bytes()  # mappings are still held: the steady state of a training loop
     full_err = _check_full(grads, world, step - 1) if rank == 0 else None
     digest = _digest(grads)
     peer.release()
@@ -486,6 +504,8 @@ def run_workload(
         "rss_base": rss_base,
         "rss_peak": rss_peak,
         "rss_reset": rss_reset,
+        "pss_base": pss_base,
+        "pss_end": pss_end,
         "sample_err": sample_err,
         "full_err": full_err,
         "digest": digest,
@@ -634,6 +654,7 @@ class Row:
     p90_ms: float = float("nan")
     gbps: float = float("nan")
     extra_rss: int | None = None  # bytes, max over ranks
+    extra_pss: int | None = None  # bytes, max over ranks, after the timed steps
     max_rel_err: float | None = None
     identical: bool | None = None  # every rank got the same bits
     split_ms: dict[str, float] = field(default_factory=dict)  # mean over ranks and steps
@@ -661,6 +682,8 @@ def summarise(
         row.p90_ms = float(np.percentile(slowest, 90)) * 1e3
         row.gbps = row.nbytes / (row.median_ms * 1e-3) / 1e9
         row.extra_rss = max(r["rss_peak"] - r["rss_base"] for r in res)
+        if all(r.get("pss_end") is not None and r.get("pss_base") is not None for r in res):
+            row.extra_pss = max(r["pss_end"] - r["pss_base"] for r in res)
         errs = [r["sample_err"] for r in res] + [r["full_err"] for r in res if r["full_err"]]
         row.max_rel_err = max(errs)
         row.identical = len({r["digest"] for r in res}) == 1
@@ -794,6 +817,17 @@ def check_targets(rows: list[Row], workloads: list[str]) -> list[Target]:
             ),
         )
     )
+    pss_rows = [r for r in big_rss if r.extra_pss is not None]
+    if pss_rows:
+        worst_pss = max(pss_rows, key=lambda r: (r.extra_pss or 0) / r.nbytes)
+        targets.append(
+            Target(
+                "extra PSS per rank <= 2x gradient bytes (shared mapped pages counted once)",
+                all((r.extra_pss or 0) <= 2 * r.nbytes for r in pss_rows),
+                f"worst {worst_pss.dir_kind} W={worst_pss.world} {worst_pss.workload}: "
+                f"{(worst_pss.extra_pss or 0) / worst_pss.nbytes:.2f}x",
+            )
+        )
     pairs = [
         (gs.get(("tmpfs", w, "100x16MiB")), gs.get(("tmpfs", w, "16MiB")), w)
         for w in sorted({k[1] for k in gs})
