@@ -30,7 +30,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +121,29 @@ def validate_grads(grads: object) -> list[np.ndarray]:
             raise InvalidGradsError(f"param {i} (shape {g.shape}) is read-only")
         arrays.append(g)
     return arrays
+
+
+@contextlib.contextmanager
+def _reading(peer: _Peer, rank: int, step: int) -> Iterator[None]:
+    """Translate a failed read of ``rank``'s file into the error that names it."""
+    try:
+        yield
+    except ChecksumError as exc:
+        raise CorruptFileError(
+            f"step {step}: rank {rank}'s file is unusable: {exc}",
+            step=step,
+            ranks=[rank],
+            path=peer.path,
+        ) from exc
+    except EOFError as exc:
+        raise CorruptFileError(
+            f"step {step}: rank {rank}'s file {peer.path} is truncated: {exc}",
+            step=step,
+            ranks=[rank],
+            path=peer.path,
+        ) from exc
+    except OSError as exc:
+        raise translate_oserror(exc, "reading", peer.path, step=step) from exc
 
 
 def _others(group: Group, rank: int) -> list[tuple[int, int]]:
@@ -629,16 +652,6 @@ class StepEngine:
 
     # -- reducing and gathering -------------------------------------------------------
 
-    def _bad_checksum(
-        self, exc: ChecksumError, rank: int, peer: _Peer, step: int
-    ) -> CorruptFileError:
-        return CorruptFileError(
-            f"step {step}: rank {rank}'s file is unusable: {exc}",
-            step=step,
-            ranks=[rank],
-            path=peer.path,
-        )
-
     def _reserve(self, path: Path, size: int, step: int) -> np.ndarray:
         try:
             return self._transport.reserve(path, size)
@@ -718,22 +731,11 @@ class StepEngine:
 
         def theirs(start: int, stop: int, buf: np.ndarray) -> np.ndarray:
             out = buf[: stop - start]
-            try:
+            with _reading(peer, q, step):
                 mapped = peer.reader.view(base + start * itemsize, stop - start, group.dtype)
                 if mapped is not None:
                     return mapped
                 peer.reader.read_into(base + start * itemsize, out)
-            except ChecksumError as exc:
-                raise self._bad_checksum(exc, q, peer, step) from exc
-            except EOFError as exc:
-                raise CorruptFileError(
-                    f"step {step}: rank {q}'s file {peer.path} is truncated: {exc}",
-                    step=step,
-                    ranks=[q],
-                    path=peer.path,
-                ) from exc
-            except OSError as exc:
-                raise translate_oserror(exc, "reading", peer.path, step=step) from exc
             return out
 
         return theirs
@@ -770,19 +772,8 @@ class StepEngine:
                             continue
                         fault_point("mid_gather", self.rank, self.seq)
                         peer = outs[q]
-                        try:
+                        with _reading(peer, q, step):
                             peer.reader.read_into(peer.header.payload_offset + offset, dst)
-                        except ChecksumError as exc:
-                            raise self._bad_checksum(exc, q, peer, step) from exc
-                        except EOFError as exc:
-                            raise CorruptFileError(
-                                f"step {step}: rank {q}'s file {peer.path} is truncated: {exc}",
-                                step=step,
-                                ranks=[q],
-                                path=peer.path,
-                            ) from exc
-                        except OSError as exc:
-                            raise translate_oserror(exc, "reading", peer.path, step=step) from exc
         except GradSyncError:
             self._restore(plan, flats)
             raise

@@ -210,14 +210,7 @@ class _Leader:
                         ranks=missing,
                         path=cfg.sync_dir,
                     )
-                rival = next(iter(self.rivals.values()))
-                raise RendezvousError(
-                    f"rendezvous: another rank 0 ({rival.describe()}) with run_id "
-                    f"{cfg.run_id!r} uses {cfg.sync_dir}; give each job its own sync_dir or "
-                    "run_id",
-                    ranks=[0],
-                    path=cfg.sync_dir,
-                )
+                raise self._rival(next(iter(self.rivals.values())), "uses")
             if elapsed >= next_warn:
                 _log.warning(
                     "rendezvous: rank 0 has waited %.1f s for ranks %s to join in %s",
@@ -288,6 +281,14 @@ class _Leader:
                 )
             self.confirmed[member.rank] = member
 
+    def _rival(self, rival: MemberInfo, doing: str) -> RendezvousError:
+        return RendezvousError(
+            f"rendezvous: another rank 0 ({rival.describe()}) with run_id {self.cfg.run_id!r} "
+            f"{doing} {self.cfg.sync_dir}; give each job its own sync_dir or run_id",
+            ranks=[0],
+            path=self.cfg.sync_dir,
+        )
+
     def _check_rivals(self) -> None:
         """Find other live rank-0s of the same run id; stale ones are removed."""
         for name in list_names(self.rdzv):
@@ -306,23 +307,11 @@ class _Leader:
                         path.unlink()
                     self.rivals.pop(member.nonce, None)
                     continue
-                raise RendezvousError(
-                    f"rendezvous: another rank 0 ({member.describe()}) with run_id "
-                    f"{self.cfg.run_id!r} is running in {self.cfg.sync_dir}; give each job "
-                    "its own sync_dir or run_id",
-                    ranks=[0],
-                    path=self.cfg.sync_dir,
-                )
+                raise self._rival(member, "is running in")
             hb = self.cfg.sync_dir / f"{GEN_PREFIX}{data.get('gen')}" / f"hb-{member.nonce}"
             silent = self.watch.silent_for_s(hb)
             if self.watch.moved(hb):
-                raise RendezvousError(
-                    f"rendezvous: another rank 0 ({member.describe()}) with run_id "
-                    f"{self.cfg.run_id!r} is beating in {self.cfg.sync_dir}; give each job "
-                    "its own sync_dir or run_id",
-                    ranks=[0],
-                    path=self.cfg.sync_dir,
-                )
+                raise self._rival(member, "is beating in")
             if silent >= self.cfg.heartbeat_timeout_s:
                 with contextlib.suppress(OSError):
                     path.unlink()
