@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -139,6 +140,17 @@ def bad_input(rank: int, world: int, sync_dir: str) -> Any:
         gs.average(grads, step=1)
 
 
+def _tree_bytes(root: Path) -> int:
+    """Bytes of every file under ``root`` (data files and markers); rank 0 may remove
+    old step directories meanwhile, and what is gone no longer counts."""
+    total = 0
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(folder, name)).st_size
+    return total
+
+
 def count_step_dirs(rank: int, world: int, sync_dir: str, steps: int) -> Any:
     """Average ``steps`` times; report the most step dirs and bytes seen on disk."""
     most_dirs = 0
@@ -147,11 +159,8 @@ def count_step_dirs(rank: int, world: int, sync_dir: str, steps: int) -> Any:
     for step in range(steps):
         gs.average(grads_for(rank, step), step=step)
         gen = Path(gs.generation_dir or "")
-        dirs = [p for p in gen.iterdir() if p.name.startswith("s-")]
-        most_dirs = max(most_dirs, len(dirs))
-        most_bytes = max(
-            most_bytes, sum(f.stat().st_size for d in dirs for f in d.iterdir() if f.is_file())
-        )
+        most_dirs = max(most_dirs, sum(p.name.startswith("s-") for p in gen.iterdir()))
+        most_bytes = max(most_bytes, _tree_bytes(gen))
     gen_dir = gs.generation_dir
     gs.close()
     return most_dirs, most_bytes, gen_dir
