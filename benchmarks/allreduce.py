@@ -204,6 +204,7 @@ class GradSyncPeer:
             sync_dir=Path(spec["sync_dir"]),
             max_wait_s=300.0,
             strategy=spec["strategy"],
+            threads=spec.get("threads"),
         )
         self.sync = GradSync(cfg)
         self._barrier = barrier
@@ -981,6 +982,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--disk-dir", default="/var/tmp", type=Path)
     p.add_argument("--peers", default=",".join(ALL_PEERS), help="subset of " + ",".join(ALL_PEERS))
     p.add_argument("--strategies", default="sharded", help="gradsync strategies: sharded,root")
+    p.add_argument(
+        "--threads",
+        default="auto",
+        help="gradsync threads per rank, comma-separated: auto (the config's default) "
+        "and/or numbers; each number adds rows named gradsync-t<N>",
+    )
     p.add_argument("--steps", type=int, default=30, help="timed steps, workloads >= 16 MiB")
     p.add_argument("--small-steps", type=int, default=200, help="timed steps, workloads < 16 MiB")
     p.add_argument("--warmup", type=int, default=5)
@@ -1067,10 +1074,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         for d in dirs:
             root = dir_paths[d] / f"gradsync-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             try:
-                for strategy in strategies if "gradsync" in peers else []:
-                    spec = {**base_spec, "sync_dir": str(root / strategy), "strategy": strategy}
-                    launch = run(f"gradsync[{strategy}] {d} W={world}", "gradsync", world, spec)
+                variants = [(s, t) for s in strategies for t in _csv(args.threads)]
+                for strategy, threads in variants if "gradsync" in peers else []:
+                    spec = {
+                        **base_spec,
+                        "sync_dir": str(root / f"{strategy}-{threads}"),
+                        "strategy": strategy,
+                        "threads": None if threads == "auto" else int(threads),
+                    }
+                    label = f"gradsync[{strategy}, threads {threads}] {d} W={world}"
+                    launch = run(label, "gradsync", world, spec)
                     peer = "gradsync" if strategy == "sharded" else f"gradsync-{strategy}"
+                    peer += "" if threads == "auto" else f"-t{threads}"
                     rows += summarise(launch, d, world, peer, workloads)
                 if "naive" in peers:
                     spec = {"world": world, "workloads": naive_workloads}
@@ -1084,7 +1099,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     peer_order = {p: i for i, p in enumerate(("gradsync", "gradsync-root", "naive"))}
     file_rows = sorted(
         (r for r in rows if r.dir_kind != "-"),
-        key=lambda r: (dirs.index(r.dir_kind), r.world, order[r.workload], peer_order[r.peer]),
+        key=lambda r: (
+            dirs.index(r.dir_kind),
+            r.world,
+            order[r.workload],
+            peer_order.get(r.peer.split("-t")[0], 9),
+            r.peer,
+        ),
     )
     ref_rows = sorted(
         (r for r in rows if r.dir_kind == "-"),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The real-GPU run (issue 3), as made on the lent NVIDIA H200: wgpu tests, the wgpu
-# example on 2 and 4 ranks sharing the GPU, and the copy/step benchmarks. The GPU
+# example on 2 and 4 ranks sharing the GPU, the copy/step benchmarks (step: threads
+# auto and 1), and the host-only allreduce benchmark on that 16-core host. The GPU
 # machine has Python 3.12 and numpy but no network, so two git-ignored folders travel
 # with the checkout, prepared on a machine with one:
 #   .whl/  wgpu's wheels: python3 -m pip download --no-deps --only-binary=:all:
@@ -26,5 +27,15 @@ python3 -m pytest tests/test_wgpu_bridge.py -q -p no:cacheprovider -o addopts=""
 for n in 2 4; do
   python3 -m gradsync launch --nproc $n examples/train_wgpu_logreg.py 2>&1 | tee "$OUT/example-$n.txt" | tail -6
 done
-python3 benchmarks/wgpu_copy.py --sizes-mib 1 16 256 --repeats 7 --backend Vulkan 2>&1 | tee "$OUT/copy.txt"
-python3 benchmarks/wgpu_step.py --world-sizes 2 4 --sizes-mib 1 16 256 --steps 7 --json "$OUT/step.json" 2>&1 | tee "$OUT/step.txt"
+[ -n "${SKIP_COPY:-}" ] || python3 benchmarks/wgpu_copy.py --sizes-mib 1 16 256 --repeats 7 --backend Vulkan 2>&1 | tee "$OUT/copy.txt"
+# gradsync's step with its default threads (CPUs / ranks on the host) and with one.
+for t in auto 1; do
+  python3 benchmarks/wgpu_step.py --world-sizes 2 4 --sizes-mib 1 16 256 --steps 7 --threads $t \
+    --json "$OUT/step-threads-$t.json" 2>&1 | tee "$OUT/step-threads-$t.txt"
+done
+# The host exchange alone on this many-core host (no GPU): threads auto against 1.
+peers=gradsync,memcpy
+python3 -c "import torch" 2>/dev/null && peers=$peers,gloo
+python3 benchmarks/allreduce.py --world-sizes 2,4 --dirs tmpfs --peers $peers --threads auto,1 \
+  --workloads 4KiB,1MiB,16MiB,64MiB,100x16MiB --steps 20 --small-steps 100 \
+  --json "$OUT/allreduce.json" 2>&1 | tee "$OUT/allreduce.txt"

@@ -41,6 +41,7 @@ def _rank(
     steps: int,
     report: Any,
     barrier: Any,
+    threads: int | None,
 ) -> None:
     import wgpu  # noqa: PLC0415 - only ranks need a GPU
 
@@ -49,7 +50,7 @@ def _rank(
     bu = wgpu.BufferUsage
     dev = gradsync.request_device_for_rank(local_rank=rank, backend=os.environ.get("BACKEND"))
     info = dict(dev.adapter.info)
-    cfg = gradsync.FileGradSyncConfig(world, rank, sync_dir, max_wait_s=120)
+    cfg = gradsync.FileGradSyncConfig(world, rank, sync_dir, max_wait_s=120, threads=threads)
     fence = dev.create_buffer(size=4, usage=bu.COPY_SRC)
     rows = []
     step_no = 0
@@ -114,9 +115,13 @@ def main() -> None:
     ap.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 256])
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--json", default=None, help="write all rows here")
+    ap.add_argument(
+        "--threads", default="auto", help="gradsync threads per rank: auto (default) or N"
+    )
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per world size")
     args = ap.parse_args()
     sizes = [max(4, int(m * 2**20) // 4 * 4) for m in args.sizes_mib]
+    threads = None if args.threads == "auto" else int(args.threads)
     ctx = mp.get_context("spawn")
     report = []
     for world in args.world_sizes:
@@ -125,7 +130,9 @@ def main() -> None:
         sync_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
         with tempfile.TemporaryDirectory(dir=sync_root) as d:
             procs = [
-                ctx.Process(target=_rank, args=(r, world, d, sizes, args.steps, q, barrier))
+                ctx.Process(
+                    target=_rank, args=(r, world, d, sizes, args.steps, q, barrier, threads)
+                )
                 for r in range(world)
             ]
             for p in procs:
@@ -135,7 +142,7 @@ def main() -> None:
                 p.join(60)
         infos = {r: info for r, info, _ in results}
         print(
-            f"\nW={world}: adapters "
+            f"\nW={world}, threads {args.threads}: adapters "
             + "; ".join(
                 f"rank {r}: {i.get('device')} ({i.get('backend_type')})"
                 for r, i in sorted(infos.items())
@@ -160,7 +167,14 @@ def main() -> None:
                 f"{med['gradsync'] / med['staged']:>10.2f} {ok!s:>8}"
             )
             report.append(
-                {"world": world, "bytes": nbytes, "median_s": med, "correct": ok, "adapters": infos}
+                {
+                    "world": world,
+                    "threads": args.threads,
+                    "bytes": nbytes,
+                    "median_s": med,
+                    "correct": ok,
+                    "adapters": infos,
+                }
             )
     if args.json:
         with open(args.json, "w") as f:

@@ -171,6 +171,11 @@ def test_config_error_is_value_error() -> None:
             f"run_id must be 1-64 characters from [A-Za-z0-9._-] or None, got {'a' * 65!r}",
         ),
         ({"run_id": 5}, "run_id must be 1-64 characters from [A-Za-z0-9._-] or None, got 5"),
+        ({"threads": 0}, "threads must be >= 1, got 0"),
+        ({"threads": -2}, "threads must be >= 1, got -2"),
+        ({"threads": 2.0}, "threads must be an int, got 2.0"),
+        ({"threads": True}, "threads must be an int, got True"),
+        ({"threads": 257}, "threads must be <= 256 or None, got 257"),
     ],
 )
 def test_validation_messages(kwargs: dict[str, object], message: str) -> None:
@@ -297,6 +302,10 @@ def test_from_env_empty_sync_dir(value: str) -> None:
             base_env(GRADSYNC_MAX_WAIT_S="soon"),
             "environment variable GRADSYNC_MAX_WAIT_S must be a number, got 'soon'",
         ),
+        (
+            base_env(GRADSYNC_THREADS="auto"),
+            "environment variable GRADSYNC_THREADS must be an integer, got 'auto'",
+        ),
     ],
 )
 def test_from_env_bad_number_named_with_value(env: dict[str, str], message: str) -> None:
@@ -336,6 +345,11 @@ def test_from_env_bad_number_named_with_value(env: dict[str, str], message: str)
             "number of seconds > 0, got inf",
         ),
         (
+            base_env(GRADSYNC_THREADS="0"),
+            "invalid configuration from the environment (GRADSYNC_WORLD_SIZE='4', "
+            "GRADSYNC_RANK='3', GRADSYNC_THREADS='0'): threads must be >= 1, got 0",
+        ),
+        (
             base_env(GRADSYNC_RUN_ID="my run"),
             "invalid configuration from the environment (GRADSYNC_WORLD_SIZE='4', "
             "GRADSYNC_RANK='3', GRADSYNC_RUN_ID='my run'): run_id must be 1-64 characters "
@@ -353,6 +367,11 @@ def test_from_env_invalid_values_name_the_variables(env: dict[str, str], message
     with raises_config(message) as info:
         FileGradSyncConfig.from_env(env=env)
     assert isinstance(info.value.__cause__, ConfigError)
+
+
+def test_from_env_threads() -> None:
+    assert FileGradSyncConfig.from_env(env=base_env(GRADSYNC_THREADS=" 4 ")).threads == 4
+    assert FileGradSyncConfig.from_env(env=base_env()).threads is None
 
 
 def test_from_env_max_wait() -> None:

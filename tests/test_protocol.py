@@ -14,8 +14,10 @@ import workers
 from ranks import run_ranks
 
 
-def expected(world: int, step: int, offset: int = 0, big: bool = False) -> list[bytes]:
-    shapes = workers.SHAPES_BIG if big else workers.SHAPES
+def expected(
+    world: int, step: int, offset: int = 0, big: bool = False, huge: bool = False
+) -> list[bytes]:
+    shapes = workers.SHAPES_HUGE if huge else workers.SHAPES_BIG if big else workers.SHAPES
     per_rank = [workers.grads_for(r + offset, step, shapes) for r in range(world)]
     return [a.tobytes() for a in gradsync.average_host_grads(per_rank)]
 
@@ -47,6 +49,37 @@ def test_every_rank_gets_the_same_bits_as_average_host_grads(
     assert_ok(results)
     for step in range(steps):
         want = expected(world, step, big=big)
+        for r in range(world):
+            assert results[r].value[step] == want, f"rank {r} step {step}"
+
+
+@pytest.mark.parametrize(
+    ("world", "strategy", "use_mmap", "checksums"),
+    [
+        (2, "sharded", True, False),
+        (3, "sharded", True, False),
+        (2, "root", True, False),
+        (2, "sharded", True, True),
+        (2, "sharded", False, False),
+    ],
+    ids=["w2-mmap", "w3-mmap", "w2-root", "w2-checksums", "w2-pread"],
+)
+def test_threads_change_no_bits(
+    tmp_path: Path, world: int, strategy: str, use_mmap: bool, checksums: bool
+) -> None:
+    # ~7 MiB per rank with 3 threads: copies and reductions run in pieces on workers,
+    # params straddle the pieces' and the shards' boundaries.
+    kw = {
+        "huge": True,
+        "threads": 3,
+        "strategy": strategy,
+        "use_mmap": use_mmap,
+        "checksums": checksums,
+    }
+    results = run_ranks(workers.average_steps, world, (world, str(tmp_path), 2, kw))
+    assert_ok(results)
+    for step in range(2):
+        want = expected(world, step, huge=True)
         for r in range(world):
             assert results[r].value[step] == want, f"rank {r} step {step}"
 

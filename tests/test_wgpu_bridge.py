@@ -208,6 +208,24 @@ def test_roundtrip_mixed_sizes_and_dtypes(device: Any, bridge: WgpuBridge) -> No
 
 
 @pytest.mark.wgpu
+def test_threads_share_large_downloads(device: Any) -> None:
+    # 3 MiB and more in one staging chunk: the host copy is cut into 3 pieces.
+    rng = np.random.default_rng(1)
+    data = [rng.standard_normal(n).astype(np.float32) for n in (800_001, 3, 200_000)]
+    bufs = [_buffer(device, d, f"p{i}") for i, d in enumerate(data)]
+    with WgpuBridge(device, threads=3) as bridge:
+        assert bridge.threads == 3
+        host = bridge.download(bufs, [np.dtype(np.float32)] * 3)
+        for h, d in zip(host, data, strict=True):
+            assert h.tobytes() == d.tobytes()
+        bridge.threads = 1
+        assert bridge.download(bufs, [np.dtype(np.float32)] * 3)[0].tobytes() == data[0].tobytes()
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(ConfigError, match=rf"^threads must be an int >= 1, got {bad!r}$"):
+                bridge.threads = bad  # type: ignore[assignment]
+
+
+@pytest.mark.wgpu
 @pytest.mark.parametrize("mode", ["write_buffer", "mapped"])
 def test_upload_modes_with_foreign_arrays(device: Any, bridge: WgpuBridge, mode: str) -> None:
     bridge.upload_mode = mode

@@ -32,6 +32,17 @@ SHAPES_BIG: list[tuple[tuple[int, ...], str]] = [
 ]
 
 
+# Several MiB per rank, in params that cross shard boundaries: with threads > 1 the
+# copies and the reduction are cut into pieces (of at least 1 MiB) run by workers.
+SHAPES_HUGE: list[tuple[tuple[int, ...], str]] = [
+    *SHAPES_BIG,
+    ((1_000_003,), "float32"),
+    ((5, 120_001), "float16"),
+    ((300_007,), "float64"),
+    ((9,), "float32"),
+]
+
+
 def grads_for(
     rank: int, step: int, shapes: list[tuple[tuple[int, ...], str]] = SHAPES
 ) -> list[np.ndarray]:
@@ -48,7 +59,8 @@ def average_steps(
 ) -> list[list[bytes]]:
     """Average ``steps`` rounds; return each round's results as bytes."""
     delay = kw.pop("jitter_s", 0.0)
-    shapes = SHAPES_BIG if kw.pop("big", False) else SHAPES
+    huge, big = kw.pop("huge", False), kw.pop("big", False)
+    shapes = SHAPES_HUGE if huge else SHAPES_BIG if big else SHAPES
     rng = np.random.default_rng(rank + 99)
     results = []
     with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:

@@ -161,6 +161,9 @@ class GradSync:
         host = self._bridge.download(buffers, dtypes)
         stats = self._average_host(host, step)
         self._bridge.upload(buffers, host)
+        if self._engine is not None:
+            # Known once the peers are met (threads depend on the ranks on this host).
+            self._bridge.threads = self._engine.workers.threads
         return stats
 
     def close(self) -> None:

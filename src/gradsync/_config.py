@@ -17,6 +17,7 @@ __all__ = ["FileGradSyncConfig", "Strategy"]
 
 Strategy = Literal["sharded", "root"]
 _STRATEGIES: tuple[str, ...] = ("sharded", "root")
+_MAX_THREADS = 256
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -51,6 +52,10 @@ class FileGradSyncConfig:
             every rank (CorruptFileError naming the rank and file) instead of entering
             the mean. Off by default: about one more pass over the data per rank (see
             the README's performance section). Headers are always checked.
+        threads: Threads per rank for the copies and the reduction of large steps
+            (pieces of at least 1 MiB; smaller steps always run on the calling
+            thread). ``None`` (default): this process's usable CPUs divided by the
+            ranks on this host, 1 to 8. The result does not depend on it, bit for bit.
         run_id: Optional name of the job. Ranks only join peers with the same run_id,
             so concurrent jobs sharing one sync_dir stay apart. ``gradsync launch`` sets
             one; without it, a fresh rendezvous still keeps earlier runs' files out.
@@ -71,6 +76,7 @@ class FileGradSyncConfig:
     run_id: str | None = field(default=None)
     use_mmap: bool | None = None
     checksums: bool = False
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("world_size", self.world_size, minimum=1)
@@ -99,6 +105,12 @@ class FileGradSyncConfig:
             raise ConfigError(f"checksums must be a bool, got {self.checksums!r}")
         if self.use_mmap is not None and not isinstance(self.use_mmap, bool):
             raise ConfigError(f"use_mmap must be a bool or None, got {self.use_mmap!r}")
+        if self.threads is not None:
+            _check_int("threads", self.threads, minimum=1)
+            if self.threads > _MAX_THREADS:
+                raise ConfigError(
+                    f"threads must be <= {_MAX_THREADS} or None, got {self.threads!r}"
+                )
         if self.run_id is not None and (
             not isinstance(self.run_id, str) or not _RUN_ID_RE.fullmatch(self.run_id)
         ):
@@ -114,8 +126,8 @@ class FileGradSyncConfig:
 
         Reads ``GRADSYNC_WORLD_SIZE`` and ``GRADSYNC_RANK`` (falling back to torchrun's
         ``WORLD_SIZE`` and ``RANK``), ``GRADSYNC_SYNC_DIR`` (required), and optionally
-        ``GRADSYNC_MAX_WAIT_S`` and ``GRADSYNC_RUN_ID`` (falling back to
-        ``TORCHELASTIC_RUN_ID``). Keyword ``overrides`` win over the environment.
+        ``GRADSYNC_MAX_WAIT_S``, ``GRADSYNC_THREADS`` and ``GRADSYNC_RUN_ID`` (falling
+        back to ``TORCHELASTIC_RUN_ID``). Keyword ``overrides`` win over the environment.
         With a world size of 1, ``GRADSYNC_SYNC_DIR`` may be unset (it is never used).
 
         Raises:
@@ -149,6 +161,10 @@ class FileGradSyncConfig:
             raw = source["GRADSYNC_MAX_WAIT_S"]
             values["max_wait_s"] = _parse_float("GRADSYNC_MAX_WAIT_S", raw)
             used.append(f"GRADSYNC_MAX_WAIT_S={raw!r}")
+        if "GRADSYNC_THREADS" in source:
+            raw = source["GRADSYNC_THREADS"]
+            values["threads"] = _parse_int("GRADSYNC_THREADS", raw)
+            used.append(f"GRADSYNC_THREADS={raw!r}")
         for name in ("GRADSYNC_RUN_ID", "TORCHELASTIC_RUN_ID"):
             if source.get(name):
                 values["run_id"] = source[name]

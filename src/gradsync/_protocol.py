@@ -74,8 +74,9 @@ from ._fsio import (
     write_atomic,
 )
 from ._liveness import Heartbeat, HeartbeatWatch
+from ._parallel import Workers, auto_threads, split_range
 from ._plan import Group, Plan
-from ._reduce import check_dtype, mean_into
+from ._reduce import Fetch, check_dtype, mean_into
 from ._rendezvous import Generation
 from ._stats import StepStats
 from ._transport import ChecksumError, DataReader, Transport, local_filesystem
@@ -180,10 +181,13 @@ class StepEngine:
         self._heartbeat = gen.heartbeat or Heartbeat(
             gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s
         )
+        local_ranks = sum(1 for m in gen.members if m.same_host)
+        self.workers = Workers(cfg.threads or auto_threads(local_ranks))
 
     def close(self) -> None:
         self._heartbeat.stop()
         self._transport.close()
+        self.workers.close()
 
     # -- the step -----------------------------------------------------------------
 
@@ -365,7 +369,9 @@ class StepEngine:
                 midway()
         else:
             try:
-                self._transport.write(path, views, midway if _FAULTS_ON else None)
+                self._transport.write(
+                    path, views, midway if _FAULTS_ON else None, self.workers.copy
+                )
             except OSError as exc:
                 raise translate_oserror(exc, "writing", path, step=step) from exc
         marker = step_dir / f"{kind}-{self.rank}"
@@ -399,13 +405,15 @@ class StepEngine:
         path = self.data_path(self.rank, "in")
         buf = self._reserve(path, len(head) + plan.in_len, step)
         buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
         for group in plan.groups:
             base = len(head) + group.in_offset
             for lo, hi in _others(group, self.rank):
                 for seg in group.segments(lo, hi):
                     src = flats[seg.param][seg.start : seg.stop].view(np.uint8)
                     at = base + (lo + seg.at) * group.dtype.itemsize
-                    buf[at : at + src.nbytes] = src
+                    pairs.append((buf[at : at + src.nbytes], src))
+        self.workers.copy(pairs)
         self._write(step_dir, "in", [], step)
 
     def _skip_own(self, plan: Plan) -> bool:
@@ -670,6 +678,7 @@ class StepEngine:
         if given."""
         shard = np.empty(plan.out_lens[self.rank], dtype=np.uint8) if into is None else into
         own_from_arrays = not self._transport.mapped or self._skip_own(plan)
+        jobs = []
         for group in plan.groups:
             lo, hi = group.shards[self.rank]
             if lo == hi:
@@ -680,7 +689,9 @@ class StepEngine:
                 self._fetcher(group, q, lo, hi, flats, peers, step, own_from_arrays)
                 for q in range(self.world)
             ]
-            mean_into(fetch, hi - lo, out)
+            pieces = self.workers.pieces(out.nbytes)
+            jobs += [_mean_job(fetch, a, b, out) for a, b in split_range(hi - lo, pieces, 1024)]
+        self.workers.run(jobs)
         return shard
 
     def _fetcher(
@@ -756,24 +767,35 @@ class StepEngine:
         """
         # Peers' shards first, this rank's own last: a failure then leaves the own range
         # untouched, and the rest is restored from the published input.
-        order = [q for q in range(self.world) if q != self.rank and not plan.replicated]
-        order.append(self.rank)
+        others = [q for q in range(self.world) if q != self.rank and not plan.replicated]
         try:
-            for q in order:
-                for group in plan.groups:
-                    lo, hi = group.shards[q]
-                    if lo == hi:
-                        continue
-                    for s in group.segments(lo, hi):
-                        dst = flats[s.param][s.start : s.stop]
-                        offset = group.out_offsets[q] + s.at * group.dtype.itemsize
-                        if q == self.rank:
-                            dst.view(np.uint8)[:] = shard[offset : offset + dst.nbytes]
+            for batch in (others, [self.rank]):
+                # Mapped shards are copied by the workers, a batch at a time: the own
+                # range is only written once every peer's range is in.
+                pairs: list[tuple[np.ndarray, np.ndarray]] = []
+                for q in batch:
+                    for group in plan.groups:
+                        lo, hi = group.shards[q]
+                        if lo == hi:
                             continue
-                        fault_point("mid_gather", self.rank, self.seq)
-                        peer = outs[q]
-                        with _reading(peer, q, step):
-                            peer.reader.read_into(peer.header.payload_offset + offset, dst)
+                        for s in group.segments(lo, hi):
+                            dst = flats[s.param][s.start : s.stop]
+                            offset = group.out_offsets[q] + s.at * group.dtype.itemsize
+                            if q == self.rank:
+                                pairs.append(
+                                    (dst.view(np.uint8), shard[offset : offset + dst.nbytes])
+                                )
+                                continue
+                            fault_point("mid_gather", self.rank, self.seq)
+                            peer = outs[q]
+                            at = peer.header.payload_offset + offset
+                            with _reading(peer, q, step):
+                                src = peer.reader.view(at, dst.size, group.dtype)
+                                if src is None:
+                                    peer.reader.read_into(at, dst)
+                                else:
+                                    pairs.append((dst, src))
+                self.workers.copy(pairs)
         except GradSyncError:
             self._restore(plan, flats)
             raise
@@ -797,3 +819,15 @@ class StepEngine:
             _log.error("could not restore the gradients from %s after a failed step", path)
         finally:
             reader.close()
+
+
+def _mean_job(fetch: Sequence[Fetch], a: int, b: int, out: np.ndarray) -> Any:
+    """A job computing elements ``[a, b)`` of ``mean_into(fetch, len(out), out)``."""
+
+    def shifted(f: Fetch) -> Fetch:
+        return lambda start, stop, buf: f(start + a, stop + a, buf)
+
+    def job() -> None:
+        mean_into([shifted(f) for f in fetch] if a else fetch, b - a, out[a:b])
+
+    return job

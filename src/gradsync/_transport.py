@@ -151,8 +151,12 @@ class Transport:
         path: Path,
         chunks: Sequence[bytes | memoryview],
         midway: Callable[[], None] | None,
+        copy: Callable[[Sequence[tuple[np.ndarray, np.ndarray]]], None] | None = None,
     ) -> None:
         """Overwrite ``path`` with ``chunks`` (readers wait for a marker before looking).
+
+        ``copy`` copies (destination, source) pairs into a mapping (default: one
+        ``np.copyto`` after another); ``midway`` runs with half the chunks written.
 
         Raises:
             OSError: as the system reported it, ENOSPC included: mapped files are
@@ -163,14 +167,20 @@ class Transport:
             return
         sizes = [memoryview(c).nbytes for c in chunks]
         buf = self._writable(path, sum(sizes))
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
         offset = 0
-        half = len(chunks) // 2
-        for i, (chunk, size) in enumerate(zip(chunks, sizes, strict=True)):
-            if i == half and midway is not None:
-                midway()
-            if size:
-                np.copyto(buf[offset : offset + size], np.frombuffer(chunk, dtype=np.uint8))
+        for chunk, size in zip(chunks, sizes, strict=True):
+            pairs.append((buf[offset : offset + size], np.frombuffer(chunk, dtype=np.uint8)))
             offset += size
+        half = len(chunks) // 2
+        for i, part in enumerate((pairs[:half], pairs[half:])):
+            if i == 1 and midway is not None:
+                midway()
+            if copy is None:
+                for dst, src in part:
+                    np.copyto(dst, src)
+            else:
+                copy(part)
 
     def reserve(self, path: Path, size: int) -> np.ndarray:
         """A writable view of ``size`` bytes mapped from ``path`` (mapped transports only).

@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import ConfigError, GradSyncError, InvalidGradsError, WgpuBridgeError
+from ._parallel import Workers
 
 if TYPE_CHECKING:
     import wgpu
@@ -310,11 +311,15 @@ class _Layout:
 class WgpuBridge:
     """Copies gradient buffers of one ``GPUDevice`` to host arrays and back.
 
-    Not thread-safe; one bridge per device and training loop.
+    ``threads`` (>= 1, settable between calls) share the host-side copy of large
+    downloads out of the mapped staging buffer. Not thread-safe; one bridge per
+    device and training loop.
     """
 
-    def __init__(self, device: wgpu.GPUDevice) -> None:
+    def __init__(self, device: wgpu.GPUDevice, *, threads: int = 1) -> None:
         self._device = device
+        self._workers = Workers(1)
+        self.threads = threads
         self._layout: _Layout | None = None
         self._max_buffer_size = int(device.limits.get("max-buffer-size", 1 << 28))
         self._fence_src: Any = None
@@ -325,6 +330,19 @@ class WgpuBridge:
         # 256 MiB on lavapipe, because write_buffer allocates fresh staging memory on
         # every call; write_buffer wins by ~20% only below a few MiB.
         self.upload_mode: str = "mapped"
+
+    @property
+    def threads(self) -> int:
+        """Threads copying large downloads to host memory."""
+        return self._workers.threads
+
+    @threads.setter
+    def threads(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"threads must be an int >= 1, got {value!r}")
+        if value != self._workers.threads:
+            self._workers.close()
+            self._workers = Workers(value)
 
     @property
     def device(self) -> wgpu.GPUDevice:
@@ -468,7 +486,7 @@ class WgpuBridge:
                 ch.read.map_sync(wgpu.MapMode.READ)
                 try:
                     mapped = ch.read.read_mapped(0, ch.nbytes, copy=False)
-                    np.copyto(ch.host, np.frombuffer(mapped, np.uint8))
+                    self._workers.copy([(ch.host, np.frombuffer(mapped, np.uint8))])
                     # No numpy view of mapped memory may outlive unmap().
                     del mapped
                 finally:
@@ -573,6 +591,7 @@ class WgpuBridge:
             return
         self._closed = True
         self._destroy_staging()
+        self._workers.close()
         for buf in (self._fence_src, self._fence_dst):
             if buf is not None:
                 buf.destroy()
