@@ -404,6 +404,13 @@ def test_chunking_and_sharding_do_not_change_bits(
             assert max(stop - start for start, stop in calls) <= chunk
     assert chunked.tobytes() == whole.tobytes()
     assert copied.tobytes() == whole.reshape(-1).tobytes()
+    # The chunk size the threaded reduce passes explicitly.
+    calls = []
+    explicit = np.empty(n, whole.dtype)
+    mean_into(copy_fetchers(flats, calls), n, explicit, chunk_elems=chunk + 3)
+    assert explicit.tobytes() == whole.reshape(-1).tobytes()
+    if n:
+        assert max(stop - start for start, stop in calls) <= chunk + 3
     # Reduce shard by shard, as the ranks do, and reassemble.
     pieces = np.full(n, np.nan, whole.dtype)
     for q in range(shard_world):

@@ -99,17 +99,20 @@ def mean_into(
     n: int,
     out: np.ndarray,
     scratch: np.ndarray | None = None,
+    chunk_elems: int | None = None,
 ) -> None:
     """Write the element-wise mean of ``len(fetch)`` inputs of ``n`` elements into ``out``.
 
     ``fetch[q](start, stop, buf)`` returns rank q's elements ``[start, stop)``: a
     view, or ``buf[: stop - start]`` after filling it. ``buf`` has ``out``'s dtype.
+    Work goes ``chunk_elems`` elements at a time (default ``CHUNK_ELEMS``); the
+    result does not depend on it.
     Ranks are added in index order in the accumulator dtype, then divided by W
     and rounded once to ``out.dtype``.
     """
     world = len(fetch)
     acc_dtype = ACCUMULATOR[out.dtype]
-    chunk = min(CHUNK_ELEMS, max(n, 1))
+    chunk = min(CHUNK_ELEMS if chunk_elems is None else chunk_elems, max(n, 1))
     acc_buf = np.empty(chunk, dtype=acc_dtype)
     in_buf = scratch if scratch is not None and scratch.size >= chunk else None
     if in_buf is None:
