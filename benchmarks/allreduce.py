@@ -18,8 +18,9 @@ Each worker warms up, meets the others at a barrier, then runs the timed steps. 
 every step the inputs are rewritten with rank- and step-dependent values (so a stale
 result fails the check); only the averaging call is timed. A row's step time is the
 *slowest rank's* time per step (max over ranks), summarised by median and p90 over steps.
-Peak RSS (``ru_maxrss``, reset per workload through ``/proc/self/clear_refs``) is
-reported minus the RSS just before the gradients were allocated ("extra RSS").
+Peak RSS (``VmHWM``, reset per workload through ``/proc/self/clear_refs``) is reported
+minus the RSS once the gradients are allocated and written ("extra RSS": what the peer
+needs beyond the gradients it is handed); PSS likewise, after the timed steps.
 
 Run: ``python benchmarks/allreduce.py [--quick] [--world-sizes 2,3,4] [--dirs tmpfs,disk]
 [--workloads 4KiB,1MiB,16MiB,64MiB,100x16MiB] [--json out.json]``.
@@ -467,11 +468,14 @@ def run_workload(
         hi = min(lo + FULL_CHECK_CHUNK, total)
         scaled[lo:hi] = base_values(np.arange(lo, hi)) * rank_scale(rank)
     sample = _make_sample(sizes)
+    # The gradients are the training loop's memory, not the allreduce's: resident
+    # (written once) before the baseline.
+    grads = [np.empty(n, F32) for n in sizes]
+    _fill(grads, scaled, rank, 0)
     malloc_trim()
     rss_reset = reset_peak_rss()
     rss_base = maxrss_bytes()
     pss_base = pss_bytes()
-    grads = [np.empty(n, F32) for n in sizes]
     peer.prepare(grads)
     sample_err = 0.0
     step = 0

@@ -9,7 +9,7 @@ layout alone, so every rank computes the same plan without talking.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,15 +38,24 @@ class Group:
     in_offset: int  # bytes into the input payload
     shards: tuple[tuple[int, int], ...]  # per rank: element range [lo, hi)
     out_offsets: tuple[int, ...]  # per rank: bytes into that rank's output payload
+    # A plan lives as long as the layout does: with a hundred params, recomputing the
+    # few ranges a step asks for cost more than half a millisecond per step.
+    _memo: dict[tuple[int, int], tuple[Segment, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
-    def segments(self, lo: int, hi: int) -> list[Segment]:
+    def segments(self, lo: int, hi: int) -> tuple[Segment, ...]:
         """The params' pieces covering group elements ``[lo, hi)``."""
+        found = self._memo.get((lo, hi))
+        if found is not None:
+            return found
         out: list[Segment] = []
         for index, first, count in self.params:
             a, b = max(lo, first), min(hi, first + count)
             if a < b:
                 out.append(Segment(index, a - first, b - first, a - lo))
-        return out
+        self._memo[(lo, hi)] = result = tuple(out)
+        return result
 
 
 @dataclass(frozen=True)
