@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradsync._parallel import MIN_PIECE_BYTES, Workers, auto_threads, split_range
+from gradsync._parallel import (
+    MIN_PIECE_BYTES,
+    SMALL_COPY_BYTES,
+    Workers,
+    auto_threads,
+    split_range,
+)
 
 
 @given(st.integers(0, 10**7), st.integers(1, 64), st.sampled_from([1, 16, 1024]))
@@ -50,6 +56,20 @@ def test_one_thread_starts_no_thread() -> None:
     workers.copy([(b, a)])
     assert threading.active_count() == before
     assert workers.pieces(10 * MIN_PIECE_BYTES) == 1
+
+
+def test_small_copies_stay_on_the_calling_thread() -> None:
+    # 64 copies just under the limit: 16 MiB in all, and still no thread.
+    before = threading.active_count()
+    srcs = [np.full(SMALL_COPY_BYTES - 1, i, np.uint8) for i in range(64)]
+    dsts = [np.zeros_like(a) for a in srcs]
+    workers = Workers(4)
+    try:
+        workers.copy(list(zip(dsts, srcs, strict=True)))
+        assert threading.active_count() == before
+    finally:
+        workers.close()
+    assert all(d.tobytes() == s.tobytes() for d, s in zip(dsts, srcs, strict=True))
 
 
 def test_pieces_are_never_smaller_than_the_minimum() -> None:

@@ -74,7 +74,7 @@ from ._fsio import (
     write_atomic,
 )
 from ._liveness import Heartbeat, HeartbeatWatch
-from ._parallel import Workers, auto_threads, split_range
+from ._parallel import SMALL_COPY_BYTES, Workers, auto_threads, split_range
 from ._plan import Group, Plan
 from ._reduce import CHUNK_ELEMS, Fetch, check_dtype, mean_into
 from ._rendezvous import Generation
@@ -693,6 +693,12 @@ class StepEngine:
                 for q in range(self.world)
             ]
             pieces = self.workers.pieces(out.nbytes)
+            if own_from_arrays and pieces > 1:
+                # Own elements spread over many small params are gathered chunk by chunk
+                # in Python: threads would queue for the GIL (measured slower on 16 cores).
+                count = len(group.segments(lo, hi))
+                if out.nbytes < count * SMALL_COPY_BYTES:
+                    pieces = 1
             # Threads take turns at the GIL between numpy calls: bigger chunks, fewer turns.
             chunk = CHUNK_ELEMS if self.workers.threads == 1 else THREADED_CHUNK_ELEMS
             jobs += [
