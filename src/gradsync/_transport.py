@@ -151,12 +151,12 @@ class Transport:
         path: Path,
         chunks: Sequence[bytes | memoryview],
         midway: Callable[[], None] | None,
-        copy: Callable[[Sequence[tuple[np.ndarray, np.ndarray]]], None] | None = None,
+        copy: Callable[[Sequence[tuple[np.ndarray, np.ndarray]]], None],
     ) -> None:
         """Overwrite ``path`` with ``chunks`` (readers wait for a marker before looking).
 
-        ``copy`` copies (destination, source) pairs into a mapping (default: one
-        ``np.copyto`` after another); ``midway`` runs with half the chunks written.
+        ``copy`` copies (destination, source) pairs into a mapping (the caller's
+        workers); ``midway`` runs with half the chunks written.
 
         Raises:
             OSError: as the system reported it, ENOSPC included: mapped files are
@@ -176,11 +176,7 @@ class Transport:
         for i, part in enumerate((pairs[:half], pairs[half:])):
             if i == 1 and midway is not None:
                 midway()
-            if copy is None:
-                for dst, src in part:
-                    np.copyto(dst, src)
-            else:
-                copy(part)
+            copy(part)
 
     def reserve(self, path: Path, size: int) -> np.ndarray:
         """A writable view of ``size`` bytes mapped from ``path`` (mapped transports only).
