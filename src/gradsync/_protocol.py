@@ -178,6 +178,7 @@ class StepEngine:
         self.seq = 0
         self._gen_bytes = bytes.fromhex(gen.gen_id).ljust(16, b"\0")[:16]
         self._plan: Plan | None = None
+        self._data_paths: dict[tuple[int, str, int], Path] = {}
         self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
         mapped = cfg.use_mmap if cfg.use_mmap is not None else local_filesystem(gen.path)
         self._transport = Transport(mapped=mapped, head_bytes=HEADER_READ_BYTES)
@@ -227,7 +228,7 @@ class StepEngine:
         fault_point("after_publish", self.rank, self.seq)
         if self.rank == 0 and self.seq > 2:
             # Off the critical path: peers are still publishing while this runs.
-            shutil.rmtree(self.gen.path / f"s-{self.seq - 2}", ignore_errors=True)
+            _prune_step_dir(self.gen.path / f"s-{self.seq - 2}", self.world, plan.replicated)
         t1 = time.perf_counter()
         peers: dict[int, _Peer] = {}
         outs: dict[int, _Peer] = {}
@@ -350,7 +351,11 @@ class StepEngine:
         plan = self._plan
         one_slot = plan is not None and not plan.replicated and all(plan.out_lens)
         call = self.seq if seq is None else seq
-        return self.gen.path / f"d-{rank}-{0 if one_slot else call % 2}.{kind}"
+        key = (rank, kind, 0 if one_slot else call % 2)
+        path = self._data_paths.get(key)
+        if path is None:  # built once: joining paths is a visible share of a small step
+            path = self._data_paths[key] = self.gen.path / f"d-{key[0]}-{key[2]}.{kind}"
+        return path
 
     def _write(
         self,
@@ -392,7 +397,9 @@ class StepEngine:
         nonfinite: list[int],
     ) -> None:
         try:
-            step_dir.mkdir(exist_ok=True)
+            os.mkdir(step_dir)
+        except FileExistsError:
+            pass  # a peer was first; a non-directory there fails the marker's creation
         except OSError as exc:
             raise translate_oserror(
                 exc, "creating the step directory", step_dir, step=step
@@ -832,6 +839,27 @@ class StepEngine:
             _log.error("could not restore the gradients from %s after a failed step", path)
         finally:
             reader.close()
+
+
+def _prune_step_dir(step_dir: Path, world: int, replicated: bool) -> None:
+    """Remove a finished step's directory, which holds markers and maybe abort notes.
+
+    Unlinking the markers a step of this plan holds (``in-*``, and ``out-*`` unless
+    every rank reduced everything) and then the directory costs a few system calls;
+    ``shutil.rmtree`` lists and reopens it first (3x as many). Whatever else is left
+    inside (an abort note, markers of an earlier plan) falls back to it.
+    """
+    base = os.fspath(step_dir)
+    for prefix in ("in",) if replicated else ("in", "out"):
+        for q in range(world):
+            with contextlib.suppress(OSError):
+                os.unlink(f"{base}/{prefix}-{q}")
+    try:
+        os.rmdir(step_dir)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        shutil.rmtree(step_dir, ignore_errors=True)
 
 
 def _mean_job(fetch: Sequence[Fetch], a: int, b: int, out: np.ndarray, chunk: int) -> Any:

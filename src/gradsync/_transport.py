@@ -216,6 +216,14 @@ class Transport:
         Raises:
             OSError: as the system reported it.
         """
+        if self.mapped:
+            # A kept mapping is reused when the name still leads to the same inode of
+            # the same size: one stat instead of open, fstat and close every step.
+            st = os.stat(path)
+            kept = self._maps.get(path)
+            if kept is not None and kept[:2] == (st.st_ino, st.st_size):
+                buf = kept[3]
+                return DataReader(path, bytes(buf[: self._head_bytes]), st.st_size, None, buf)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)

@@ -1,0 +1,90 @@
+"""The data-file transport: kept mappings are reused only while the file is the same."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gradsync._protocol import _prune_step_dir
+from gradsync._transport import Transport
+
+
+def _write(path: Path, data: bytes) -> None:
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_bytes(data)
+    os.replace(temp, path)
+
+
+def test_kept_mapping_is_reused_and_sees_rewrites_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "d-1-0.in"
+    path.write_bytes(b"A" * 100)
+    transport = Transport(mapped=True, head_bytes=16)
+    first = transport.open(path)
+    assert first.head == b"A" * 16
+    with path.open("r+b") as f:  # a writer rewriting its file in place, same size
+        f.write(b"B" * 100)
+    second = transport.open(path)
+    assert second.head == b"B" * 16
+    assert second.size == 100
+    view = second.view(0, 100, np.dtype(np.uint8))
+    assert view is not None
+    assert np.shares_memory(view, first.view(0, 100, np.dtype(np.uint8)))
+    transport.close()
+
+
+@pytest.mark.parametrize("size", [100, 300])
+def test_replaced_or_resized_file_is_mapped_again(tmp_path: Path, size: int) -> None:
+    path = tmp_path / "d-1-0.in"
+    path.write_bytes(b"A" * 100)
+    transport = Transport(mapped=True, head_bytes=16)
+    old = transport.open(path).view(0, 100, np.dtype(np.uint8))
+    assert old is not None
+    # Same size but another inode, or another size: the kept mapping must not be used.
+    _write(path, b"C" * size)
+    reader = transport.open(path)
+    assert reader.head == b"C" * 16
+    assert reader.size == size
+    data = reader.view(0, size, np.dtype(np.uint8))
+    assert data is not None
+    assert bytes(data) == b"C" * size
+    transport.close()
+
+
+def test_unmapped_transport_reads_through_a_descriptor(tmp_path: Path) -> None:
+    path = tmp_path / "d-1-0.in"
+    path.write_bytes(bytes(range(100)))
+    transport = Transport(mapped=False, head_bytes=16)
+    reader = transport.open(path)
+    assert reader.view(0, 4, np.dtype(np.uint8)) is None
+    out = np.empty(4, np.uint8)
+    reader.read_into(96, out)
+    assert out.tolist() == [96, 97, 98, 99]
+    reader.close()
+
+
+def test_open_missing_file_raises(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        Transport(mapped=True, head_bytes=16).open(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_prune_removes_a_step_dir_of_markers(tmp_path: Path, replicated: bool) -> None:
+    step_dir = tmp_path / "s-3"
+    step_dir.mkdir()
+    for name in ("in-0", "in-1", "in-2") if replicated else ("in-0", "in-1", "out-0", "out-1"):
+        (step_dir / name).touch()
+    _prune_step_dir(step_dir, 3, replicated)
+    assert not step_dir.exists()
+
+
+def test_prune_falls_back_for_anything_else(tmp_path: Path) -> None:
+    step_dir = tmp_path / "s-3"
+    step_dir.mkdir()
+    for name in ("in-0", "out-0", "abort-1", "out-1"):  # out-* of an earlier, sharded plan
+        (step_dir / name).write_text("{}")
+    _prune_step_dir(step_dir, 2, replicated=True)
+    assert not step_dir.exists()
+    _prune_step_dir(step_dir, 2, replicated=True)  # already gone: nothing to do
