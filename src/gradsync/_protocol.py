@@ -796,29 +796,48 @@ class StepEngine:
                 for q in batch:
                     for group in plan.groups:
                         lo, hi = group.shards[q]
-                        if lo == hi:
-                            continue
-                        for s in group.segments(lo, hi):
-                            dst = flats[s.param][s.start : s.stop]
-                            offset = group.out_offsets[q] + s.at * group.dtype.itemsize
-                            if q == self.rank:
-                                pairs.append(
-                                    (dst.view(np.uint8), shard[offset : offset + dst.nbytes])
-                                )
-                                continue
-                            fault_point("mid_gather", self.rank, self.seq)
-                            peer = outs[q]
-                            at = peer.header.payload_offset + offset
-                            with _reading(peer, q, step):
-                                src = peer.reader.view(at, dst.size, group.dtype)
-                                if src is None:
-                                    peer.reader.read_into(at, dst)
-                                else:
-                                    pairs.append((dst, src))
+                        if lo != hi:
+                            self._gather_shard(group, q, flats, shard, outs, step, pairs)
                 self.workers.copy(pairs)
         except GradSyncError:
             self._restore(plan, flats)
             raise
+
+    def _gather_shard(
+        self,
+        group: Group,
+        q: int,
+        flats: list[np.ndarray],
+        shard: np.ndarray,
+        outs: dict[int, _Peer],
+        step: int,
+        pairs: list[tuple[np.ndarray, np.ndarray]],
+    ) -> None:
+        """Add the (param slice, source) pairs of rank q's shard of ``group`` to ``pairs``;
+        without a mapping, read them into the params at once."""
+        lo, hi = group.shards[q]
+        segments = group.segments(lo, hi)
+        start = group.out_offsets[q]
+        itemsize = group.dtype.itemsize
+        if q == self.rank:
+            whole = shard[start : start + (hi - lo) * itemsize].view(group.dtype)
+        else:
+            fault_point("mid_gather", self.rank, self.seq)
+            peer = outs[q]
+            at = peer.header.payload_offset + start
+            with _reading(peer, q, step):
+                # One view of the whole shard (bounds and checksums checked once), sliced
+                # per param: with many small params, views per param cost more than copies.
+                mapped = peer.reader.view(at, hi - lo, group.dtype)
+                if mapped is None:
+                    for s in segments:
+                        peer.reader.read_into(
+                            at + s.at * itemsize, flats[s.param][s.start : s.stop]
+                        )
+                    return
+            whole = mapped
+        for s in segments:
+            pairs.append((flats[s.param][s.start : s.stop], whole[s.at : s.at + s.stop - s.start]))
 
     def _restore(self, plan: Plan, flats: list[np.ndarray]) -> None:
         path = self.data_path(self.rank, "in")
