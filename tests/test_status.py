@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 import gradsync
 import workers
 from ranks import run_ranks
@@ -25,24 +27,28 @@ def _status(sync_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _stuck(rank: int, world: int, sync_dir: str) -> object:
+def _stuck(rank: int, world: int, sync_dir: str, big: bool) -> object:
     """Ranks 0 and 1 average two steps; rank 2 stops after one and idles, alive."""
     gs = gradsync.GradSync(gradsync.FileGradSyncConfig(world, rank, sync_dir, max_wait_s=4.0))
-    gs.average(workers.grads_for(rank, 0), step=7)
+    shapes = workers.SHAPES_BIG if big else workers.SHAPES
+    gs.average(workers.grads_for(rank, 0, shapes), step=7)
     if rank == 2:
         time.sleep(5.0)
         return None
     try:
-        gs.average(workers.grads_for(rank, 1), step=8)
+        gs.average(workers.grads_for(rank, 1, shapes), step=8)
     except gradsync.PeerTimeoutError:
         return "timed out"
     return "averaged"
 
 
-def test_status_names_the_rank_everyone_waits_for(tmp_path: Path) -> None:
+@pytest.mark.parametrize("big", [False, True], ids=["two-slots", "one-slot"])
+def test_status_names_the_rank_everyone_waits_for(tmp_path: Path, big: bool) -> None:
+    # Small gradients alternate two data files per rank, large ones reuse one: the
+    # step of every rank's last call is read from whichever holds that call.
     box: dict[str, object] = {}
     thread = threading.Thread(
-        target=lambda: box.update(run_ranks(_stuck, 3, (3, str(tmp_path)), timeout_s=60))
+        target=lambda: box.update(run_ranks(_stuck, 3, (3, str(tmp_path), big), timeout_s=60))
     )
     thread.start()
     try:

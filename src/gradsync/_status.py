@@ -38,12 +38,22 @@ def _steps(gen: Path) -> list[int]:
     return sorted(seqs)
 
 
-def _user_step(path: Path) -> int | None:
-    try:
-        with open(path, "rb") as f:
-            return decode_header(f.read(HEADER_READ_BYTES), str(path)).step
-    except (OSError, CorruptFileError):
-        return None
+def _user_step(gen: Path, rank: int, call: int) -> int | None:
+    """The step ``rank`` passed on call ``call``, from its data file's header, if kept.
+
+    Large gradients reuse one file (slot 0) every call, small ones alternate two:
+    the slot whose header is of ``call`` holds it.
+    """
+    for slot in (0, 1):
+        path = gen / f"d-{rank}-{slot}.in"
+        try:
+            with open(path, "rb") as f:
+                header = decode_header(f.read(HEADER_READ_BYTES), str(path))
+        except (OSError, CorruptFileError):
+            continue
+        if header.seq == call:
+            return header.step
+    return None
 
 
 def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
@@ -93,7 +103,7 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
             last = published[-1]
             entry["last_call"] = last
             # The marker is empty; the header lives in the rank's reused data file.
-            entry["last_step"] = _user_step(gen / f"d-{m.rank}-{last % 2}.in")
+            entry["last_step"] = _user_step(gen, m.rank, last)
         entry["failed"] = any(f"abort-{m.rank}" in names.get(seq, set()) for seq in seqs)
         ranks.append(entry)
     info["ranks"] = ranks
