@@ -210,6 +210,8 @@ class GradSyncPeer:
         self.sync = GradSync(cfg)
         self._barrier = barrier
         self.grads: list[np.ndarray] = []
+        # Averages arrays from GradSync.buffers_like (published without a copy).
+        self.buffers = bool(spec.get("buffers"))
 
     def prepare(self, grads: list[np.ndarray]) -> None:
         self.grads = grads
@@ -469,8 +471,12 @@ def run_workload(
         scaled[lo:hi] = base_values(np.arange(lo, hi)) * rank_scale(rank)
     sample = _make_sample(sizes)
     # The gradients are the training loop's memory, not the allreduce's: resident
-    # (written once) before the baseline.
-    grads = [np.empty(n, F32) for n in sizes]
+    # (written once) before the baseline. With buffers, the loop keeps them in
+    # gradsync's arrays (a training loop allocates those once, like any gradients).
+    if isinstance(peer, GradSyncPeer) and peer.buffers:
+        grads = peer.sync.buffers_like([np.empty(n, F32) for n in sizes])
+    else:
+        grads = [np.empty(n, F32) for n in sizes]
     _fill(grads, scaled, rank, 0)
     malloc_trim()
     rss_reset = reset_peak_rss()
@@ -992,6 +998,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="gradsync threads per rank, comma-separated: auto (the config's default) "
         "and/or numbers; each number adds rows named gradsync-t<N>",
     )
+    p.add_argument(
+        "--buffers",
+        action="store_true",
+        help="also run gradsync on GradSync.buffers_like arrays (rows gradsync-buf)",
+    )
     p.add_argument("--steps", type=int, default=30, help="timed steps, workloads >= 16 MiB")
     p.add_argument("--small-steps", type=int, default=200, help="timed steps, workloads < 16 MiB")
     p.add_argument("--warmup", type=int, default=5)
@@ -1078,17 +1089,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         for d in dirs:
             root = dir_paths[d] / f"gradsync-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             try:
-                variants = [(s, t) for s in strategies for t in _csv(args.threads)]
-                for strategy, threads in variants if "gradsync" in peers else []:
+                variants = [
+                    (s, t, b)
+                    for s in strategies
+                    for t in _csv(args.threads)
+                    for b in ((False, True) if args.buffers else (False,))
+                ]
+                for strategy, threads, buffers in variants if "gradsync" in peers else []:
                     spec = {
                         **base_spec,
-                        "sync_dir": str(root / f"{strategy}-{threads}"),
+                        "sync_dir": str(root / f"{strategy}-{threads}-{int(buffers)}"),
                         "strategy": strategy,
                         "threads": None if threads == "auto" else int(threads),
+                        "buffers": buffers,
                     }
-                    label = f"gradsync[{strategy}, threads {threads}] {d} W={world}"
-                    launch = run(label, "gradsync", world, spec)
+                    label = f"gradsync[{strategy}, threads {threads}"
+                    label += ", buffers] " if buffers else "] "
+                    launch = run(f"{label}{d} W={world}", "gradsync", world, spec)
                     peer = "gradsync" if strategy == "sharded" else f"gradsync-{strategy}"
+                    peer += "-buf" if buffers else ""
                     peer += "" if threads == "auto" else f"-t{threads}"
                     rows += summarise(launch, d, world, peer, workloads)
                 if "naive" in peers:

@@ -207,6 +207,29 @@ def test_round_trip(fields: dict[str, Any]) -> None:
     assert decode_header(memoryview(encoded), PATH) == header
 
 
+@FUZZ
+@given(header_fields(), st.integers(0, 200))
+def test_round_trip_with_reserved_payload_offset(fields: dict[str, Any], extra: int) -> None:
+    natural = len(encode_header(**fields))
+    encoded = encode_header(**fields, payload_offset=natural + 64 * extra)
+    assert len(encoded) == natural + 64 * extra
+    header = decode_header(encoded, PATH)
+    assert header == expected_header(fields, len(encoded))
+    assert encoded[natural:] == bytes(64 * extra)
+
+
+@pytest.mark.parametrize("delta", [-64, 1, 63])
+def test_reserved_payload_offset_must_fit_and_align(delta: int) -> None:
+    fields = sample_fields()
+    natural = len(encode_header(**fields))
+    with pytest.raises(
+        ValueError,
+        match=rf"^payload_offset {natural + delta} must be a multiple of 64 and at least "
+        rf"{natural}, the end of this header$",
+    ):
+        encode_header(**fields, payload_offset=natural + delta)
+
+
 def test_output_header_has_empty_layout() -> None:
     encoded = encode_header(**sample_fields(kind=KIND_OUTPUT, meta={}))
     header = decode_header(encoded, PATH)

@@ -38,6 +38,18 @@ def test_readme_example_runs_on_two_ranks_and_agrees(tmp_path: Path) -> None:
     assert w == pytest.approx([1.0, -2.0, 0.5], abs=1e-3)
 
 
+def test_readme_buffers_example_runs_on_two_ranks(tmp_path: Path) -> None:
+    section = README.split("### Gradients that need no copy", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    script = tmp_path / "buffers.py"
+    script.write_text(code.group(1))
+    result = _launch(["--nproc", "2", str(script)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    found = sorted(re.findall(r"^\[rank \d\] (rank \d: .*)$", result.stdout, re.M))
+    assert found == ["rank 0: 9.5", "rank 1: 9.5"], result.stdout
+
+
 def test_readme_main_job_command_runs() -> None:
     match = re.search(
         r"^python3 -m pip install .*? && python3 -m gradsync (launch .*)$", README, re.M

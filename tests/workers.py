@@ -201,3 +201,59 @@ def claim(rank: int, world: int, sync_dir: str, as_rank: int) -> Any:
 def rendezvous_world(rank: int, world: int, sync_dir: str, worlds: list[int]) -> Any:
     with gradsync.GradSync(config(rank, worlds[rank], sync_dir, max_wait_s=8.0)) as gs:
         gs.average(grads_for(rank, 0), step=0)
+
+
+def shared_buffer_steps(
+    rank: int, world: int, sync_dir: str, big: bool, kw: dict[str, Any]
+) -> dict[str, Any]:
+    """Steps 0-4 on ``GradSync.buffers_like`` arrays, except step 2 (copies of the inputs)
+    and step 4 (a second set of buffers). Returns every step's results as bytes, whether
+    the rank's input file was a link to its buffers after each step, whether step 2 left
+    the buffers as they were, and whether the first buffers survive the second set."""
+    shapes = SHAPES_BIG if big else SHAPES
+    out: dict[str, Any] = {"results": [], "linked": []}
+    with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
+        bufs = gs.buffers_like(grads_for(rank, 0, shapes))
+        assert [(b.shape, b.dtype.name) for b in bufs] == shapes
+        assert all(not b.any() for b in bufs)
+        gen = Path(str(gs.generation_dir))
+        first = bufs
+        for step in range(5):
+            inputs = grads_for(rank, step, shapes)
+            if step == 4:
+                bufs = gs.buffers_like(inputs)
+            if step == 2:
+                before = [b.copy() for b in bufs]
+                grads = [g.copy() for g in inputs]
+            else:
+                for b, g in zip(bufs, inputs, strict=True):
+                    b[...] = g
+                grads = bufs
+            gs.average(grads, step=step)
+            out["linked"].append((gen / f"d-{rank}-0.in").is_symlink())
+            out["results"].append([g.tobytes() for g in grads])
+            if step == 2:
+                out["untouched"] = all(
+                    a.tobytes() == b.tobytes() for a, b in zip(before, bufs, strict=True)
+                )
+        out["first_kept"] = [a.tobytes() for a in first] == out["results"][3]
+    return out
+
+
+def shared_buffers_then_fail(rank: int, world: int, sync_dir: str) -> dict[str, Any]:
+    """Average SHAPES_BIG buffers twice; a fault set by the test ends the second step.
+
+    Returns the error of the second step and whether the buffers still hold this
+    rank's own inputs of it."""
+    with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:
+        bufs = gs.buffers_like(grads_for(rank, 0, SHAPES_BIG))
+        for step in range(2):
+            inputs = grads_for(rank, step, SHAPES_BIG)
+            for b, g in zip(bufs, inputs, strict=True):
+                b[...] = g
+            try:
+                gs.average(bufs, step=step)
+            except gradsync.GradSyncError as exc:
+                kept = all(a.tobytes() == b.tobytes() for a, b in zip(inputs, bufs, strict=True))
+                return {"step": step, "error": type(exc).__name__, "kept": kept}
+    return {"step": None}

@@ -13,8 +13,9 @@ import numpy as np
 import numpy.typing as npt
 
 from ._config import FileGradSyncConfig
-from ._errors import ConfigError, GradSyncError
+from ._errors import ConfigError, GradSyncError, InvalidGradsError
 from ._protocol import StepEngine, validate_grads
+from ._reduce import check_dtype
 from ._rendezvous import Generation, leave, rendezvous
 from ._stats import StepStats
 
@@ -106,14 +107,7 @@ class GradSync:
             GradSyncError: this instance is closed or an earlier step failed.
         """
         with self._lock:
-            if self._closed:
-                raise GradSyncError(f"this GradSync (rank {self.cfg.rank}) is closed")
-            if self._failure is not None:
-                raise GradSyncError(
-                    f"an earlier step of this GradSync (rank {self.cfg.rank}) failed "
-                    f"({self._failure}); every rank must create a new GradSync",
-                    ranks=[self.cfg.rank],
-                ) from self._failure
+            self._check_usable()
             if step is None:
                 step = self._next_step
             elif isinstance(step, bool) or not isinstance(step, (int, np.integer)):
@@ -132,6 +126,71 @@ class GradSync:
             self.last_stats = stats
             return stats
 
+    def buffers_like(self, like: Sequence[Any]) -> list[np.ndarray]:
+        """Zero-filled gradient arrays shaped like ``like`` that :meth:`average` publishes
+        without copying them.
+
+        Averaging exactly these arrays (or any views of all their memory, such as
+        ``tensor.numpy()`` of ``torch.from_numpy(buffer)``) skips the copy of each
+        step's gradients into this rank's data file: the arrays are that file, mapped.
+        Other arrays can still be averaged; they never touch these. Where the copy
+        cannot be skipped (a sync dir on a filesystem shared between hosts,
+        gradients under 256 KiB in all, ``strategy="root"``, one rank), the arrays
+        are ordinary ones. They stay usable after :meth:`close`, no longer shared.
+
+        Like :meth:`average`, the first call meets the other ranks: call it on every
+        rank. A later call allocates new arrays (the earlier ones stop being shared).
+
+        Args:
+            like: numpy arrays (or array-likes) of float16/32/64; only their shapes and
+                dtypes are used. For torch: ``[p.detach().numpy() for p in params]``.
+
+        Raises:
+            InvalidGradsError: ``like`` is empty, not a sequence, or has an unsupported
+                dtype (naming the param).
+            SyncDirError: the file could not be created or sized.
+            GradSyncError: this instance is closed or an earlier step failed; or the
+                rendezvous failed (see :meth:`average`).
+        """
+        with self._lock:
+            self._check_usable()
+            value: object = like  # checked at run time: callers are not type-checked
+            if isinstance(value, np.ndarray) or not isinstance(value, Sequence):
+                raise InvalidGradsError(
+                    f"like must be a sequence (list or tuple) of arrays, got {type(value).__name__}"
+                )
+            if not like:
+                raise InvalidGradsError("like is empty: pass at least one array")
+            layout = tuple(
+                (check_dtype(a.dtype, f"param {i}").str, tuple(int(x) for x in a.shape))
+                for i, a in enumerate(np.asarray(x) for x in like)
+            )
+            if not self.cfg.enabled:
+                return [np.zeros(shape, dtype=np.dtype(dtype)) for dtype, shape in layout]
+            try:
+                return self._started().buffers_like(layout)
+            except BaseException as exc:
+                if self._engine is not None or isinstance(exc, GradSyncError):
+                    self._failure = exc
+                raise
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise GradSyncError(f"this GradSync (rank {self.cfg.rank}) is closed")
+        if self._failure is not None:
+            raise GradSyncError(
+                f"an earlier step of this GradSync (rank {self.cfg.rank}) failed "
+                f"({self._failure}); every rank must create a new GradSync",
+                ranks=[self.cfg.rank],
+            ) from self._failure
+
+    def _started(self) -> StepEngine:
+        """The step engine, meeting the other ranks first if this is the first call."""
+        if self._engine is None:
+            self._gen = rendezvous(self.cfg)
+            self._engine = StepEngine(self.cfg, self._gen)
+        return self._engine
+
     def _average_host(self, grads: Sequence[Any], step: int) -> StepStats:
         if self._engine is None:
             # Checked before meeting the peers too: no rendezvous for unusable input.
@@ -139,9 +198,7 @@ class GradSync:
             if not self.cfg.enabled:
                 nbytes = sum(a.nbytes for a in arrays)
                 return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
-            self._gen = rendezvous(self.cfg)
-            self._engine = StepEngine(self.cfg, self._gen)
-        return self._engine.step(grads, step)
+        return self._started().step(grads, step)
 
     def _average_device(
         self, buffers: Sequence[Any], device: Any, dtype: Any, step: int

@@ -106,10 +106,24 @@ def encode_header(
     meta: dict[str, Any],
     payload_len: int,
     flags: int = 0,
+    payload_offset: int | None = None,
 ) -> bytes:
-    """Encode a header, padded so the payload starts at a multiple of 64 bytes."""
+    """Encode a header, padded so the payload starts at a multiple of 64 bytes:
+    the first after the meta, or ``payload_offset``.
+
+    Raises:
+        ValueError: ``payload_offset`` is not a multiple of 64 or leaves the header
+            no room.
+    """
     meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
     offset = -(-(FIXED_SIZE + len(meta_bytes)) // _ALIGN) * _ALIGN
+    if payload_offset is not None:
+        if payload_offset < offset or payload_offset % _ALIGN:
+            raise ValueError(
+                f"payload_offset {payload_offset} must be a multiple of {_ALIGN} and at "
+                f"least {offset}, the end of this header"
+            )
+        offset = payload_offset
     fixed = _FIXED.pack(
         MAGIC,
         VERSION,

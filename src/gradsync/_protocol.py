@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from ._buffers import SharedBuffers
 from ._config import FileGradSyncConfig
 from ._errors import (
     CorruptFileError,
@@ -179,6 +180,10 @@ class StepEngine:
         self._gen_bytes = bytes.fromhex(gen.gen_id).ljust(16, b"\0")[:16]
         self._plan: Plan | None = None
         self._data_paths: dict[tuple[int, str, int], Path] = {}
+        self._shared: SharedBuffers | None = None
+        self._shared_serial = 0
+        self._linked: Path | None = None  # the shared file this rank's input name points at
+        self._in_place = False  # this call published the shared arrays themselves
         self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
         mapped = cfg.use_mmap if cfg.use_mmap is not None else local_filesystem(gen.path)
         self._transport = Transport(mapped=mapped, head_bytes=HEADER_READ_BYTES)
@@ -223,8 +228,10 @@ class StepEngine:
             if self.cfg.check_finite
             else []
         )
+        shared = self._shared
+        self._in_place = shared is not None and self._publishes_in_place(shared, plan, arrays)
         fault_point("before_publish", self.rank, self.seq)
-        self._publish(step_dir, plan, flats, step, nonfinite)
+        self._publish(step_dir, plan, flats, step, nonfinite, shared if self._in_place else None)
         fault_point("after_publish", self.rank, self.seq)
         if self.rank == 0 and self.seq > 2:
             # Off the critical path: peers are still publishing while this runs.
@@ -319,6 +326,7 @@ class StepEngine:
         payload_len: int,
         nonfinite: Sequence[int] = (),
         crc: str | None = None,
+        payload_offset: int | None = None,
     ) -> bytes:
         meta: dict[str, Any] = {}
         if kind == KIND_INPUT:
@@ -336,6 +344,7 @@ class StepEngine:
             meta=meta,
             payload_len=payload_len,
             flags=(FLAG_NONFINITE if nonfinite else 0) | (FLAG_CHECKSUMS if crc is not None else 0),
+            payload_offset=payload_offset,
         )
 
     def data_path(self, rank: int, kind: str, seq: int | None = None) -> Path:
@@ -349,7 +358,7 @@ class StepEngine:
         before anyone starts seq+2, so two slots alternate.
         """
         plan = self._plan
-        one_slot = plan is not None and not plan.replicated and all(plan.out_lens)
+        one_slot = plan is not None and _one_slot(plan)
         call = self.seq if seq is None else seq
         key = (rank, kind, 0 if one_slot else call % 2)
         path = self._data_paths.get(key)
@@ -395,7 +404,9 @@ class StepEngine:
         flats: list[np.ndarray],
         step: int,
         nonfinite: list[int],
+        shared: SharedBuffers | None,
     ) -> None:
+        """Publish this rank's input: only the header when ``shared`` holds the arrays."""
         try:
             os.mkdir(step_dir)
         except FileExistsError:
@@ -406,6 +417,15 @@ class StepEngine:
             ) from exc
         payload = [flats[i] for i in plan.ordered_params() if flats[i].size]
         crc = block_crcs([p.data for p in payload], plan.in_len) if self.cfg.checksums else None
+        if shared is not None:
+            head = self._header(
+                KIND_INPUT, step, plan, plan.in_len, nonfinite, crc, payload_offset=shared.offset
+            )
+            shared.mem[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+            self._link_input(shared.path, step)
+            self._write(step_dir, "in", [], step)
+            return
+        self._unlink_input(step)
         head = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite, crc)
         if not self._skip_own(plan):
             self._write(step_dir, "in", [head, *payload], step)
@@ -425,6 +445,78 @@ class StepEngine:
                     pairs.append((buf[at : at + src.nbytes], src))
         self.workers.copy(pairs)
         self._write(step_dir, "in", [], step)
+
+    # -- shared gradient arrays ---------------------------------------------------------
+
+    def buffers_like(self, layout: Layout) -> list[np.ndarray]:
+        """Zero-filled arrays of ``layout`` that later steps publish without copying.
+
+        Plain arrays where that cannot work: a file that is not mapped (another
+        host's filesystem), or a plan where readers of one call may still read
+        when the next begins (small payloads, strategy "root").
+
+        Raises:
+            SyncDirError: the file could not be created or sized.
+        """
+        plan = self._plan_for(layout)
+        if not (self._transport.mapped and _one_slot(plan)):
+            return [np.zeros(shape, dtype=np.dtype(dtype)) for dtype, shape in layout]
+        # Sized for the longest header this layout can have: every param non-finite.
+        crc = crc_placeholder(plan.in_len) if self.cfg.checksums else None
+        worst = self._header(KIND_INPUT, 0, plan, plan.in_len, range(len(layout)), crc)
+        self._shared_serial += 1
+        path = self.gen.path / f"d-{self.rank}-b{self._shared_serial}.in"
+        old = self._shared
+        self._shared = SharedBuffers.create(
+            path, plan, len(worst), lambda p, size: self._reserve(p, size, None)
+        )
+        if old is not None:
+            # Arrays handed out before keep their memory (the mapping outlives the name).
+            self._transport.forget(old.path)
+            with contextlib.suppress(OSError):
+                os.unlink(old.path)
+        return list(self._shared.arrays)
+
+    def _publishes_in_place(
+        self, shared: SharedBuffers, plan: Plan, arrays: list[np.ndarray]
+    ) -> bool:
+        return (
+            self._transport.mapped
+            and plan.layout == shared.layout
+            and _one_slot(plan)
+            and shared.holds(arrays)
+        )
+
+    def _link_input(self, target: Path, step: int) -> None:
+        """Point this rank's input-file name at ``target`` (no reader is active: the
+        previous call's readers all finished before any rank publishes this one)."""
+        if self._linked == target:
+            return
+        name = self.data_path(self.rank, "in")
+        temp = name.with_name(name.name + ".link")
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+            os.symlink(target.name, temp)
+            os.replace(temp, name)
+        except OSError as exc:
+            raise translate_oserror(exc, "publishing", name, step=step) from exc
+        self._transport.forget(name)
+        self._linked = target
+
+    def _unlink_input(self, step: int) -> None:
+        """Make this rank's input-file name a file of its own again before writing it."""
+        if self._linked is None:
+            return
+        name = self.gen.path / f"d-{self.rank}-0.in"  # slot 0 of either plan
+        try:
+            os.unlink(name)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise translate_oserror(exc, "writing", name, step=step) from exc
+        self._transport.forget(name)
+        self._linked = None
 
     def _skip_own(self, plan: Plan) -> bool:
         """Whether this rank's input file leaves out its own shard (mapped, sharded)."""
@@ -670,7 +762,7 @@ class StepEngine:
 
     # -- reducing and gathering -------------------------------------------------------
 
-    def _reserve(self, path: Path, size: int, step: int) -> np.ndarray:
+    def _reserve(self, path: Path, size: int, step: int | None) -> np.ndarray:
         try:
             return self._transport.reserve(path, size)
         except OSError as exc:
@@ -800,7 +892,10 @@ class StepEngine:
                             self._gather_shard(group, q, flats, shard, outs, step, pairs)
                 self.workers.copy(pairs)
         except GradSyncError:
-            self._restore(plan, flats)
+            # Arrays published in place hold no copy to restore from; a mapped gather
+            # checks every source before copying, so a failure leaves them untouched.
+            if not self._in_place:
+                self._restore(plan, flats)
             raise
 
     def _gather_shard(
@@ -858,6 +953,11 @@ class StepEngine:
             _log.error("could not restore the gradients from %s after a failed step", path)
         finally:
             reader.close()
+
+
+def _one_slot(plan: Plan) -> bool:
+    """Whether every rank publishes a shard, so one input file per rank suffices."""
+    return not plan.replicated and all(plan.out_lens)
 
 
 def _prune_step_dir(step_dir: Path, world: int, replicated: bool) -> None:

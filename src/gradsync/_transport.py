@@ -191,7 +191,7 @@ class Transport:
         cached = self._maps.get(path)
         if cached is not None and cached[1] == size:
             return cached[3]
-        self._forget(path)
+        self.forget(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             os.ftruncate(fd, size)
@@ -234,7 +234,7 @@ class Transport:
                 return reader
             cached = self._maps.get(path)
             if cached is None or cached[:2] != (st.st_ino, st.st_size):
-                self._forget(path)
+                self.forget(path)
                 mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
                 cached = (st.st_ino, st.st_size, mm, np.frombuffer(mm, dtype=np.uint8))
                 self._maps[path] = cached
@@ -244,7 +244,8 @@ class Transport:
         buf = cached[3]
         return DataReader(path, bytes(buf[: self._head_bytes]), st.st_size, None, buf)
 
-    def _forget(self, path: Path) -> None:
+    def forget(self, path: Path) -> None:
+        """Drop the mapping kept for ``path`` (it stays valid while views of it live)."""
         cached = self._maps.pop(path, None)
         if cached is not None:
             with contextlib.suppress(BufferError):
@@ -252,4 +253,4 @@ class Transport:
 
     def close(self) -> None:
         for path in list(self._maps):
-            self._forget(path)
+            self.forget(path)

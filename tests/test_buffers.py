@@ -1,0 +1,94 @@
+"""``GradSync.buffers_like``: gradients that are published without a copy."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gradsync
+import workers
+from ranks import run_ranks
+
+
+def _expected(world: int, step: int, big: bool) -> list[bytes]:
+    shapes = workers.SHAPES_BIG if big else workers.SHAPES
+    per_rank = [workers.grads_for(q, step, shapes) for q in range(world)]
+    return [m.tobytes() for m in gradsync.average_host_grads(per_rank)]
+
+
+@pytest.mark.parametrize(
+    ("world", "big", "kw", "in_place"),
+    [
+        (3, True, {}, True),
+        (2, True, {"checksums": True}, True),
+        (2, True, {"use_mmap": False}, False),  # as on a filesystem shared between hosts
+        (2, False, {}, False),  # every rank reduces all: two input files alternate
+        (2, True, {"strategy": "root"}, False),  # likewise
+    ],
+    ids=["sharded-3", "checksums", "unmapped", "small", "root"],
+)
+def test_buffers_average_like_any_arrays(
+    tmp_path: Path, world: int, big: bool, kw: dict[str, object], in_place: bool
+) -> None:
+    results = run_ranks(workers.shared_buffer_steps, world, (world, str(tmp_path), big, kw))
+    for r in range(world):
+        out = results[r]
+        assert out.ok, out.value
+        for step in range(5):
+            assert out.value["results"][step] == _expected(world, step, big), (r, step)
+        # Published in place (the input file's name links to the buffers' file) only
+        # where no reader of a call can still read when the next begins, and never
+        # for step 2's other arrays, which leave the buffers as they were.
+        assert out.value["linked"] == [in_place, in_place, False, in_place, in_place]
+        assert out.value["untouched"]
+        assert out.value["first_kept"]
+
+
+def test_failed_step_leaves_buffers_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 1 exits once its inputs of call 2 are published: rank 0 reduces its shard,
+    # then finds rank 1 gone while waiting for rank 1's shard of the mean.
+    monkeypatch.setenv("GRADSYNC_TEST_FAULT", "after_publish@1@2=exit")
+    results = run_ranks(
+        workers.shared_buffers_then_fail, 2, (2, str(tmp_path)), expect=[0], timeout_s=60
+    )
+    assert results[0].ok, results[0].value
+    assert results[0].value == {"step": 1, "error": "PeerLostError", "kept": True}
+
+
+def test_one_rank_gets_plain_zeros(tmp_path: Path) -> None:
+    with gradsync.GradSync(gradsync.FileGradSyncConfig(1, 0, tmp_path)) as gs:
+        bufs = gs.buffers_like([np.ones((2, 3), np.float16), np.ones(4)])
+        assert [(b.shape, b.dtype) for b in bufs] == [((2, 3), np.float16), ((4,), np.float64)]
+        assert not any(b.any() for b in bufs)
+        gs.average(bufs)
+
+
+@pytest.mark.parametrize(
+    ("like", "message"),
+    [
+        ([], "like is empty: pass at least one array"),
+        (np.zeros(3), "like must be a sequence (list or tuple) of arrays, got ndarray"),
+        (5, "like must be a sequence (list or tuple) of arrays, got int"),
+        (
+            [np.zeros(2), np.zeros(2, np.int32)],
+            "param 1 has dtype int32; gradsync averages only float16, float32, float64",
+        ),
+    ],
+)
+def test_bad_like_is_refused(tmp_path: Path, like: object, message: str) -> None:
+    with gradsync.GradSync(gradsync.FileGradSyncConfig(2, 0, tmp_path)) as gs:
+        with pytest.raises(gradsync.InvalidGradsError, match=f"^{re.escape(message)}$"):
+            gs.buffers_like(like)  # type: ignore[arg-type]
+        assert gs.generation_dir is None  # refused before meeting the peers
+
+
+def test_closed_instance_refuses(tmp_path: Path) -> None:
+    gs = gradsync.GradSync(gradsync.FileGradSyncConfig(2, 0, tmp_path))
+    gs.close()
+    with pytest.raises(gradsync.GradSyncError, match=r"^this GradSync \(rank 0\) is closed$"):
+        gs.buffers_like([np.zeros(2)])
