@@ -4,7 +4,10 @@ Every peer averages the same float32 gradients, with the same per-rank inputs, i
 same invocation:
 
 - ``gradsync``  ``GradSync(cfg).average(grads)`` (strategy "sharded"; add "root" with
-                ``--strategies sharded,root``), sync dir on tmpfs and/or disk.
+                ``--strategies sharded,root``), sync dir on tmpfs and/or disk. With
+                ``--buffers``, also ``gradsync-buf``: the gradients are arrays from
+                ``GradSync.buffers_like`` (allocated once, before the baseline, like
+                the other peers' gradients), published without a copy.
 - ``gloo``      ``torch.distributed.all_reduce`` (SUM, then ``div_(W)``) of one flat
                 float32 buffer (multi-tensor workloads are copied into and out of it,
                 as DDP's buckets are). torch is imported only inside this peer.
@@ -763,11 +766,12 @@ def _fmt_x(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f}x"
 
 
-def check_targets(rows: list[Row], workloads: list[str]) -> list[Target]:
+def check_targets(rows: list[Row], workloads: list[str], peer: str = "gradsync") -> list[Target]:
+    """The issue's targets, judged on ``peer``'s rows (correctness: on every gradsync row)."""
     gs = {
         (r.dir_kind, r.world, r.workload): r
         for r in rows
-        if r.peer == "gradsync" and r.ok and r.dir_kind != "-"
+        if r.peer == peer and r.ok and r.dir_kind != "-"
     }
     targets: list[Target] = []
 
@@ -786,23 +790,23 @@ def check_targets(rows: list[Row], workloads: list[str]) -> list[Target]:
         targets.append(Target(name, not bad, detail))
 
     w2 = [("tmpfs", 2, w) for w in workloads]
-    ratio_target("tmpfs W=2: gradsync <= 0.5x gloo at every size", w2, "vs_gloo", 0.5)
+    ratio_target(f"tmpfs W=2: {peer} <= 0.5x gloo at every size", w2, "vs_gloo", 0.5)
     big = [("tmpfs", 2, w) for w in ("16MiB", "64MiB", "100x16MiB") if w in workloads]
     ratio_target(
-        "tmpfs W=2: gradsync <= 1.0x MPI at 16 MiB, 64 MiB, 100 tensors", big, "vs_mpi", 1.0
+        f"tmpfs W=2: {peer} <= 1.0x MPI at 16 MiB, 64 MiB, 100 tensors", big, "vs_mpi", 1.0
     )
     small = gs.get(("tmpfs", 2, "4KiB"))
     targets.append(
-        Target("tmpfs W=2: 4 KiB step <= 0.5 ms", None, "not measured")
+        Target(f"tmpfs W=2: {peer} 4 KiB step <= 0.5 ms", None, "not measured")
         if small is None
         else Target(
-            "tmpfs W=2: 4 KiB step <= 0.5 ms",
+            f"tmpfs W=2: {peer} 4 KiB step <= 0.5 ms",
             small.median_ms <= 0.5,
             f"median {small.median_ms:.3f} ms (p90 {small.p90_ms:.3f} ms)",
         )
     )
     w34 = [("tmpfs", w, n) for w in (3, 4) for n in workloads if ("tmpfs", w, n) in gs]
-    ratio_target("tmpfs W=3,4: gradsync <= 0.5x gloo", w34, "vs_gloo", 0.5)
+    ratio_target(f"tmpfs W=3,4: {peer} <= 0.5x gloo", w34, "vs_gloo", 0.5)
     rss_rows = [r for r in gs.values() if r.extra_rss is not None]
     big_rss = [r for r in rss_rows if r.nbytes >= MIB]
     bad = [r for r in big_rss if r.extra_rss is not None and r.extra_rss > 2 * r.nbytes]
@@ -814,7 +818,7 @@ def check_targets(rows: list[Row], workloads: list[str]) -> list[Target]:
     ]
     targets.append(
         Target(
-            "extra RSS per rank <= 2x gradient bytes (gradsync, workloads >= 1 MiB)",
+            f"extra RSS per rank <= 2x gradient bytes ({peer}, workloads >= 1 MiB)",
             None if not big_rss else not bad,
             (
                 "worst "
@@ -833,7 +837,8 @@ def check_targets(rows: list[Row], workloads: list[str]) -> list[Target]:
         worst_pss = max(pss_rows, key=lambda r: (r.extra_pss or 0) / r.nbytes)
         targets.append(
             Target(
-                "extra PSS per rank <= 2x gradient bytes (shared mapped pages counted once)",
+                f"extra PSS per rank <= 2x gradient bytes ({peer}; shared mapped pages "
+                "counted once)",
                 all((r.extra_pss or 0) <= 2 * r.nbytes for r in pss_rows),
                 f"worst {worst_pss.dir_kind} W={worst_pss.world} {worst_pss.workload}: "
                 f"{(worst_pss.extra_pss or 0) / worst_pss.nbytes:.2f}x",
@@ -847,11 +852,13 @@ def check_targets(rows: list[Row], workloads: list[str]) -> list[Target]:
     ratios = [(a.median_ms / b.median_ms, w) for a, b, w in pairs if a and b]
     targets.append(
         Target(
-            "tmpfs: 100-tensor workload within 1.25x of one 16 MiB tensor",
+            f"tmpfs: {peer} 100-tensor workload within 1.25x of one 16 MiB tensor",
             None if not ratios else all(x <= 1.25 for x, _ in ratios),
             ", ".join(f"W={w} {x:.2f}x" for x, w in ratios) or "not measured",
         )
     )
+    if peer != "gradsync":
+        return targets
     errs = [r.max_rel_err for r in rows if r.peer.startswith("gradsync") and r.ok]
     bad_bits = [
         f"{r.dir_kind} W={r.world} {r.workload}"
@@ -1143,6 +1150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("# (max over ranks); /gloo, /MPI, /cpy: median over that peer's median (same W).")
     print(format_table(rows))
     targets = check_targets(rows, names)
+    if args.buffers:
+        targets += check_targets(rows, names, peer="gradsync-buf")
     print("\n# targets")
     for t in targets:
         verdict = "n/a " if t.passed is None else ("PASS" if t.passed else "FAIL")
