@@ -208,6 +208,28 @@ def test_roundtrip_mixed_sizes_and_dtypes(device: Any, bridge: WgpuBridge) -> No
 
 
 @pytest.mark.wgpu
+def test_download_into_given_arrays(device: Any, bridge: WgpuBridge) -> None:
+    rng = np.random.default_rng(2)
+    data = [rng.standard_normal(n).astype(dt) for n, dt in ((3, np.float32), (70_002, np.float16))]
+    bufs = [_buffer(device, d, f"p{i}") for i, d in enumerate(data)]
+    dts = [d.dtype for d in data]
+    into = [np.zeros_like(d) for d in data]
+    got = bridge.download(bufs, dts, into)
+    assert all(g is i for g, i in zip(got, into, strict=True))
+    for i, d in zip(into, data, strict=True):
+        np.testing.assert_array_equal(i, d)
+    with pytest.raises(InvalidGradsError, match=r"^got 1 arrays to fill for 2 buffers$"):
+        bridge.download(bufs, dts, into[:1])
+    wrong = [into[0], np.zeros(70_002 // 2, np.float32)]
+    with pytest.raises(
+        InvalidGradsError,
+        match=r"^param 1 \(label 'p1'\): into\[1\] is \(35001,\) float32, not a writeable, "
+        r"contiguous array of 140004 bytes of float16$",
+    ):
+        bridge.download(bufs, dts, wrong)
+
+
+@pytest.mark.wgpu
 def test_threads_share_large_downloads(device: Any) -> None:
     # 3 MiB and more in one staging chunk: the host copy is cut into 3 pieces.
     rng = np.random.default_rng(1)
@@ -440,6 +462,7 @@ def _wgpu_inputs(rank: int, step: int) -> list[np.ndarray]:
 
 _WORKER = textwrap.dedent(
     """
+    import os
     import sys
     import numpy as np
     import wgpu
@@ -453,7 +476,7 @@ _WORKER = textwrap.dedent(
     cfg = gradsync.FileGradSyncConfig(world, rank, sync_dir, max_wait_s=60)
     results = []
     bufs = None
-    for step in range(2):
+    for step in range(3):
         data = _wgpu_inputs(rank, step)
         if bufs is None:
             bufs = [dev.create_buffer_with_data(data=d, usage=usage) for d in data]
@@ -462,6 +485,12 @@ _WORKER = textwrap.dedent(
                 dev.queue.write_buffer(b, 0, d)
         gradsync.average_grads_file_sync(bufs, dev, cfg, step, dtype=dtypes)
         results.append(b"".join(bytes(dev.queue.read_buffer(b)) for b in bufs))
+        # From the second step on, the buffers are downloaded into arrays mapped from
+        # this rank's data file (280 KiB: reduced in shards), which is then published
+        # without a copy: the rank's input-file name links to that file.
+        gen = gradsync._api._registry[cfg].generation_dir
+        linked = os.path.islink(os.path.join(gen, f"d-{rank}-0.in"))
+        assert linked == (step > 0), (step, linked)
     with open(out, "wb") as f:
         f.write(b"".join(results))
     """
@@ -510,7 +539,7 @@ def test_two_ranks_average_wgpu_buffers_bit_for_bit_like_numpy(tmp_path: Path) -
         b"".join(
             a.tobytes() for a in average_host_grads([_wgpu_inputs(r, step) for r in range(world)])
         )
-        for step in range(2)
+        for step in range(3)
     )
     for r in range(world):
         assert outs[r].read_bytes() == want, f"rank {r} differs from the numpy path"

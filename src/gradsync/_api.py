@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from ._buffers import SharedBuffers
 from ._config import FileGradSyncConfig
 from ._errors import ConfigError, GradSyncError, InvalidGradsError
+from ._format import Layout
 from ._protocol import StepEngine, validate_grads
 from ._reduce import check_dtype
 from ._rendezvous import Generation, leave, rendezvous
@@ -46,6 +48,10 @@ class GradSync:
         self._gen: Generation | None = None
         self._engine: StepEngine | None = None
         self._bridge: WgpuBridge | None = None
+        # GPU gradients are downloaded straight into shared arrays of the engine's
+        # (publishing them then copies nothing), kept per buffer layout.
+        self._device_layout: Layout | None = None
+        self._device_shared: SharedBuffers | None = None
         self._failure: BaseException | None = None
         self._closed = False
         self._next_step = 0
@@ -215,13 +221,38 @@ class GradSync:
             # One rank: the mean is the input; still check the buffers, copy nothing.
             nbytes = sum(int(b.size) for b in buffers)
             return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
-        host = self._bridge.download(buffers, dtypes)
+        host = self._bridge.download(buffers, dtypes, self._device_arrays(buffers, dtypes))
         stats = self._average_host(host, step)
         self._bridge.upload(buffers, host)
         if self._engine is not None:
             # Known once the peers are met (threads depend on the ranks on this host).
             self._bridge.threads = self._engine.workers.threads
         return stats
+
+    def _device_arrays(
+        self, buffers: Sequence[Any], dtypes: Sequence[Any]
+    ) -> list[np.ndarray] | None:
+        """Shared host arrays for these GPU buffers, or None: on the first step (the
+        ranks have not met), where sharing saves nothing, or where the caller's own
+        :meth:`buffers_like` arrays hold the engine's one shared set (never taken over)."""
+        engine = self._engine
+        if engine is None:
+            return None
+        layout = tuple(
+            (np.dtype(dt).str, (int(b.size) // np.dtype(dt).itemsize,))
+            for b, dt in zip(buffers, dtypes, strict=True)
+        )
+        if layout != self._device_layout:
+            previous, current = self._device_shared, engine.shared
+            self._device_layout, self._device_shared = layout, None
+            if current is None or current is previous:
+                engine.buffers_like(layout)  # plain arrays (dropped) where nothing is saved
+                if engine.shared is not current:
+                    self._device_shared = engine.shared
+        shared = self._device_shared
+        if shared is None or engine.shared is not shared:
+            return None
+        return list(shared.arrays)
 
     def close(self) -> None:
         """Leave the job. The last rank to close removes the job's directory. Idempotent."""

@@ -477,6 +477,11 @@ class StepEngine:
                 os.unlink(old.path)
         return list(self._shared.arrays)
 
+    @property
+    def shared(self) -> SharedBuffers | None:
+        """The arrays of the last :meth:`buffers_like` call that mapped a file, if any."""
+        return self._shared
+
     def _publishes_in_place(
         self, shared: SharedBuffers, plan: Plan, arrays: list[np.ndarray]
     ) -> bool:

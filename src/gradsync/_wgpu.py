@@ -447,25 +447,45 @@ class WgpuBridge:
     # -- public API ----------------------------------------------------------------
 
     def download(
-        self, buffers: Sequence[wgpu.GPUBuffer], dtypes: Sequence[np.dtype[Any]]
+        self,
+        buffers: Sequence[wgpu.GPUBuffer],
+        dtypes: Sequence[np.dtype[Any]],
+        into: Sequence[npt.NDArray[Any]] | None = None,
     ) -> list[npt.NDArray[Any]]:
         """Copy each buffer's bytes to a host array of ``dtypes[i]``.
 
         Returns 1-D, C-contiguous, writeable arrays of ``buffer.size // itemsize``
-        elements. They belong to the bridge: they are overwritten by the next
+        elements: ``into`` if given (arrays of exactly those dtypes and sizes),
+        otherwise arrays that belong to the bridge, overwritten by the next
         ``download`` of the same buffer set and invalid after it changes or after
         :meth:`close`. They never alias mapped GPU memory.
 
         Raises:
             InvalidGradsError: naming the param for a missing ``COPY_SRC`` usage, a
                 destroyed, mapped or foreign buffer, a size over the device limit or
-                not a multiple of 4 bytes or of the element size, an unsupported dtype.
+                not a multiple of 4 bytes or of the element size, an unsupported dtype,
+                an array of ``into`` that does not fit its buffer.
             WgpuBridgeError: wgpu failed while copying.
         """
         self._check_open()
         if len(dtypes) != len(buffers):
             raise InvalidGradsError(f"got {len(dtypes)} dtypes for {len(buffers)} buffers")
         dts = resolve_dtypes(buffers, list(dtypes))
+        if into is not None:
+            if len(into) != len(buffers):
+                raise InvalidGradsError(
+                    f"got {len(into)} arrays to fill for {len(buffers)} buffers"
+                )
+            for i, (dst, dt, buf) in enumerate(zip(into, dts, buffers, strict=True)):
+                if (
+                    dst.dtype != dt
+                    or dst.nbytes != int(buf.size)
+                    or not (dst.flags.c_contiguous and dst.flags.writeable)
+                ):
+                    raise InvalidGradsError(
+                        f"{_describe(i, buf)}: into[{i}] is {dst.shape} {dst.dtype}, not a "
+                        f"writeable, contiguous array of {int(buf.size)} bytes of {dt}"
+                    )
         self._check_buffers(buffers, _COPY_SRC, "COPY_SRC")
         layout = self._get_layout(buffers, dts)
         wgpu = _import_wgpu()
@@ -482,16 +502,24 @@ class WgpuBridge:
             for buf, (c, off, size) in zip(buffers, layout.slots, strict=True):
                 enc.copy_buffer_to_buffer(buf, 0, layout.chunks[c].read, off, size)
             self._device.queue.submit([enc.finish()])
-            for ch in layout.chunks:
+            for c, ch in enumerate(layout.chunks):
                 ch.read.map_sync(wgpu.MapMode.READ)
                 try:
-                    mapped = ch.read.read_mapped(0, ch.nbytes, copy=False)
-                    self._workers.copy([(ch.host, np.frombuffer(mapped, np.uint8))])
+                    mapped = np.frombuffer(ch.read.read_mapped(0, ch.nbytes, copy=False), np.uint8)
+                    if into is None:
+                        pairs = [(ch.host, mapped)]
+                    else:
+                        pairs = [
+                            (dst.reshape(-1).view(np.uint8), mapped[off : off + size])
+                            for dst, (cc, off, size) in zip(into, layout.slots, strict=True)
+                            if cc == c
+                        ]
+                    self._workers.copy(pairs)
                     # No numpy view of mapped memory may outlive unmap().
-                    del mapped
+                    del mapped, pairs
                 finally:
                     ch.read.unmap()
-        return list(layout.views)
+        return list(layout.views) if into is None else list(into)
 
     def upload(self, buffers: Sequence[wgpu.GPUBuffer], arrays: Sequence[npt.NDArray[Any]]) -> None:
         """Overwrite each buffer with the bytes of ``arrays[i]``; wait until done.
