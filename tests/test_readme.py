@@ -24,30 +24,30 @@ def _launch(args: list[str], cwd: Path, timeout_s: float = 120) -> subprocess.Co
     )
 
 
-def test_readme_example_runs_on_two_ranks_and_agrees(tmp_path: Path) -> None:
-    code = re.search(r"```python\n(.*?)```", README, re.S)
+def _run_first_python_block(text: str, tmp_path: Path) -> str:
+    """Run the first python block of ``text`` on 2 ranks; its output, rank-prefixed."""
+    code = re.search(r"```python\n(.*?)```", text, re.S)
     assert code is not None
     script = tmp_path / "example.py"
     script.write_text(code.group(1))
     result = _launch(["--nproc", "2", str(script)], tmp_path)
     assert result.returncode == 0, result.stderr
-    lines = dict(re.findall(r"^\[rank (\d)\] rank \d: w = (.*)$", result.stdout, re.M))
-    assert set(lines) == {"0", "1"}, result.stdout
+    return result.stdout
+
+
+def test_readme_example_runs_on_two_ranks_and_agrees(tmp_path: Path) -> None:
+    out = _run_first_python_block(README, tmp_path)
+    lines = dict(re.findall(r"^\[rank (\d)\] rank \d: w = (.*)$", out, re.M))
+    assert set(lines) == {"0", "1"}, out
     assert lines["0"] == lines["1"]
     w = [float(x) for x in lines["0"].strip("[]").split()]
     assert w == pytest.approx([1.0, -2.0, 0.5], abs=1e-3)
 
 
 def test_readme_buffers_example_runs_on_two_ranks(tmp_path: Path) -> None:
-    section = README.split("### Gradients that need no copy", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code is not None
-    script = tmp_path / "buffers.py"
-    script.write_text(code.group(1))
-    result = _launch(["--nproc", "2", str(script)], tmp_path)
-    assert result.returncode == 0, result.stderr
-    found = sorted(re.findall(r"^\[rank \d\] (rank \d: .*)$", result.stdout, re.M))
-    assert found == ["rank 0: 9.5", "rank 1: 9.5"], result.stdout
+    out = _run_first_python_block(README.split("### Gradients that need no copy", 1)[1], tmp_path)
+    found = sorted(re.findall(r"^\[rank \d\] (rank \d: .*)$", out, re.M))
+    assert found == ["rank 0: 9.5", "rank 1: 9.5"], out
 
 
 def test_readme_main_job_command_runs() -> None:
