@@ -246,7 +246,12 @@ class GradSync:
             previous, current = self._device_shared, engine.shared
             self._device_layout, self._device_shared = layout, None
             if current is None or current is previous:
-                engine.buffers_like(layout)  # plain arrays (dropped) where nothing is saved
+                try:
+                    engine.buffers_like(layout)  # plain arrays (dropped) where nothing is saved
+                except GradSyncError as exc:
+                    # Outside a step no peer would hear of it: copy as before, and let the
+                    # step itself fail (telling the peers) if the sync dir is unusable.
+                    _log.warning("rank %d: GPU gradients will be copied: %s", self.cfg.rank, exc)
                 if engine.shared is not current:
                     self._device_shared = engine.shared
         shared = self._device_shared
