@@ -11,6 +11,7 @@ import pytest
 
 import gradsync
 import workers
+from gradsync._protocol import validate_grads
 from ranks import run_ranks
 
 
@@ -338,3 +339,46 @@ def test_empty_grads_list(tmp_path: Path) -> None:
         ),
     ):
         gs.average([])
+
+
+# -- 8. what a step accepts -------------------------------------------------------------
+
+
+def _read_only() -> np.ndarray:
+    a = np.zeros(3, np.float32)
+    a.flags.writeable = False
+    return a
+
+
+@pytest.mark.parametrize(
+    ("grads", "message"),
+    [
+        (np.zeros(3), "grads must be a sequence (list or tuple) of numpy arrays, got ndarray"),
+        ([], "grads is empty: pass at least one gradient array"),
+        (
+            [np.zeros(2), [1.0, 2.0]],
+            "param 1 is a list, not a numpy array (averaging is in place, so a converted "
+            "copy would never reach you)",
+        ),
+        (
+            [np.zeros(2, np.int64)],
+            "param 0 has dtype int64; gradsync averages only float16, float32, float64",
+        ),
+        ([np.zeros(2), np.zeros(2, ">f4")], "param 1 has non-native byte order >f4"),
+        (
+            [np.zeros((3, 3), np.float32).T],
+            "param 0 (shape (3, 3)) is not C-contiguous; averaging is in place, so pass "
+            "np.ascontiguousarray(...) and use that array",
+        ),
+        ([_read_only()], "param 0 (shape (3,)) is read-only"),
+    ],
+    ids=["array", "empty", "list", "int", "big-endian", "transposed", "read-only"],
+)
+def test_unusable_grads_are_named(grads: object, message: str) -> None:
+    with pytest.raises(gradsync.InvalidGradsError, match=f"^{re.escape(message)}$"):
+        validate_grads(grads)
+
+
+def test_float_dtypes_with_metadata_are_accepted() -> None:
+    g = np.zeros(4, np.dtype(np.float32, metadata={"unit": "1/s"}))
+    assert validate_grads([g]) == [g]

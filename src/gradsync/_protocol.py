@@ -77,7 +77,7 @@ from ._fsio import (
 from ._liveness import Heartbeat, HeartbeatWatch
 from ._parallel import SMALL_COPY_BYTES, Workers, auto_threads, split_range
 from ._plan import Group, Plan
-from ._reduce import CHUNK_ELEMS, Fetch, check_dtype, mean_into
+from ._reduce import ACCUMULATOR, CHUNK_ELEMS, Fetch, check_dtype, mean_into
 from ._rendezvous import Generation
 from ._stats import StepStats
 from ._transport import ChecksumError, DataReader, Transport, local_filesystem
@@ -114,15 +114,19 @@ def validate_grads(grads: object) -> list[np.ndarray]:
                 f"param {i} is a {type(g).__name__}, not a numpy array (averaging is in place, "
                 "so a converted copy would never reach you)"
             )
-        check_dtype(g.dtype, f"param {i}")
-        if not g.dtype.isnative:
-            raise InvalidGradsError(f"param {i} has non-native byte order {g.dtype.str}")
-        if not g.flags.c_contiguous:
+        # Checked once a step per param: the common case (a native float dtype) is a
+        # dictionary lookup, and each message is only built when it is raised.
+        if g.dtype not in ACCUMULATOR:
+            check_dtype(g.dtype, f"param {i}")
+            if not g.dtype.isnative:
+                raise InvalidGradsError(f"param {i} has non-native byte order {g.dtype.str}")
+        flags = g.flags
+        if not flags.c_contiguous:
             raise InvalidGradsError(
                 f"param {i} (shape {g.shape}) is not C-contiguous; averaging is in place, so "
                 "pass np.ascontiguousarray(...) and use that array"
             )
-        if not g.flags.writeable:
+        if not flags.writeable:
             raise InvalidGradsError(f"param {i} (shape {g.shape}) is read-only")
         arrays.append(g)
     return arrays
@@ -158,7 +162,7 @@ def _others(group: Group, rank: int) -> list[tuple[int, int]]:
 
 
 def _layout_of(arrays: Sequence[np.ndarray]) -> Layout:
-    return tuple((a.dtype.str, tuple(int(x) for x in a.shape)) for a in arrays)
+    return tuple((a.dtype.str, a.shape) for a in arrays)
 
 
 @dataclass
