@@ -33,9 +33,10 @@ for t in auto 1; do
   python3 benchmarks/wgpu_step.py --world-sizes 2 4 --sizes-mib 1 16 256 --steps 7 --threads $t \
     --json "$OUT/step-threads-$t.json" 2>&1 | tee "$OUT/step-threads-$t.txt"
 done
-# The host exchange alone on this many-core host (no GPU): threads auto against 1.
+# The host exchange alone on this many-core host (no GPU): threads auto against 1, with
+# and without buffers_like arrays.
 peers=gradsync,memcpy
 python3 -c "import torch" 2>/dev/null && peers=$peers,gloo
-python3 benchmarks/allreduce.py --world-sizes 2,4 --dirs tmpfs --peers $peers --threads auto,1 \
+python3 benchmarks/allreduce.py --world-sizes 2,4 --dirs tmpfs --peers $peers --threads auto,1 --buffers \
   --workloads 4KiB,1MiB,16MiB,64MiB,100x16MiB --steps 20 --small-steps 100 \
   --json "$OUT/allreduce.json" 2>&1 | tee "$OUT/allreduce.txt"
