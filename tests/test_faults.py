@@ -340,8 +340,11 @@ def test_stopped_rank_past_max_wait_is_a_timeout_naming_only_it(
         assert rec["type"] == "PeerTimeoutError", rec["message"]
         assert re.fullmatch(message, rec["message"]), rec["message"]
         assert rec["ranks"] == (1,)
-        if r != 1:
-            assert 2.0 <= rec["elapsed_s"] < 4.0
+    # The first survivor to give up waited the whole max_wait_s; the other may raise its
+    # note a moment before its own 2.0 s are up (it started waiting a little later).
+    waited = [failure(records(results[r]))["elapsed_s"] for r in (0, 2)]
+    assert 2.0 <= max(waited) < 4.0, waited
+    assert min(waited) >= 1.9, waited
     # Every rank raised the same message: the survivors' own and the straggler's copy of it.
     assert len({results[r].value["records"][-1]["message"] for r in range(3)}) == 1
 

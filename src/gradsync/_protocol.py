@@ -501,7 +501,7 @@ class StepEngine:
         previous call's readers all finished before any rank publishes this one)."""
         if self._linked == target:
             return
-        name = self.data_path(self.rank, "in")
+        name = self._input_slot0()
         temp = name.with_name(name.name + ".link")
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -517,7 +517,7 @@ class StepEngine:
         """Make this rank's input-file name a file of its own again before writing it."""
         if self._linked is None:
             return
-        name = self.gen.path / f"d-{self.rank}-0.in"  # slot 0 of either plan
+        name = self._input_slot0()
         try:
             os.unlink(name)
         except FileNotFoundError:
@@ -526,6 +526,11 @@ class StepEngine:
             raise translate_oserror(exc, "writing", name, step=step) from exc
         self._transport.forget(name)
         self._linked = None
+
+    def _input_slot0(self) -> Path:
+        """This rank's input file of slot 0: the one name of a one-slot plan, and the
+        name that links to shared arrays (a two-slot plan writes it on even calls)."""
+        return self.data_path(self.rank, "in", seq=0)
 
     def _skip_own(self, plan: Plan) -> bool:
         """Whether this rank's input file leaves out its own shard (mapped, sharded)."""
