@@ -92,3 +92,24 @@ def test_closed_instance_refuses(tmp_path: Path) -> None:
     gs.close()
     with pytest.raises(gradsync.GradSyncError, match=r"^this GradSync \(rank 0\) is closed$"):
         gs.buffers_like([np.zeros(2)])
+
+
+def test_torch_grads_can_live_in_buffers(tmp_path: Path) -> None:
+    # README: p.grad = torch.from_numpy(buffer) and zero_grad(set_to_none=False) keep
+    # backward() accumulating into the buffers, so every step publishes without a copy.
+    pytest.importorskip("torch")
+    results = run_ranks(workers.torch_grads_in_buffers, 2, (2, str(tmp_path)), timeout_s=120)
+    outs = [results[r].value for r in range(2)]
+    for r in range(2):
+        assert results[r].ok, results[r].value
+        assert outs[r]["in_buffers"] == [True, True, True]
+        assert outs[r]["linked"] == [True, True, True]
+    dtypes = [np.float32] * 4
+    for step in range(3):
+        per_rank = [
+            [np.frombuffer(b, dt) for b, dt in zip(outs[r]["before"][step], dtypes, strict=True)]
+            for r in range(2)
+        ]
+        want = [m.tobytes() for m in gradsync.average_host_grads(per_rank)]
+        assert outs[0]["after"][step] == want
+        assert outs[1]["after"][step] == want

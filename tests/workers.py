@@ -257,3 +257,36 @@ def shared_buffers_then_fail(rank: int, world: int, sync_dir: str) -> dict[str, 
                 kept = all(a.tobytes() == b.tobytes() for a, b in zip(inputs, bufs, strict=True))
                 return {"step": step, "error": type(exc).__name__, "kept": kept}
     return {"step": None}
+
+
+def torch_grads_in_buffers(rank: int, world: int, sync_dir: str) -> dict[str, Any]:
+    """The README's recipe: a torch model's ``p.grad`` are ``buffers_like`` arrays.
+
+    Three SGD steps on rank-dependent data; per step, this rank's gradients before
+    averaging, the averaged ones, whether every ``p.grad`` still lives in its buffer
+    after ``backward()``, and whether the step was published through the link."""
+    import torch  # noqa: PLC0415 - only this worker needs torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Tanh(), torch.nn.Linear(300, 2))
+    params = list(model.parameters())
+    out: dict[str, Any] = {"before": [], "after": [], "in_buffers": [], "linked": []}
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        grads = gs.buffers_like([p.detach().numpy() for p in params])
+        for p, g in zip(params, grads, strict=True):
+            p.grad = torch.from_numpy(g)
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        gen = Path(str(gs.generation_dir))
+        x = torch.from_numpy(np.random.default_rng(rank).standard_normal((16, 300)).astype("f4"))
+        for step in range(3):
+            opt.zero_grad(set_to_none=False)
+            model(x).pow(2).mean().backward()
+            out["in_buffers"].append(
+                all(p.grad.data_ptr() == g.ctypes.data for p, g in zip(params, grads, strict=True))
+            )
+            out["before"].append([g.tobytes() for g in grads])
+            gs.average(grads, step=step)
+            out["linked"].append((gen / f"d-{rank}-0.in").is_symlink())
+            out["after"].append([g.tobytes() for g in grads])
+            opt.step()
+    return out
