@@ -168,7 +168,7 @@ class GradSync:
             if not like:
                 raise InvalidGradsError("like is empty: pass at least one array")
             layout = tuple(
-                (check_dtype(a.dtype, f"param {i}").str, tuple(int(x) for x in a.shape))
+                (check_dtype(a.dtype, f"param {i}").str, a.shape)  # as the step's layout
                 for i, a in enumerate(np.asarray(x) for x in like)
             )
             if not self.cfg.enabled:

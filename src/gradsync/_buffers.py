@@ -22,7 +22,7 @@ import numpy as np
 from ._format import Layout
 from ._plan import Plan
 
-__all__ = ["HEAD_ROOM_ALIGN", "SharedBuffers"]
+__all__ = ["SharedBuffers"]
 
 # The reserved header region is rounded up to whole pages: the params then start on
 # a page boundary, aligned for every dtype (unless a float16 group leaves an odd

@@ -187,7 +187,6 @@ class StepEngine:
         self._shared: SharedBuffers | None = None
         self._shared_serial = 0
         self._linked: Path | None = None  # the shared file this rank's input name points at
-        self._in_place = False  # this call published the shared arrays themselves
         self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
         mapped = cfg.use_mmap if cfg.use_mmap is not None else local_filesystem(gen.path)
         self._transport = Transport(mapped=mapped, head_bytes=HEADER_READ_BYTES)
@@ -233,9 +232,9 @@ class StepEngine:
             else []
         )
         shared = self._shared
-        self._in_place = shared is not None and self._publishes_in_place(shared, plan, arrays)
+        in_place = shared is not None and self._publishes_in_place(shared, plan, arrays)
         fault_point("before_publish", self.rank, self.seq)
-        self._publish(step_dir, plan, flats, step, nonfinite, shared if self._in_place else None)
+        self._publish(step_dir, plan, flats, step, nonfinite, shared if in_place else None)
         fault_point("after_publish", self.rank, self.seq)
         if self.rank == 0 and self.seq > 2:
             # Off the critical path: peers are still publishing while this runs.
@@ -259,7 +258,7 @@ class StepEngine:
             for q, peer in outs.items():
                 self._check_length(peer, q, plan.out_lens[q], step)
             t4 = time.perf_counter()
-            self._gather(plan, flats, shard, outs, step)
+            self._gather(plan, flats, shard, outs, step, restore=not in_place)
             t5 = time.perf_counter()
         finally:
             for peer in (*peers.values(), *outs.values()):
@@ -884,12 +883,15 @@ class StepEngine:
         shard: np.ndarray,
         outs: dict[int, _Peer],
         step: int,
+        *,
+        restore: bool,
     ) -> None:
         """Copy every rank's shard of the mean into the arrays.
 
         All shards are published before the first byte is copied, so only an I/O
-        error can stop this half-way; the arrays are then restored from this
-        rank's own published input, so a failed call never leaves a mixed result.
+        error can stop this half-way; the arrays are then restored (``restore``)
+        from this rank's own published input, so a failed call never leaves a
+        mixed result.
         """
         # Peers' shards first, this rank's own last: a failure then leaves the own range
         # untouched, and the rest is restored from the published input.
@@ -908,7 +910,7 @@ class StepEngine:
         except GradSyncError:
             # Arrays published in place hold no copy to restore from; a mapped gather
             # checks every source before copying, so a failure leaves them untouched.
-            if not self._in_place:
+            if restore:
                 self._restore(plan, flats)
             raise
 
