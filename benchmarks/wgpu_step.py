@@ -4,12 +4,22 @@ Every rank (a spawned process, all sharing one GPU unless several are found) hol
 float32 gradient buffers of the given size and, per step:
 
 - raw naive:  ``queue.read_buffer`` + ``queue.write_buffer`` of every buffer (what a
-              straightforward port would do, before any averaging);
+              straightforward port would do, before any averaging), timed until the
+              GPU has finished ("naive"), and until the upload is queued ("queued");
 - raw staged: the fastest plain copies: one persistent MAP_READ buffer + one map,
-              and one persistent MAP_WRITE buffer + one copy back;
+              and one persistent MAP_WRITE buffer + one copy back, until finished;
 - gradsync:   ``average_grads_file_sync(buffers, device, cfg, step)``: download,
               the file protocol across ranks, upload; buffers change every step.
-              "(host sync)" is the file protocol's share (``StepStats.total_s``).
+              It returns with the upload queued ("gradsync"); "+fence" waits for the
+              GPU after it. "(host sync)" is the file protocol's share
+              (``StepStats.total_s``, which includes queueing the upload).
+
+Like is compared with like: gradsync against naive-queued (both return with the
+upload queued), gradsync+fence against naive (both wait for the GPU).
+
+``--profile`` also prints where gradsync's step goes: download, each phase of the
+host sync (gather: queueing the upload), and the rest (checks, Python), medians
+over ranks and steps.
 
 All ranks start each of the three together (a barrier), so ranks that share a GPU
 contend alike in all of them.
@@ -46,6 +56,22 @@ def _rank(
     import wgpu  # noqa: PLC0415 - only ranks need a GPU
 
     import gradsync  # noqa: PLC0415
+    from gradsync import _wgpu  # noqa: PLC0415
+
+    # The bridge's two copies, timed from outside (the benchmark alone wraps them).
+    spans: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans[name] = time.perf_counter() - t
+
+        return wrapper
+
+    _wgpu.WgpuBridge.download = timed("download", _wgpu.WgpuBridge.download)  # type: ignore[method-assign]
 
     bu = wgpu.BufferUsage
     dev = gradsync.request_device_for_rank(local_rank=rank, backend=os.environ.get("BACKEND"))
@@ -62,7 +88,7 @@ def _rank(
             rd = dev.create_buffer(size=nbytes, usage=bu.MAP_READ | bu.COPY_DST)
             wr = dev.create_buffer(size=nbytes, usage=bu.MAP_WRITE | bu.COPY_SRC)
             out = np.empty_like(host)
-            times: dict[str, list[float]] = {"naive": [], "staged": [], "gradsync": [], "host": []}
+            times: dict[str, list[float]] = {name: [] for name in _SERIES}
             for i in range(steps + 1):
                 host[:8] = rank + i  # inputs change every step
                 dev.queue.write_buffer(buf, 0, host)
@@ -73,6 +99,7 @@ def _rank(
                 t0 = time.perf_counter()
                 np.copyto(out, np.frombuffer(dev.queue.read_buffer(buf), np.float32))
                 dev.queue.write_buffer(buf, 0, out)
+                t0_queued = time.perf_counter()
                 dev.queue.read_buffer(fence, 0, 4)
                 t0_end = time.perf_counter()
                 barrier.wait()
@@ -95,18 +122,50 @@ def _rank(
                 t2 = time.perf_counter()
                 stats = gs.average([buf], step=step_no, device=dev)
                 t3 = time.perf_counter()
+                dev.queue.read_buffer(fence, 0, 4)
+                t4 = time.perf_counter()
                 step_no += 1
                 if i:  # the first round allocates staging buffers and files
                     times["naive"].append(t0_end - t0)
+                    times["queued"].append(t0_queued - t0)
                     times["staged"].append(t1_end - t1)
                     times["gradsync"].append(t3 - t2)
+                    times["fenced"].append(t4 - t2)
                     times["host"].append(stats.total_s)
+                    times["download"].append(spans["download"])
+                    for name in _HOST_PHASES:
+                        times[name].append(getattr(stats, name + "_s"))
+                    times["rest"].append(t3 - t2 - spans["download"] - stats.total_s)
             check = np.frombuffer(dev.queue.read_buffer(buf, 0, 32), np.float32)
             want = np.float32(np.mean([r + steps for r in range(world)]))
             rows.append({"bytes": nbytes, "times": times, "ok": bool(np.all(check == want))})
             for b in (buf, rd, wr):
                 b.destroy()
     report.put((rank, info, rows))
+
+
+_HOST_PHASES = ("publish", "wait_inputs", "reduce", "wait_outputs", "gather")
+_SERIES = (
+    "naive",
+    "queued",
+    "staged",
+    "gradsync",
+    "fenced",
+    "host",
+    "download",
+    "rest",
+    *_HOST_PHASES,
+)
+
+
+def _profile_line(per: list[dict[str, Any]]) -> str:
+    """Median over ranks and steps of each part of gradsync's step, in ms."""
+
+    def med(name: str) -> float:
+        return statistics.median(v for p in per for v in p["times"][name]) * 1e3
+
+    parts = {name: med(name) for name in ("download", *_HOST_PHASES, "rest")}
+    return "  ".join(f"{k} {v:.3f}" for k, v in parts.items())
 
 
 def main() -> None:
@@ -119,6 +178,7 @@ def main() -> None:
         "--threads", default="auto", help="gradsync threads per rank: auto (default) or N"
     )
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per world size")
+    ap.add_argument("--profile", action="store_true", help="also print where gradsync's step goes")
     args = ap.parse_args()
     sizes = [max(4, int(m * 2**20) // 4 * 4) for m in args.sizes_mib]
     threads = None if args.threads == "auto" else int(args.threads)
@@ -149,23 +209,28 @@ def main() -> None:
             )
         )
         print(
-            f"{'MiB':>6} {'raw naive ms':>13} {'raw staged ms':>14} {'gradsync ms':>12} "
-            f"{'(host sync)':>12} {'gs/naive':>9} {'gs/staged':>10} {'correct':>8}"
+            f"{'MiB':>6} {'naive ms':>9} {'queued':>7} {'staged':>7} {'gradsync':>9} "
+            f"{'+fence':>7} {'(host sync)':>12} {'gs/queued':>10} {'fenced/naive':>13} "
+            f"{'fenced/staged':>14} {'correct':>8}"
         )
         for k, nbytes in enumerate(sizes):
             per = [rows[k] for _, _, rows in results]
             slowest = {
                 name: [max(p["times"][name][s] for p in per) for s in range(args.steps)]
-                for name in ("naive", "staged", "gradsync", "host")
+                for name in ("naive", "queued", "staged", "gradsync", "fenced", "host")
             }
             med = {name: statistics.median(v) for name, v in slowest.items()}
             ok = all(p["ok"] for p in per)
+            ms = {name: v * 1e3 for name, v in med.items()}
             print(
-                f"{nbytes / 2**20:>6g} {med['naive'] * 1e3:>13.2f} {med['staged'] * 1e3:>14.2f} "
-                f"{med['gradsync'] * 1e3:>12.2f} {med['host'] * 1e3:>12.2f} "
-                f"{med['gradsync'] / med['naive']:>9.2f} "
-                f"{med['gradsync'] / med['staged']:>10.2f} {ok!s:>8}"
+                f"{nbytes / 2**20:>6g} {ms['naive']:>9.2f} {ms['queued']:>7.2f} "
+                f"{ms['staged']:>7.2f} {ms['gradsync']:>9.2f} {ms['fenced']:>7.2f} "
+                f"{ms['host']:>12.2f} {med['gradsync'] / med['queued']:>10.2f} "
+                f"{med['fenced'] / med['naive']:>13.2f} "
+                f"{med['fenced'] / med['staged']:>14.2f} {ok!s:>8}"
             )
+            if args.profile:
+                print(f"{'':>6} profile ms: {_profile_line(per)}")
             report.append(
                 {
                     "world": world,

@@ -27,7 +27,9 @@ from gradsync._format import (
     Layout,
     decode_header,
     encode_header,
+    encode_meta,
     layout_hash,
+    layout_json,
 )
 from gradsync._plan import Plan
 from gradsync._reduce import shard_range
@@ -245,6 +247,33 @@ def test_layout_hash(a: Layout, b: Layout) -> None:
     assert layout_hash(a) == layout_hash(tuple((d, tuple(s)) for d, s in a))
     if a != b:
         assert layout_hash(a) != layout_hash(b)
+
+
+@given(
+    st.one_of(st.none(), layouts),
+    st.lists(st.integers(0, 7), max_size=8),
+    st.one_of(
+        st.none(), st.text("0123456789abcdef", max_size=24).map(lambda t: t[: len(t) // 8 * 8])
+    ),
+)
+def test_encoded_meta_is_the_dict_as_json(
+    layout: Layout | None, nonfinite: list[int], crc: str | None
+) -> None:
+    expected: dict[str, Any] = {}
+    if layout is not None:
+        expected = {"layout": [[d, list(s)] for d, s in layout], "nonfinite": nonfinite}
+    if crc is not None:
+        expected["crc"] = crc
+    raw = encode_meta(None if layout is None else layout_json(layout), nonfinite, crc)
+    assert json.loads(raw) == expected
+    assert raw == json.dumps(expected, separators=(",", ":")).encode()
+    # Either spelling of the meta gives the same header, which decodes to it.
+    fields = sample_fields(meta=expected)
+    assert encode_header(**{**fields, "meta": raw}) == encode_header(**fields)
+    if layout is not None and all(i < len(layout) for i in nonfinite):
+        header = decode_header(encode_header(**{**fields, "meta": raw}), PATH)
+        assert header.meta == expected
+        assert header.layout() == tuple((d, tuple(s)) for d, s in layout)
 
 
 # --- exact error messages -------------------------------------------------------------------

@@ -262,6 +262,67 @@ def test_upload_modes_with_foreign_arrays(device: Any, bridge: WgpuBridge, mode:
 
 
 @pytest.mark.wgpu
+@pytest.mark.parametrize("direct", [True, False])
+def test_upload_pieces_queued_without_waiting(
+    device: Any, bridge: WgpuBridge, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    if not direct:
+        monkeypatch.setattr(gradsync._wgpu, "DIRECT_MAX_PIECES", 0)
+    dts = [np.dtype(np.float32), np.dtype(np.float16)]
+    bufs = [_buffer(device, np.zeros(10, np.float32)), _buffer(device, np.zeros(4, np.float16))]
+    for k in range(3):
+        host = bridge.download(bufs, dts)
+        want = [np.arange(10, dtype=np.float32) + k, np.arange(4, dtype=np.float16) - k]
+        # Pieces of a param in any order; the float16 one starts 4 bytes in.
+        pieces = [
+            (0, 6, want[0][6:]),
+            (1, 2, want[1][2:]),
+            (0, 0, want[0][:6]),
+            (1, 0, want[1][:2]),
+        ]
+        bridge._upload_pieces(bufs, dts, pieces)
+        chunk = bridge._layout.chunks[0] if bridge._layout else None
+        assert chunk is not None
+        # Gathered: the staging arrays hold the mean, and the staging buffer is being
+        # mapped again in the background, not waited for.
+        assert (chunk.remap is not None) == (not direct)
+        if not direct:
+            np.testing.assert_array_equal(host[0], want[0])
+        for buf, w in zip(bufs, want, strict=True):
+            np.testing.assert_array_equal(_read(device, buf, w.dtype), w)
+    bridge.close()  # with a mapping still pending when gathered
+    assert bridge._layout is None
+
+
+@pytest.mark.wgpu
+def test_unaligned_piece_goes_through_the_staging_buffer(device: Any, bridge: WgpuBridge) -> None:
+    # write_buffer moves whole 4-byte words: a float16 piece starting at element 1
+    # cannot be written directly, so the mean is gathered and uploaded mapped.
+    dts = [np.dtype(np.float16)]
+    buf = _buffer(device, np.zeros(4, np.float16))
+    bridge.download([buf], dts)
+    want = np.array([1, 2, 3, 4], np.float16)
+    bridge._upload_pieces([buf], dts, [(0, 0, want[:1]), (0, 1, want[1:])])
+    assert bridge._layout is not None
+    assert bridge._layout.chunks[0].remap is not None
+    np.testing.assert_array_equal(_read(device, buf, np.float16), want)
+
+
+@pytest.mark.wgpu
+def test_average_checks_copy_dst_before_meeting_peers(device: Any, tmp_path: Path) -> None:
+    no_dst = device.create_buffer(size=16, usage=_usage(dst=False), label="g")
+    cfg = gradsync.FileGradSyncConfig(2, 0, tmp_path, max_wait_s=5)
+    with gradsync.GradSync(cfg) as gs:
+        with pytest.raises(
+            InvalidGradsError,
+            match=r"^param 0 \(label 'g'\): buffer usage lacks COPY_DST; create it with "
+            r"usage=\.\.\. \| wgpu\.BufferUsage\.COPY_DST$",
+        ):
+            gs.average([no_dst], device=device)
+        assert gs.generation_dir is None  # no rendezvous: the peer was never waited for
+
+
+@pytest.mark.wgpu
 def test_host_arrays_are_not_mapped_memory(device: Any, bridge: WgpuBridge) -> None:
     buf = _buffer(device, np.ones(16, np.float32))
     (h,) = bridge.download([buf], [np.dtype(np.float32)])
@@ -470,10 +531,21 @@ _WORKER = textwrap.dedent(
     from test_wgpu_bridge import _WGPU_LAYOUT, _wgpu_inputs
 
     world, rank, sync_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    mode = sys.argv[5]
+    if mode == "gathered":  # the mean is gathered on the host, then uploaded mapped
+        gradsync._wgpu.DIRECT_MAX_PIECES = 0
+    mapped_uploads = []
+    upload_mapped = gradsync._wgpu.WgpuBridge._upload_mapped
+    def counted(self, *args, **kwargs):
+        mapped_uploads.append(kwargs)
+        return upload_mapped(self, *args, **kwargs)
+    gradsync._wgpu.WgpuBridge._upload_mapped = counted
     dev = gradsync.request_device_for_rank(local_rank=rank)
     usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
     dtypes = [dt for _, dt in _WGPU_LAYOUT]
-    cfg = gradsync.FileGradSyncConfig(world, rank, sync_dir, max_wait_s=60)
+    cfg = gradsync.FileGradSyncConfig(
+        world, rank, sync_dir, max_wait_s=60, use_mmap=mode != "unmapped"
+    )
     results = []
     bufs = None
     for step in range(3):
@@ -490,7 +562,8 @@ _WORKER = textwrap.dedent(
         # without a copy: the rank's input-file name links to that file.
         gen = gradsync._api._registry[cfg].generation_dir
         linked = os.path.islink(os.path.join(gen, f"d-{rank}-0.in"))
-        assert linked == (step > 0), (step, linked)
+        assert linked == (step > 0 and mode != "unmapped"), (step, linked)
+    assert mapped_uploads == ([{"wait": False}] * 3 if mode == "gathered" else []), mapped_uploads
     with open(out, "wb") as f:
         f.write(b"".join(results))
     """
@@ -499,7 +572,11 @@ _WORKER = textwrap.dedent(
 
 @pytest.mark.wgpu
 @pytest.mark.slow
-def test_two_ranks_average_wgpu_buffers_bit_for_bit_like_numpy(tmp_path: Path) -> None:
+# How the mean reaches the GPU: "direct", one write_buffer per piece from the mapped
+# files; "gathered", copied into the staging arrays first; "unmapped", read from files
+# that are not mapped (as on a shared filesystem).
+@pytest.mark.parametrize("mode", ["direct", "gathered", "unmapped"])
+def test_two_ranks_average_wgpu_buffers_bit_for_bit_like_numpy(tmp_path: Path, mode: str) -> None:
     if (reason := _core_api_missing() or _adapter_reason()) is not None:
         pytest.skip(reason)
     world = 2
@@ -518,6 +595,7 @@ def test_two_ranks_average_wgpu_buffers_bit_for_bit_like_numpy(tmp_path: Path) -
                 str(r),
                 str(tmp_path / "sync"),
                 str(outs[r]),
+                mode,
             ],
             env=env,
             stdout=subprocess.PIPE,

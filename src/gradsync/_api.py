@@ -16,7 +16,7 @@ from ._buffers import SharedBuffers
 from ._config import FileGradSyncConfig
 from ._errors import ConfigError, GradSyncError, InvalidGradsError
 from ._format import Layout
-from ._protocol import StepEngine, validate_grads
+from ._protocol import Deliver, StepEngine, validate_grads
 from ._reduce import check_dtype
 from ._rendezvous import Generation, leave, rendezvous
 from ._stats import StepStats
@@ -98,6 +98,8 @@ class GradSync:
             step: The optimizer step; every rank must pass the same number. Default:
                 0, 1, 2... counted by this instance.
             device: A wgpu ``GPUDevice`` owning the buffers in ``grads``, or None.
+                The copies of the mean into the buffers are queued on its queue before
+                this returns, not waited for: work submitted later sees the mean.
             dtype: Element type of GPU buffers (one for all, or one per buffer);
                 float32 by default. Ignored for numpy arrays.
 
@@ -197,14 +199,16 @@ class GradSync:
             self._engine = StepEngine(self.cfg, self._gen)
         return self._engine
 
-    def _average_host(self, grads: Sequence[Any], step: int) -> StepStats:
+    def _average_host(
+        self, grads: Sequence[Any], step: int, deliver: Deliver | None = None
+    ) -> StepStats:
         if self._engine is None:
             # Checked before meeting the peers too: no rendezvous for unusable input.
             arrays = validate_grads(grads)
             if not self.cfg.enabled:
                 nbytes = sum(a.nbytes for a in arrays)
                 return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
-        return self._started().step(grads, step)
+        return self._started().step(grads, step, deliver)
 
     def _average_device(
         self, buffers: Sequence[Any], device: Any, dtype: Any, step: int
@@ -221,9 +225,14 @@ class GradSync:
             # One rank: the mean is the input; still check the buffers, copy nothing.
             nbytes = sum(int(b.size) for b in buffers)
             return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
-        host = self._bridge.download(buffers, dtypes, self._device_arrays(buffers, dtypes))
-        stats = self._average_host(host, step)
-        self._bridge.upload(buffers, host)
+        bridge = self._bridge
+        bridge._check_upload_target(buffers)  # before the step, which the peers join
+        host = bridge.download(buffers, dtypes, self._device_arrays(buffers, dtypes))
+        # The mean goes from the shared files to the GPU (queued, not waited for),
+        # without first being copied into the host arrays.
+        stats = self._average_host(
+            host, step, lambda pieces: bridge._upload_pieces(buffers, dtypes, pieces)
+        )
         if self._engine is not None:
             # Known once the peers are met (threads depend on the ranks on this host).
             self._bridge.threads = self._engine.workers.threads

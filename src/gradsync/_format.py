@@ -32,7 +32,9 @@ __all__ = [
     "Layout",
     "decode_header",
     "encode_header",
+    "encode_meta",
     "layout_hash",
+    "layout_json",
 ]
 
 MAGIC = b"GSYN"
@@ -88,10 +90,36 @@ class Header:
         return tuple((str(d), tuple(int(x) for x in s)) for d, s in raw)
 
 
+def layout_json(layout: Layout) -> str:
+    """The layout as compact JSON: ``[["<f4",[3,4]],...]``."""
+    return json.dumps([[d, list(s)] for d, s in layout], separators=(",", ":"))
+
+
 def layout_hash(layout: Layout) -> bytes:
     """A 16-byte digest of a layout; equal layouts, equal digests."""
-    text = json.dumps([[d, list(s)] for d, s in layout], separators=(",", ":"))
-    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+    return hashlib.blake2b(layout_json(layout).encode(), digest_size=16).digest()
+
+
+def encode_meta(
+    layout_text: str | None, nonfinite: Sequence[int] = (), crc: str | None = None
+) -> bytes:
+    """A header's meta as JSON bytes: ``layout_text`` (from :func:`layout_json`, input
+    files only, with the ``nonfinite`` param indices) and the payload ``crc``.
+
+    Built as text: re-encoding a layout of a hundred params cost ~50 us a step.
+    """
+    parts = ["{"]
+    if layout_text is not None:
+        parts += [
+            '"layout":',
+            layout_text,
+            ',"nonfinite":',
+            json.dumps([int(i) for i in nonfinite], separators=(",", ":")),
+        ]
+    if crc is not None:
+        parts += ["," if layout_text is not None else "", '"crc":', json.dumps(crc)]
+    parts.append("}")
+    return "".join(parts).encode()
 
 
 def encode_header(
@@ -103,19 +131,22 @@ def encode_header(
     step: int,
     generation: bytes,
     layout_digest: bytes,
-    meta: dict[str, Any],
+    meta: dict[str, Any] | bytes,
     payload_len: int,
     flags: int = 0,
     payload_offset: int | None = None,
 ) -> bytes:
     """Encode a header, padded so the payload starts at a multiple of 64 bytes:
-    the first after the meta, or ``payload_offset``.
+    the first after the meta, or ``payload_offset``. ``meta`` is a dict, or its JSON
+    already encoded (:func:`encode_meta`).
 
     Raises:
         ValueError: ``payload_offset`` is not a multiple of 64 or leaves the header
             no room.
     """
-    meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+    meta_bytes = (
+        meta if isinstance(meta, bytes) else json.dumps(meta, separators=(",", ":")).encode()
+    )
     offset = -(-(FIXED_SIZE + len(meta_bytes)) // _ALIGN) * _ALIGN
     if payload_offset is not None:
         if payload_offset < offset or payload_offset % _ALIGN:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._format import Layout, layout_hash
+from ._format import Layout, layout_hash, layout_json
 from ._reduce import shard_range
 
 __all__ = ["Group", "Plan", "Segment"]
@@ -67,6 +67,7 @@ class Plan:
     out_lens: tuple[int, ...]  # per rank: output payload bytes
     # Every rank reduces everything itself and publishes no shard (small payloads).
     replicated: bool = False
+    layout_text: str = ""  # the layout as input headers carry it (format.layout_json)
 
     @classmethod
     def build(
@@ -113,7 +114,13 @@ class Plan:
             groups.append(Group(dtype, tuple(params), size, in_offset, shards, out_offsets))
             in_offset += size * dtype.itemsize
         return cls(
-            layout, layout_hash(layout), tuple(groups), in_offset, tuple(out_lens), replicate
+            layout,
+            layout_hash(layout),
+            tuple(groups),
+            in_offset,
+            tuple(out_lens),
+            replicate,
+            layout_json(layout),
         )
 
     def ordered_params(self) -> list[int]:

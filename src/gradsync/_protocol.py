@@ -30,7 +30,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,7 @@ from ._format import (
     crc_placeholder,
     decode_header,
     encode_header,
+    encode_meta,
 )
 from ._fsio import (
     Backoff,
@@ -82,7 +83,7 @@ from ._rendezvous import Generation
 from ._stats import StepStats
 from ._transport import ChecksumError, DataReader, Transport, local_filesystem
 
-__all__ = ["StepEngine", "validate_grads"]
+__all__ = ["Deliver", "Piece", "StepEngine", "validate_grads"]
 
 _log = logging.getLogger("gradsync")
 _LIVENESS_EVERY_S = 0.1
@@ -93,6 +94,11 @@ REPLICATE_BELOW_BYTES = 256 * 1024
 # reduce slower than one thread (GIL hand-overs between the many small numpy calls).
 THREADED_CHUNK_ELEMS = 1 << 17
 _FAULTS_ON = bool(os.environ.get("GRADSYNC_TEST_FAULT"))
+
+
+# A run of the mean: (param index, first element, the elements as a 1-D array).
+Piece = tuple[int, int, np.ndarray]
+Deliver = Callable[[list[Piece]], None]
 
 
 def validate_grads(grads: object) -> list[np.ndarray]:
@@ -203,8 +209,13 @@ class StepEngine:
 
     # -- the step -----------------------------------------------------------------
 
-    def step(self, grads: Sequence[Any], step: int) -> StepStats:
+    def step(self, grads: Sequence[Any], step: int, deliver: Deliver | None = None) -> StepStats:
         """Average ``grads`` in place with every rank's call of the same sequence number.
+
+        With ``deliver``, the mean is handed to it instead of being copied into
+        ``grads``: one call, once every shard is in, with pieces that cover every
+        element once. Their arrays are valid only during the call; ``grads`` are then
+        scratch (a source that cannot be mapped is read into them first).
 
         On any error this rank tells its peers (``abort-<rank>``) before raising, so
         they fail at once with the same error instead of waiting for it.
@@ -212,7 +223,7 @@ class StepEngine:
         self.seq += 1
         step_dir = self.gen.path / f"s-{self.seq}"
         try:
-            return self._step(validate_grads(grads), step, step_dir)
+            return self._step(validate_grads(grads), step, step_dir, deliver)
         except BaseException as exc:
             self._tell_peers(step_dir, exc)
             raise
@@ -222,7 +233,9 @@ class StepEngine:
             step_dir.mkdir(exist_ok=True)
             write_atomic(step_dir / f"abort-{self.rank}", [json.dumps(error_note(exc)).encode()])
 
-    def _step(self, arrays: list[np.ndarray], step: int, step_dir: Path) -> StepStats:
+    def _step(
+        self, arrays: list[np.ndarray], step: int, step_dir: Path, deliver: Deliver | None
+    ) -> StepStats:
         t0 = time.perf_counter()
         plan = self._plan_for(_layout_of(arrays))
         flats = [a.reshape(-1) for a in arrays]
@@ -258,7 +271,10 @@ class StepEngine:
             for q, peer in outs.items():
                 self._check_length(peer, q, plan.out_lens[q], step)
             t4 = time.perf_counter()
-            self._gather(plan, flats, shard, outs, step, restore=not in_place)
+            if deliver is None:
+                self._gather(plan, flats, shard, outs, step, restore=not in_place)
+            else:
+                deliver(self._pieces(plan, flats, shard, outs, step))
             t5 = time.perf_counter()
         finally:
             for peer in (*peers.values(), *outs.values()):
@@ -331,11 +347,8 @@ class StepEngine:
         crc: str | None = None,
         payload_offset: int | None = None,
     ) -> bytes:
-        meta: dict[str, Any] = {}
-        if kind == KIND_INPUT:
-            meta = {"layout": [[d, list(s)] for d, s in plan.layout], "nonfinite": list(nonfinite)}
-        if crc is not None:
-            meta["crc"] = crc
+        layout_text = plan.layout_text if kind == KIND_INPUT else None
+        meta = encode_meta(layout_text, nonfinite, crc)
         return encode_header(
             kind=kind,
             rank=self.rank,
@@ -903,9 +916,12 @@ class StepEngine:
                 pairs: list[tuple[np.ndarray, np.ndarray]] = []
                 for q in batch:
                     for group in plan.groups:
-                        lo, hi = group.shards[q]
-                        if lo != hi:
-                            self._gather_shard(group, q, flats, shard, outs, step, pairs)
+                        pieces, read_in = self._shard_pieces(group, q, flats, shard, outs, step)
+                        if not read_in:
+                            pairs += [
+                                (flats[param][start : start + len(src)], src)
+                                for param, start, src in pieces
+                            ]
                 self.workers.copy(pairs)
         except GradSyncError:
             # Arrays published in place hold no copy to restore from; a mapped gather
@@ -914,7 +930,23 @@ class StepEngine:
                 self._restore(plan, flats)
             raise
 
-    def _gather_shard(
+    def _pieces(
+        self,
+        plan: Plan,
+        flats: list[np.ndarray],
+        shard: np.ndarray,
+        outs: dict[int, _Peer],
+        step: int,
+    ) -> list[Piece]:
+        """Every rank's shard of the mean as pieces of params (see :meth:`step`)."""
+        ranks = [self.rank] if plan.replicated else range(self.world)
+        pieces: list[Piece] = []
+        for q in ranks:
+            for group in plan.groups:
+                pieces += self._shard_pieces(group, q, flats, shard, outs, step)[0]
+        return pieces
+
+    def _shard_pieces(
         self,
         group: Group,
         q: int,
@@ -922,11 +954,12 @@ class StepEngine:
         shard: np.ndarray,
         outs: dict[int, _Peer],
         step: int,
-        pairs: list[tuple[np.ndarray, np.ndarray]],
-    ) -> None:
-        """Add the (param slice, source) pairs of rank q's shard of ``group`` to ``pairs``;
-        without a mapping, read them into the params at once."""
+    ) -> tuple[list[Piece], bool]:
+        """Rank q's shard of ``group`` as pieces of params, and whether they had to be
+        read into the arrays (no mapping): the pieces are then views of the arrays."""
         lo, hi = group.shards[q]
+        if lo == hi:
+            return [], False
         segments = group.segments(lo, hi)
         start = group.out_offsets[q]
         itemsize = group.dtype.itemsize
@@ -945,10 +978,11 @@ class StepEngine:
                         peer.reader.read_into(
                             at + s.at * itemsize, flats[s.param][s.start : s.stop]
                         )
-                    return
+                    return [
+                        (s.param, s.start, flats[s.param][s.start : s.stop]) for s in segments
+                    ], True
             whole = mapped
-        for s in segments:
-            pairs.append((flats[s.param][s.start : s.stop], whole[s.at : s.at + s.stop - s.start]))
+        return [(s.param, s.start, whole[s.at : s.at + s.stop - s.start]) for s in segments], False
 
     def _restore(self, plan: Plan, flats: list[np.ndarray]) -> None:
         path = self.data_path(self.rank, "in")

@@ -14,7 +14,8 @@ class StepStats:
     ``publish_s`` writes this rank's gradients; ``wait_inputs_s`` waits for the
     peers' (``last_rank`` is the one that arrived last, None when there was no
     wait); ``reduce_s`` computes this rank's shard of the mean; ``wait_outputs_s``
-    waits for the other shards and ``gather_s`` copies them into the arrays.
+    waits for the other shards and ``gather_s`` copies them into the arrays (for GPU
+    buffers: queues the copies of every shard into the buffers).
     """
 
     step: int
