@@ -40,6 +40,7 @@ class SharedBuffers:
     mem: np.ndarray  # uint8 view of the whole mapped file
     arrays: tuple[np.ndarray, ...]
     spans: tuple[tuple[int, int], ...]  # (address, bytes) per param
+    runs: tuple[np.ndarray, ...]  # per dtype group of the plan: all its params, 1-D
 
     @classmethod
     def create(
@@ -65,7 +66,13 @@ class SharedBuffers:
         done = tuple(a for a in arrays if a is not None)
         assert len(done) == len(arrays)
         spans = tuple((a.ctypes.data, a.nbytes) for a in done)
-        return cls(path, plan.layout, offset, mem, done, spans)
+        runs = tuple(
+            mem[offset + g.in_offset : offset + g.in_offset + g.size * g.dtype.itemsize].view(
+                g.dtype
+            )
+            for g in plan.groups
+        )
+        return cls(path, plan.layout, offset, mem, done, spans, runs)
 
     def holds(self, arrays: Sequence[np.ndarray]) -> bool:
         """Whether ``arrays`` are these arrays' memory, param for param (these very

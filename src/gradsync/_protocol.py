@@ -259,7 +259,10 @@ class StepEngine:
             last_in = self._await(step_dir, "in", range(self.world), step, peers)
             self._check_inputs(plan, step, peers, step_dir)
             t2 = time.perf_counter()
-            shard = self._reduce_and_publish(plan, flats, peers, step, step_dir)
+            # Arrays published in place lie in payload order in one file: the reduce and
+            # the gather take one run of elements per dtype group, not a piece per param.
+            work, runs = (plan.runs(), list(shared.runs)) if in_place and shared else (plan, flats)
+            shard = self._reduce_and_publish(work, runs, peers, step, step_dir)
             fault_point("after_output", self.rank, self.seq)
             t3 = time.perf_counter()
             publishers = [
@@ -272,7 +275,7 @@ class StepEngine:
                 self._check_length(peer, q, plan.out_lens[q], step)
             t4 = time.perf_counter()
             if deliver is None:
-                self._gather(plan, flats, shard, outs, step, restore=not in_place)
+                self._gather(work, runs, shard, outs, step, restore=not in_place)
             else:
                 deliver(self._pieces(plan, flats, shard, outs, step))
             t5 = time.perf_counter()

@@ -335,10 +335,11 @@ class WgpuBridge:
         self._fence_src: Any = None
         self._fence_dst: Any = None
         self._closed = False
-        # "mapped" (one persistent MAP_WRITE buffer, kept mapped while idle, then one
-        # encoder of copies) measured 4x faster than queue.write_buffer per param at
-        # 256 MiB on lavapipe, because write_buffer allocates fresh staging memory on
-        # every call; write_buffer wins by ~20% only below a few MiB.
+        # How upload() copies ("mapped" or "write_buffer"; a step's upload chooses per
+        # call, see DIRECT_MAX_BYTES). "mapped" (one persistent MAP_WRITE buffer, kept
+        # mapped while idle, then one encoder of copies) measured 4x faster than
+        # queue.write_buffer per param at 256 MiB on lavapipe, because write_buffer
+        # allocates fresh staging memory on every call.
         self.upload_mode: str = "mapped"
 
     @property
