@@ -559,6 +559,34 @@ def test_group_segments_any_range(layout: Layout, world: int, data: st.DataObjec
     check_segments(group, lo, hi)
 
 
+@settings(max_examples=50, deadline=None)
+@given(plan_layouts, st.integers(1, 6), st.booleans())
+def test_plan_runs_keep_everything_the_files_see(
+    layout: Layout, world: int, root_only: bool
+) -> None:
+    plan = Plan.build(layout, world, root_only, replicate_below=200)
+    runs = plan.runs()
+    assert runs is plan.runs()  # built once
+    assert (runs.digest, runs.layout_text, runs.in_len, runs.out_lens, runs.replicated) == (
+        plan.digest,
+        plan.layout_text,
+        plan.in_len,
+        plan.out_lens,
+        plan.replicated,
+    )
+    assert len(runs.groups) == len(plan.groups)
+    for k, (run, group) in enumerate(zip(runs.groups, plan.groups, strict=True)):
+        assert run.params == ((k, 0, group.size),)
+        assert (run.dtype, run.size, run.in_offset, run.shards, run.out_offsets) == (
+            group.dtype,
+            group.size,
+            group.in_offset,
+            group.shards,
+            group.out_offsets,
+        )
+    assert runs.layout == tuple((g.dtype.str, (g.size,)) for g in plan.groups)
+
+
 def test_plan_example() -> None:
     layout: Layout = (
         ("<f4", (40,)),
