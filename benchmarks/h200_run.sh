@@ -30,7 +30,7 @@ done
 [ -n "${SKIP_COPY:-}" ] || python3 benchmarks/wgpu_copy.py --sizes-mib 1 16 256 --repeats 7 --backend Vulkan 2>&1 | tee "$OUT/copy.txt"
 # gradsync's step with its default threads (CPUs / ranks on the host) and with one.
 for t in auto 1; do
-  python3 benchmarks/wgpu_step.py --world-sizes 2 4 --sizes-mib 1 16 256 --steps 7 --threads $t \
+  python3 benchmarks/wgpu_step.py --world-sizes 2 4 --sizes-mib 1 16 64 256 --steps 9 --threads $t --profile \
     --json "$OUT/step-threads-$t.json" 2>&1 | tee "$OUT/step-threads-$t.txt"
 done
 # The host exchange alone on this many-core host (no GPU): threads auto against 1, with
