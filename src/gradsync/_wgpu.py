@@ -67,10 +67,11 @@ _COPY_DST = 0x0008
 # a param, straight from the mapped files: no host copy) when it is at most this many
 # pieces and bytes. Bigger or more fragmented means are gathered into the staging
 # arrays and uploaded through the mapped buffer: write_buffer allocates fresh staging
-# memory per call (66 ms for 256 MiB on the H200, against ~30 ms mapped), and a
-# hundred small calls cost more than one gather.
+# memory per call, and a hundred small calls cost more than one gather. On the H200
+# (W=2, step returned / step + waiting for the GPU): direct 1.08 / 1.72 ms at 1 MiB,
+# 5.6 / 6.3 at 16 MiB, 27 / 90 at 64 MiB; gathered 1.6 / 2.2, 7.4 / 8.1, 22 / 80.
 DIRECT_MAX_PIECES = 16
-DIRECT_MAX_BYTES = 64 << 20
+DIRECT_MAX_BYTES = 32 << 20
 
 _BACKEND_ORDER = ("Vulkan", "Metal", "D3D12", "OpenGL")
 _TYPE_ORDER = {
