@@ -277,7 +277,9 @@ class StepEngine:
             if deliver is None:
                 self._gather(work, runs, shard, outs, step, restore=not in_place)
             else:
-                deliver(self._pieces(plan, flats, shard, outs, step))
+                ranks = [self.rank] if plan.replicated else range(self.world)
+                mapped, read_in = self._pieces(plan, flats, shard, outs, step, ranks)
+                deliver(mapped + read_in)
             t5 = time.perf_counter()
         finally:
             for peer in (*peers.values(), *outs.values()):
@@ -916,16 +918,10 @@ class StepEngine:
             for batch in (others, [self.rank]):
                 # Mapped shards are copied by the workers, a batch at a time: the own
                 # range is only written once every peer's range is in.
-                pairs: list[tuple[np.ndarray, np.ndarray]] = []
-                for q in batch:
-                    for group in plan.groups:
-                        pieces, read_in = self._shard_pieces(group, q, flats, shard, outs, step)
-                        if not read_in:
-                            pairs += [
-                                (flats[param][start : start + len(src)], src)
-                                for param, start, src in pieces
-                            ]
-                self.workers.copy(pairs)
+                mapped, _ = self._pieces(plan, flats, shard, outs, step, batch)
+                self.workers.copy(
+                    [(flats[param][start : start + len(src)], src) for param, start, src in mapped]
+                )
         except GradSyncError:
             # Arrays published in place hold no copy to restore from; a mapped gather
             # checks every source before copying, so a failure leaves them untouched.
@@ -940,14 +936,17 @@ class StepEngine:
         shard: np.ndarray,
         outs: dict[int, _Peer],
         step: int,
-    ) -> list[Piece]:
-        """Every rank's shard of the mean as pieces of params (see :meth:`step`)."""
-        ranks = [self.rank] if plan.replicated else range(self.world)
-        pieces: list[Piece] = []
+        ranks: Sequence[int],
+    ) -> tuple[list[Piece], list[Piece]]:
+        """The shards of the mean of ``ranks`` as pieces of params: those of mapped
+        sources, and those that had to be read into the arrays (views of them)."""
+        mapped: list[Piece] = []
+        read_in: list[Piece] = []
         for q in ranks:
             for group in plan.groups:
-                pieces += self._shard_pieces(group, q, flats, shard, outs, step)[0]
-        return pieces
+                pieces, was_read = self._shard_pieces(group, q, flats, shard, outs, step)
+                (read_in if was_read else mapped).extend(pieces)
+        return mapped, read_in
 
     def _shard_pieces(
         self,
