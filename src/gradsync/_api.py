@@ -235,7 +235,7 @@ class GradSync:
         )
         if self._engine is not None:
             # Known once the peers are met (threads depend on the ranks on this host).
-            self._bridge.threads = self._engine.workers.threads
+            bridge.threads = self._engine.workers.threads
         return stats
 
     def _device_arrays(
