@@ -565,8 +565,8 @@ def test_plan_runs_keep_everything_the_files_see(
     layout: Layout, world: int, root_only: bool
 ) -> None:
     plan = Plan.build(layout, world, root_only, replicate_below=200)
-    runs = plan.runs()
-    assert runs is plan.runs()  # built once
+    runs = plan.runs
+    assert runs is plan.runs  # built once
     assert (runs.digest, runs.layout_text, runs.in_len, runs.out_lens, runs.replicated) == (
         plan.digest,
         plan.layout_text,

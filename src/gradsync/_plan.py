@@ -9,6 +9,7 @@ layout alone, so every rank computes the same plan without talking.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +69,6 @@ class Plan:
     # Every rank reduces everything itself and publishes no shard (small payloads).
     replicated: bool = False
     layout_text: str = ""  # the layout as input headers carry it (format.layout_json)
-    _runs: dict[str, Plan] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -124,28 +124,26 @@ class Plan:
             layout_json(layout),
         )
 
+    @functools.cached_property
     def runs(self) -> Plan:
         """This plan with each group as one param (the group's index): for arrays that
         lie in payload order in one block of memory, as ``buffers_like`` arrays do,
         one run of elements per group instead of a piece per param. Everything that
         reaches the files (digest, offsets, shards) is this plan's."""
-        found = self._runs.get("runs")
-        if found is None:
-            groups = tuple(
-                Group(g.dtype, ((k, 0, g.size),), g.size, g.in_offset, g.shards, g.out_offsets)
-                for k, g in enumerate(self.groups)
-            )
-            layout = tuple((g.dtype.str, (g.size,)) for g in self.groups)
-            found = self._runs["runs"] = Plan(
-                layout,
-                self.digest,
-                groups,
-                self.in_len,
-                self.out_lens,
-                self.replicated,
-                self.layout_text,
-            )
-        return found
+        groups = tuple(
+            Group(g.dtype, ((k, 0, g.size),), g.size, g.in_offset, g.shards, g.out_offsets)
+            for k, g in enumerate(self.groups)
+        )
+        layout = tuple((g.dtype.str, (g.size,)) for g in self.groups)
+        return Plan(
+            layout,
+            self.digest,
+            groups,
+            self.in_len,
+            self.out_lens,
+            self.replicated,
+            self.layout_text,
+        )
 
     def ordered_params(self) -> list[int]:
         """Param indices in payload order."""

@@ -261,7 +261,7 @@ class StepEngine:
             t2 = time.perf_counter()
             # Arrays published in place lie in payload order in one file: the reduce and
             # the gather take one run of elements per dtype group, not a piece per param.
-            work, runs = (plan.runs(), list(shared.runs)) if in_place and shared else (plan, flats)
+            work, runs = (plan.runs, list(shared.runs)) if in_place and shared else (plan, flats)
             shard = self._reduce_and_publish(work, runs, peers, step, step_dir)
             fault_point("after_output", self.rank, self.seq)
             t3 = time.perf_counter()
