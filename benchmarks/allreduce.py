@@ -7,7 +7,9 @@ same invocation:
                 ``--strategies sharded,root``), sync dir on tmpfs and/or disk. With
                 ``--buffers``, also ``gradsync-buf``: the gradients are arrays from
                 ``GradSync.buffers_like`` (allocated once, before the baseline, like
-                the other peers' gradients), published without a copy.
+                the other peers' gradients), published without a copy. With
+                ``--float32-sum``, also rows ``*-f32``: ``wide_sum=False`` (float32
+                summed in float32 in rank order, as gloo and MPI do).
 - ``gloo``      ``torch.distributed.all_reduce`` (SUM, then ``div_(W)``) of one flat
                 float32 buffer (multi-tensor workloads are copied into and out of it,
                 as DDP's buckets are). torch is imported only inside this peer.
@@ -209,6 +211,7 @@ class GradSyncPeer:
             max_wait_s=300.0,
             strategy=spec["strategy"],
             threads=spec.get("threads"),
+            wide_sum=spec.get("wide_sum", True),
         )
         self.sync = GradSync(cfg)
         self._barrier = barrier
@@ -1010,6 +1013,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also run gradsync on GradSync.buffers_like arrays (rows gradsync-buf)",
     )
+    p.add_argument(
+        "--float32-sum",
+        action="store_true",
+        help="also run gradsync with wide_sum=False (float32 summed in float32; rows *-f32)",
+    )
     p.add_argument("--steps", type=int, default=30, help="timed steps, workloads >= 16 MiB")
     p.add_argument("--small-steps", type=int, default=200, help="timed steps, workloads < 16 MiB")
     p.add_argument("--warmup", type=int, default=5)
@@ -1097,24 +1105,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             root = dir_paths[d] / f"gradsync-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             try:
                 variants = [
-                    (s, t, b)
+                    (s, t, b, w)
                     for s in strategies
                     for t in _csv(args.threads)
                     for b in ((False, True) if args.buffers else (False,))
+                    for w in ((True, False) if args.float32_sum else (True,))
                 ]
-                for strategy, threads, buffers in variants if "gradsync" in peers else []:
+                for strategy, threads, buffers, wide in variants if "gradsync" in peers else []:
                     spec = {
                         **base_spec,
-                        "sync_dir": str(root / f"{strategy}-{threads}-{int(buffers)}"),
+                        "sync_dir": str(root / f"{strategy}-{threads}-{int(buffers)}-{int(wide)}"),
                         "strategy": strategy,
                         "threads": None if threads == "auto" else int(threads),
                         "buffers": buffers,
+                        "wide_sum": wide,
                     }
                     label = f"gradsync[{strategy}, threads {threads}"
-                    label += ", buffers] " if buffers else "] "
+                    label += ", buffers" if buffers else ""
+                    label += "] " if wide else ", float32 sum] "
                     launch = run(f"{label}{d} W={world}", "gradsync", world, spec)
                     peer = "gradsync" if strategy == "sharded" else f"gradsync-{strategy}"
                     peer += "-buf" if buffers else ""
+                    peer += "" if wide else "-f32"
                     peer += "" if threads == "auto" else f"-t{threads}"
                     rows += summarise(launch, d, world, peer, workloads)
                 if "naive" in peers:
@@ -1152,6 +1164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     targets = check_targets(rows, names)
     if args.buffers:
         targets += check_targets(rows, names, peer="gradsync-buf")
+    if args.float32_sum:
+        targets += check_targets(rows, names, peer="gradsync-f32")
+        if args.buffers:
+            targets += check_targets(rows, names, peer="gradsync-buf-f32")
     print("\n# targets")
     for t in targets:
         verdict = "n/a " if t.passed is None else ("PASS" if t.passed else "FAIL")

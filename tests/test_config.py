@@ -20,6 +20,8 @@ ENV_NAMES = (
     "RANK",
     "GRADSYNC_SYNC_DIR",
     "GRADSYNC_MAX_WAIT_S",
+    "GRADSYNC_THREADS",
+    "GRADSYNC_WIDE_SUM",
     "GRADSYNC_RUN_ID",
     "TORCHELASTIC_RUN_ID",
 )
@@ -59,6 +61,7 @@ def test_defaults() -> None:
     assert cfg.heartbeat_timeout_s == 15.0
     assert cfg.warn_after_s == 10.0
     assert cfg.check_finite is False
+    assert cfg.wide_sum is True
     assert cfg.run_id is None
     assert cfg.enabled is False
     assert make(world_size=2).enabled is True
@@ -153,6 +156,8 @@ def test_config_error_is_value_error() -> None:
         ({"check_finite": 1}, "check_finite must be a bool, got 1"),
         ({"check_finite": "yes"}, "check_finite must be a bool, got 'yes'"),
         ({"check_finite": None}, "check_finite must be a bool, got None"),
+        ({"wide_sum": 0}, "wide_sum must be a bool, got 0"),
+        ({"wide_sum": "false"}, "wide_sum must be a bool, got 'false'"),
         ({"run_id": ""}, "run_id must be 1-64 characters from [A-Za-z0-9._-] or None, got ''"),
         (
             {"run_id": "a b"},
@@ -306,6 +311,11 @@ def test_from_env_empty_sync_dir(value: str) -> None:
             base_env(GRADSYNC_THREADS="auto"),
             "environment variable GRADSYNC_THREADS must be an integer, got 'auto'",
         ),
+        (
+            base_env(GRADSYNC_WIDE_SUM="float32"),
+            "environment variable GRADSYNC_WIDE_SUM must be one of 1, 0, true, false, yes, "
+            "no, on, off; got 'float32'",
+        ),
     ],
 )
 def test_from_env_bad_number_named_with_value(env: dict[str, str], message: str) -> None:
@@ -372,6 +382,15 @@ def test_from_env_invalid_values_name_the_variables(env: dict[str, str], message
 def test_from_env_threads() -> None:
     assert FileGradSyncConfig.from_env(env=base_env(GRADSYNC_THREADS=" 4 ")).threads == 4
     assert FileGradSyncConfig.from_env(env=base_env()).threads is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [("0", False), (" false ", False), ("No", False), ("off", False), ("1", True), ("TRUE", True)],
+)
+def test_from_env_wide_sum(raw: str, value: bool) -> None:
+    assert FileGradSyncConfig.from_env(env=base_env(GRADSYNC_WIDE_SUM=raw)).wide_sum is value
+    assert FileGradSyncConfig.from_env(env=base_env()).wide_sum is True
 
 
 def test_from_env_max_wait() -> None:

@@ -16,11 +16,16 @@ from ranks import run_ranks
 
 
 def expected(
-    world: int, step: int, offset: int = 0, big: bool = False, huge: bool = False
+    world: int,
+    step: int,
+    offset: int = 0,
+    big: bool = False,
+    huge: bool = False,
+    wide_sum: bool = True,
 ) -> list[bytes]:
     shapes = workers.SHAPES_HUGE if huge else workers.SHAPES_BIG if big else workers.SHAPES
     per_rank = [workers.grads_for(r + offset, step, shapes) for r in range(world)]
-    return [a.tobytes() for a in gradsync.average_host_grads(per_rank)]
+    return [a.tobytes() for a in gradsync.average_host_grads(per_rank, wide_sum=wide_sum)]
 
 
 def assert_ok(results: dict[int, object]) -> None:
@@ -52,6 +57,26 @@ def test_every_rank_gets_the_same_bits_as_average_host_grads(
         want = expected(world, step, big=big)
         for r in range(world):
             assert results[r].value[step] == want, f"rank {r} step {step}"
+
+
+@pytest.mark.parametrize(
+    ("strategy", "big", "threads"),
+    [("sharded", False, 1), ("sharded", True, 1), ("root", True, 1), ("sharded", True, 3)],
+    ids=["small-replicated", "big-sharded", "big-root", "big-threads"],
+)
+def test_float32_sums_give_every_rank_average_host_grads_bits(
+    tmp_path: Path, strategy: str, big: bool, threads: int
+) -> None:
+    # wide_sum=False: float32 summed in float32 in rank order, by whichever rank
+    # reduces each element; the same bits everywhere, and not the float64 sum's.
+    kw = {"strategy": strategy, "big": big, "wide_sum": False, "threads": threads}
+    results = run_ranks(workers.average_steps, 3, (3, str(tmp_path), 2, kw))
+    assert_ok(results)
+    for step in range(2):
+        want = expected(3, step, big=big, wide_sum=False)
+        for r in range(3):
+            assert results[r].value[step] == want, f"rank {r} step {step}"
+    assert want != expected(3, 1, big=big), "no float32 param whose two sums differ"
 
 
 @pytest.mark.parametrize(
@@ -198,6 +223,11 @@ def test_live_straggler_times_out_naming_exactly_the_missing_rank(tmp_path: Path
             "dtype",
             r"step 0: param 1: rank [01] has shape \(7,\) float16 "
             r"but rank 2 has shape \(7,\) float32",
+        ),
+        (
+            "wide_sum",
+            r"step 0: ranks \[0, 1\] sum float32 in float64 \(wide_sum=True\) but ranks \[2\] "
+            r"in float32 \(wide_sum=False\); give every rank the same wide_sum",
         ),
         (
             "step",

@@ -163,6 +163,67 @@ def test_float64_mean(arrays: list[np.ndarray]) -> None:
     assert got.tobytes() == rank_order_mean(arrays, float).tobytes()
 
 
+def narrow_mean(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """What ``wide_sum=False`` promises for float32: the float32 sum in rank order divided
+    by W; for two ranks (the same bits) or where that is not finite but the float64 mean
+    is, the float64 mean."""
+    wide = rank_order_mean(arrays, float).astype(np.float32)
+    if len(arrays) <= 2:
+        return wide
+    with np.errstate(over="ignore", invalid="ignore"):
+        narrow = rank_order_mean(arrays, np.float32)
+    return np.where(~np.isfinite(narrow) & np.isfinite(wide), wide, narrow)
+
+
+@SETTINGS
+@given(rank_arrays(np.float32, float_elements(np.float32)))
+def test_float32_sums_in_float32_in_rank_order_without_wide_sum(arrays: list[np.ndarray]) -> None:
+    [got] = average_host_grads([[a] for a in arrays], wide_sum=False)
+    assert got.dtype == np.float32
+    assert got.tobytes() == narrow_mean(arrays).tobytes()
+    assert np.all(np.isfinite(got))  # an overflowing chunk is redone in float64
+    if len(arrays) <= 2:  # two ranks: the same bits as the wide sum
+        [wide] = average_host_grads([[a] for a in arrays])
+        assert got.tobytes() == wide.tobytes()
+
+
+@SETTINGS
+@given(rank_arrays(np.float16, float_elements(np.float16)))
+def test_wide_sum_leaves_float16_and_float64_alone(arrays: list[np.ndarray]) -> None:
+    doubles = [a.astype(np.float64) for a in arrays]
+    for group in (arrays, doubles):
+        [narrow] = average_host_grads([[a] for a in group], wide_sum=False)
+        [wide] = average_host_grads([[a] for a in group])
+        assert narrow.tobytes() == wide.tobytes()
+
+
+def test_float32_sum_without_wide_sum_examples() -> None:
+    # 1 + 2**-24 rounds back to 1 in float32, twice: the mean is 1/3 in float32.
+    ranks = [np.array([x], np.float32) for x in (1.0, 2.0**-24, 2.0**-24)]
+    [got] = average_host_grads([[r] for r in ranks], wide_sum=False)
+    assert got[0] == np.float32(1.0) / np.float32(3.0)
+    huge = np.full(4, F32_MAX, np.float32)
+    [mean] = average_host_grads([[huge]] * 5, wide_sum=False)  # float32 sum overflows
+    np.testing.assert_array_equal(mean, huge)
+    # One element overflows in float32, its neighbour does not: only the first takes the
+    # float64 mean, however the elements are chunked.
+    cols = [
+        np.array([F32_MAX, x, F32_MAX, y], np.float32)
+        for x, y in ((1.0, F32_MAX), (2.0**-24, F32_MAX), (2.0**-24, -np.inf))
+    ]
+    want = [F32_MAX, np.float32(1.0) / np.float32(3.0), F32_MAX]
+    for chunk in (1, 2, 1 << 15):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(reduce_mod, "CHUNK_ELEMS", chunk)
+            [got] = average_host_grads([[c] for c in cols], wide_sum=False)
+        assert got[:3].tolist() == want
+        # MAX + MAX overflows before -inf: float32 gives NaN, float64 -inf; neither is
+        # finite, so the float32 sum stands.
+        assert np.isnan(got[3])
+    with pytest.raises(ConfigError, match=exact("wide_sum must be a bool, got 'no'")):
+        average_host_grads([[huge]], wide_sum="no")  # type: ignore[arg-type]
+
+
 def test_float32_sums_in_float64() -> None:
     # In float32, 1 + 2**-24 + 2**-24 rounds back to 1; the float64 accumulator keeps both.
     ranks = [np.array([x], np.float32) for x in (1.0, 2.0**-24, 2.0**-24)]
@@ -387,19 +448,20 @@ def copy_fetchers(flats: Sequence[np.ndarray], calls: list[tuple[int, int]]) -> 
     ),
     chunk=st.integers(1, 40),
     shard_world=st.integers(1, 7),
+    wide=st.booleans(),
 )
 def test_chunking_and_sharding_do_not_change_bits(
-    arrays: list[np.ndarray], chunk: int, shard_world: int
+    arrays: list[np.ndarray], chunk: int, shard_world: int, wide: bool
 ) -> None:
-    [whole] = average_host_grads([[a] for a in arrays])
+    [whole] = average_host_grads([[a] for a in arrays], wide_sum=wide)
     flats = [a.reshape(-1) for a in arrays]
     n = flats[0].size
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(reduce_mod, "CHUNK_ELEMS", chunk)
-        [chunked] = average_host_grads([[a] for a in arrays])
+        [chunked] = average_host_grads([[a] for a in arrays], wide_sum=wide)
         calls: list[tuple[int, int]] = []
         copied = np.empty(n, whole.dtype)
-        mean_into(copy_fetchers(flats, calls), n, copied)
+        mean_into(copy_fetchers(flats, calls), n, copied, wide=wide)
         if n:
             assert max(stop - start for start, stop in calls) <= chunk
     assert chunked.tobytes() == whole.tobytes()
@@ -407,7 +469,7 @@ def test_chunking_and_sharding_do_not_change_bits(
     # The chunk size the threaded reduce passes explicitly.
     calls = []
     explicit = np.empty(n, whole.dtype)
-    mean_into(copy_fetchers(flats, calls), n, explicit, chunk_elems=chunk + 3)
+    mean_into(copy_fetchers(flats, calls), n, explicit, chunk_elems=chunk + 3, wide=wide)
     assert explicit.tobytes() == whole.reshape(-1).tobytes()
     if n:
         assert max(stop - start for start, stop in calls) <= chunk + 3
@@ -415,7 +477,7 @@ def test_chunking_and_sharding_do_not_change_bits(
     pieces = np.full(n, np.nan, whole.dtype)
     for q in range(shard_world):
         lo, hi = shard_range(n, q, shard_world)
-        mean_into(view_fetchers([f[lo:hi] for f in flats]), hi - lo, pieces[lo:hi])
+        mean_into(view_fetchers([f[lo:hi] for f in flats]), hi - lo, pieces[lo:hi], wide=wide)
     assert pieces.tobytes() == whole.reshape(-1).tobytes()
 
 

@@ -119,8 +119,11 @@ def stall(rank: int, world: int, sync_dir: str, sleeper: int, max_wait_s: float)
 def mismatched(rank: int, world: int, sync_dir: str, kind: str) -> Any:
     shapes = list(SHAPES)
     step = 0
+    kw: dict[str, Any] = {}
     if rank == world - 1:
-        if kind == "shape":
+        if kind == "wide_sum":
+            kw["wide_sum"] = False
+        elif kind == "shape":
             shapes[3] = ((999,), "float32")
         elif kind == "count":
             shapes = shapes[:-1]
@@ -128,7 +131,7 @@ def mismatched(rank: int, world: int, sync_dir: str, kind: str) -> Any:
             shapes[1] = ((7,), "float32")
         elif kind == "step":
             step = 5
-    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+    with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
         gs.average(grads_for(rank, 0, shapes), step=step)
 
 

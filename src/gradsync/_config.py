@@ -56,6 +56,14 @@ class FileGradSyncConfig:
             (pieces of at least 1 MiB; smaller steps always run on the calling
             thread). ``None`` (default): this process's usable CPUs divided by the
             ranks on this host, 1 to 8. The result does not depend on it, bit for bit.
+        wide_sum: Sum float32 gradients in float64 (default): the mean is then within
+            one rounding of the exact mean and the same whichever process has which
+            rank. ``False`` sums them in float32 in rank order, as gloo and NCCL do:
+            2.5-5x less CPU for the reduction at 3 or more ranks (the error grows to
+            about W - 1 float32 roundings; an element whose float32 sum overflows
+            takes the float64 mean). With 2 ranks both give the same bits. float16
+            is always summed in float32, float64 in float64. Every rank must use the
+            same value (a step fails with MismatchError otherwise).
         run_id: Optional name of the job. Ranks only join peers with the same run_id,
             so concurrent jobs sharing one sync_dir stay apart. ``gradsync launch`` sets
             one; without it, a fresh rendezvous still keeps earlier runs' files out.
@@ -77,6 +85,7 @@ class FileGradSyncConfig:
     use_mmap: bool | None = None
     checksums: bool = False
     threads: int | None = None
+    wide_sum: bool = True
 
     def __post_init__(self) -> None:
         _check_int("world_size", self.world_size, minimum=1)
@@ -103,6 +112,8 @@ class FileGradSyncConfig:
             raise ConfigError(f"check_finite must be a bool, got {self.check_finite!r}")
         if not isinstance(self.checksums, bool):
             raise ConfigError(f"checksums must be a bool, got {self.checksums!r}")
+        if not isinstance(self.wide_sum, bool):
+            raise ConfigError(f"wide_sum must be a bool, got {self.wide_sum!r}")
         if self.use_mmap is not None and not isinstance(self.use_mmap, bool):
             raise ConfigError(f"use_mmap must be a bool or None, got {self.use_mmap!r}")
         if self.threads is not None:
@@ -126,8 +137,9 @@ class FileGradSyncConfig:
 
         Reads ``GRADSYNC_WORLD_SIZE`` and ``GRADSYNC_RANK`` (falling back to torchrun's
         ``WORLD_SIZE`` and ``RANK``), ``GRADSYNC_SYNC_DIR`` (required), and optionally
-        ``GRADSYNC_MAX_WAIT_S``, ``GRADSYNC_THREADS`` and ``GRADSYNC_RUN_ID`` (falling
-        back to ``TORCHELASTIC_RUN_ID``). Keyword ``overrides`` win over the environment.
+        ``GRADSYNC_MAX_WAIT_S``, ``GRADSYNC_THREADS``, ``GRADSYNC_WIDE_SUM`` (``1``/``0``,
+        ``true``/``false``) and ``GRADSYNC_RUN_ID`` (falling back to
+        ``TORCHELASTIC_RUN_ID``). Keyword ``overrides`` win over the environment.
         With a world size of 1, ``GRADSYNC_SYNC_DIR`` may be unset (it is never used).
 
         Raises:
@@ -165,6 +177,10 @@ class FileGradSyncConfig:
             raw = source["GRADSYNC_THREADS"]
             values["threads"] = _parse_int("GRADSYNC_THREADS", raw)
             used.append(f"GRADSYNC_THREADS={raw!r}")
+        if "GRADSYNC_WIDE_SUM" in source:
+            raw = source["GRADSYNC_WIDE_SUM"]
+            values["wide_sum"] = _parse_bool("GRADSYNC_WIDE_SUM", raw)
+            used.append(f"GRADSYNC_WIDE_SUM={raw!r}")
         for name in ("GRADSYNC_RUN_ID", "TORCHELASTIC_RUN_ID"):
             if source.get(name):
                 values["run_id"] = source[name]
@@ -221,3 +237,17 @@ def _parse_float(name: str, raw: str) -> float:
         return float(raw.strip())
     except ValueError:
         raise ConfigError(f"environment variable {name} must be a number, got {raw!r}") from None
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ConfigError(
+        f"environment variable {name} must be one of 1, 0, true, false, yes, no, on, off; "
+        f"got {raw!r}"
+    )

@@ -56,6 +56,7 @@ from ._errors import (
 from ._faults import fault_point
 from ._format import (
     FLAG_CHECKSUMS,
+    FLAG_NARROW_SUM,
     FLAG_NONFINITE,
     HEADER_READ_BYTES,
     KIND_INPUT,
@@ -364,7 +365,9 @@ class StepEngine:
             layout_digest=plan.digest,
             meta=meta,
             payload_len=payload_len,
-            flags=(FLAG_NONFINITE if nonfinite else 0) | (FLAG_CHECKSUMS if crc is not None else 0),
+            flags=(FLAG_NONFINITE if nonfinite else 0)
+            | (FLAG_CHECKSUMS if crc is not None else 0)
+            | (FLAG_NARROW_SUM if kind == KIND_INPUT and not self.cfg.wide_sum else 0),
             payload_offset=payload_offset,
         )
 
@@ -592,8 +595,6 @@ class StepEngine:
                 self._raise_abort(step_dir, aborted[0], step)
             if not missing:
                 break
-            if not missing:
-                break
             elapsed = backoff.elapsed_s()
             if elapsed >= next_check:
                 next_check = elapsed + _LIVENESS_EVERY_S
@@ -760,6 +761,18 @@ class StepEngine:
                     plan.layout, other.layout(str(peers[q].path)), q, step, step_dir
                 )
             self._check_length(peers[q], q, plan.in_len, step)
+        narrow = [q for q in range(self.world) if peers[q].header.flags & FLAG_NARROW_SUM]
+        if narrow and len(narrow) < self.world:
+            wide = [q for q in range(self.world) if q not in narrow]
+            # Each shard is reduced by one rank: mixed settings would mix the maths.
+            raise MismatchError(
+                f"step {step}: ranks {wide} sum float32 in float64 (wide_sum=True) but "
+                f"ranks {narrow} in float32 (wide_sum=False); give every rank the same "
+                "wide_sum",
+                step=step,
+                ranks=sorted(wide + narrow),
+                path=step_dir,
+            )
         bad = [
             (q, i)
             for q in range(self.world)
@@ -832,7 +845,8 @@ class StepEngine:
             # Threads take turns at the GIL between numpy calls: bigger chunks, fewer turns.
             chunk = CHUNK_ELEMS if self.workers.threads == 1 else THREADED_CHUNK_ELEMS
             jobs += [
-                _mean_job(fetch, a, b, out, chunk) for a, b in split_range(hi - lo, pieces, 1024)
+                _mean_job(fetch, a, b, out, chunk, self.cfg.wide_sum)
+                for a, b in split_range(hi - lo, pieces, 1024)
             ]
         self.workers.run(jobs)
         return shard
@@ -1033,13 +1047,21 @@ def _prune_step_dir(step_dir: Path, world: int, replicated: bool) -> None:
         shutil.rmtree(step_dir, ignore_errors=True)
 
 
-def _mean_job(fetch: Sequence[Fetch], a: int, b: int, out: np.ndarray, chunk: int) -> Any:
-    """A job computing elements ``[a, b)`` of ``mean_into(fetch, len(out), out)``."""
+def _mean_job(
+    fetch: Sequence[Fetch], a: int, b: int, out: np.ndarray, chunk: int, wide: bool
+) -> Any:
+    """A job computing elements ``[a, b)`` of ``mean_into(fetch, len(out), out, wide=wide)``."""
 
     def shifted(f: Fetch) -> Fetch:
         return lambda start, stop, buf: f(start + a, stop + a, buf)
 
     def job() -> None:
-        mean_into([shifted(f) for f in fetch] if a else fetch, b - a, out[a:b], chunk_elems=chunk)
+        mean_into(
+            [shifted(f) for f in fetch] if a else fetch,
+            b - a,
+            out[a:b],
+            chunk_elems=chunk,
+            wide=wide,
+        )
 
     return job
