@@ -1,7 +1,8 @@
 """gradsync's whole step on GPU buffers against the raw device<->host copies it wraps.
 
 Every rank (a spawned process, all sharing one GPU unless several are found) holds
-float32 gradient buffers of the given size and, per step:
+float32 gradients of the given size (in ``--params`` buffers of about equal size; one
+by default) and, per step:
 
 - raw naive:  ``queue.read_buffer`` + ``queue.write_buffer`` of every buffer (what a
               straightforward port would do, before any averaging), timed until the
@@ -31,6 +32,7 @@ Run: ``python benchmarks/wgpu_step.py --world-sizes 2 4 --sizes-mib 1 16 256``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -52,6 +54,7 @@ def _rank(
     report: Any,
     barrier: Any,
     threads: int | None,
+    params: int,
 ) -> None:
     import wgpu  # noqa: PLC0415 - only ranks need a GPU
 
@@ -83,29 +86,39 @@ def _rank(
     with gradsync.GradSync(cfg) as gs:
         for nbytes in sizes:
             n = nbytes // 4
+            # ``params`` buffers of about equal size (whole float32s) totalling nbytes.
+            cuts = [n * k // params for k in range(params + 1)]
+            spans_el = [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
             host = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
-            buf = dev.create_buffer(size=nbytes, usage=bu.STORAGE | bu.COPY_SRC | bu.COPY_DST)
+            bufs = [
+                dev.create_buffer(size=4 * (b - a), usage=bu.STORAGE | bu.COPY_SRC | bu.COPY_DST)
+                for a, b in spans_el
+            ]
             rd = dev.create_buffer(size=nbytes, usage=bu.MAP_READ | bu.COPY_DST)
             wr = dev.create_buffer(size=nbytes, usage=bu.MAP_WRITE | bu.COPY_SRC)
             out = np.empty_like(host)
             times: dict[str, list[float]] = {name: [] for name in _SERIES}
             for i in range(steps + 1):
                 host[:8] = rank + i  # inputs change every step
-                dev.queue.write_buffer(buf, 0, host)
+                for buf, (a, b) in zip(bufs, spans_el, strict=True):
+                    dev.queue.write_buffer(buf, 0, host[a:b])
                 dev.queue.read_buffer(fence, 0, 4)
                 # Every phase starts on all ranks together, as a step does after backward():
                 # ranks sharing a GPU then contend the same way in all three.
                 barrier.wait()
                 t0 = time.perf_counter()
-                np.copyto(out, np.frombuffer(dev.queue.read_buffer(buf), np.float32))
-                dev.queue.write_buffer(buf, 0, out)
+                for buf, (a, b) in zip(bufs, spans_el, strict=True):
+                    np.copyto(out[a:b], np.frombuffer(dev.queue.read_buffer(buf), np.float32))
+                for buf, (a, b) in zip(bufs, spans_el, strict=True):
+                    dev.queue.write_buffer(buf, 0, out[a:b])
                 t0_queued = time.perf_counter()
                 dev.queue.read_buffer(fence, 0, 4)
                 t0_end = time.perf_counter()
                 barrier.wait()
                 t1 = time.perf_counter()
                 enc = dev.create_command_encoder()
-                enc.copy_buffer_to_buffer(buf, 0, rd, 0, nbytes)
+                for buf, (a, b) in zip(bufs, spans_el, strict=True):
+                    enc.copy_buffer_to_buffer(buf, 0, rd, 4 * a, 4 * (b - a))
                 dev.queue.submit([enc.finish()])
                 rd.map_sync(wgpu.MapMode.READ)
                 np.copyto(out, np.frombuffer(rd.read_mapped(0, nbytes, copy=False), np.float32))
@@ -114,13 +127,14 @@ def _rank(
                 wr.write_mapped(out, 0)
                 wr.unmap()
                 enc = dev.create_command_encoder()
-                enc.copy_buffer_to_buffer(wr, 0, buf, 0, nbytes)
+                for buf, (a, b) in zip(bufs, spans_el, strict=True):
+                    enc.copy_buffer_to_buffer(wr, 4 * a, buf, 0, 4 * (b - a))
                 dev.queue.submit([enc.finish()])
                 dev.queue.read_buffer(fence, 0, 4)
                 t1_end = time.perf_counter()
                 barrier.wait()
                 t2 = time.perf_counter()
-                stats = gs.average([buf], step=step_no, device=dev)
+                stats = gs.average(bufs, step=step_no, device=dev)
                 t3 = time.perf_counter()
                 dev.queue.read_buffer(fence, 0, 4)
                 t4 = time.perf_counter()
@@ -136,10 +150,10 @@ def _rank(
                     for name in _HOST_PHASES:
                         times[name].append(getattr(stats, name + "_s"))
                     times["rest"].append(t3 - t2 - spans["download"] - stats.total_s)
-            check = np.frombuffer(dev.queue.read_buffer(buf, 0, 32), np.float32)
+            check = np.frombuffer(dev.queue.read_buffer(bufs[0], 0, 32), np.float32)
             want = np.float32(np.mean([r + steps for r in range(world)]))
             rows.append({"bytes": nbytes, "times": times, "ok": bool(np.all(check == want))})
-            for b in (buf, rd, wr):
+            for b in (*bufs, rd, wr):
                 b.destroy()
     report.put((rank, info, rows))
 
@@ -177,6 +191,12 @@ def main() -> None:
     ap.add_argument(
         "--threads", default="auto", help="gradsync threads per rank: auto (default) or N"
     )
+    ap.add_argument(
+        "--params",
+        type=int,
+        default=1,
+        help="gradient buffers per rank, of about equal size, totalling each size (default 1)",
+    )
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per world size")
     ap.add_argument("--profile", action="store_true", help="also print where gradsync's step goes")
     args = ap.parse_args()
@@ -191,7 +211,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=sync_root) as d:
             procs = [
                 ctx.Process(
-                    target=_rank, args=(r, world, d, sizes, args.steps, q, barrier, threads)
+                    target=_rank,
+                    args=(r, world, d, sizes, args.steps, q, barrier, threads, args.params),
                 )
                 for r in range(world)
             ]
@@ -202,7 +223,7 @@ def main() -> None:
                 p.join(60)
         infos = {r: info for r, info, _ in results}
         print(
-            f"\nW={world}, threads {args.threads}: adapters "
+            f"\nW={world}, threads {args.threads}, {args.params} buffer(s) a rank: adapters "
             + "; ".join(
                 f"rank {r}: {i.get('device')} ({i.get('backend_type')})"
                 for r, i in sorted(infos.items())
@@ -235,6 +256,7 @@ def main() -> None:
                 {
                     "world": world,
                     "threads": args.threads,
+                    "params": args.params,
                     "bytes": nbytes,
                     "median_s": med,
                     "correct": ok,

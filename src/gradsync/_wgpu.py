@@ -18,6 +18,7 @@ rounded up to a multiple of 4 bytes (the padding elements are then averaged too)
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -80,8 +81,10 @@ _TYPE_ORDER = {
 }
 
 
+@functools.cache
 def _import_wgpu() -> Any:
-    # Deferred so that ``import gradsync`` works (and stays fast) without wgpu.
+    # Deferred so that ``import gradsync`` works (and stays fast) without wgpu; cached
+    # because the liveness probe asks once per buffer per step.
     return importlib.import_module("wgpu")
 
 
