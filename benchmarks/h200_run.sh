@@ -33,6 +33,9 @@ for t in auto 1; do
   python3 benchmarks/wgpu_step.py --world-sizes 2 4 --sizes-mib 1 16 64 256 --steps 9 --threads $t --profile \
     --json "$OUT/step-threads-$t.json" 2>&1 | tee "$OUT/step-threads-$t.txt"
 done
+# The same gradients split over 100 buffers a rank (per-buffer costs: probe, copy commands).
+python3 benchmarks/wgpu_step.py --world-sizes 2 4 --sizes-mib 1 16 --steps 9 --params 100 --profile \
+  --json "$OUT/step-params-100.json" 2>&1 | tee "$OUT/step-params-100.txt"
 # The host exchange alone on this many-core host (no GPU): threads auto against 1, with
 # and without buffers_like arrays.
 peers=gradsync,memcpy
