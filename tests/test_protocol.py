@@ -225,11 +225,6 @@ def test_live_straggler_times_out_naming_exactly_the_missing_rank(tmp_path: Path
             r"but rank 2 has shape \(7,\) float32",
         ),
         (
-            "wide_sum",
-            r"step 0: ranks \[0, 1\] sum float32 in float64 \(wide_sum=True\) but ranks \[2\] "
-            r"in float32 \(wide_sum=False\); give every rank the same wide_sum",
-        ),
-        (
             "step",
             r"ranks disagree on the step number in \S+: "
             r"rank 0 is at step 0, rank 1 is at step 0, rank 2 is at step 5",
@@ -254,6 +249,29 @@ def test_world_size_mismatch_at_rendezvous(tmp_path: Path) -> None:
         r"rendezvous: rank 0 has world_size 2 but rank 1 \(pid \d+ on \S+\) has world_size 3",
         results[0].message,
     )
+    assert results[1].error_type == "MismatchError"
+    assert results[1].message == results[0].message
+
+
+@pytest.mark.parametrize(
+    ("key", "values", "shown"),
+    [
+        ("strategy", ["root", "sharded"], ("'root'", "'sharded'")),
+        ("wide_sum", [True, False], ("True", "False")),
+    ],
+)
+def test_settings_mismatch_at_rendezvous(
+    tmp_path: Path, key: str, values: list[object], shown: tuple[str, str]
+) -> None:
+    # Both decide what the ranks read and compute: ranks that disagree fail at once, on
+    # every rank and with one message, before any step reads another's files.
+    results = run_ranks(workers.rendezvous_settings, 2, (2, str(tmp_path), key, values))
+    assert results[0].error_type == "MismatchError", results[0].message
+    assert re.fullmatch(
+        rf"rendezvous: rank 0 has {key}={re.escape(shown[0])} but rank 1 \(pid \d+ on \S+\) "
+        rf"has {key}={re.escape(shown[1])} in \S+; every rank must use the same {key}",
+        results[0].message,
+    ), results[0].message
     assert results[1].error_type == "MismatchError"
     assert results[1].message == results[0].message
 

@@ -119,11 +119,8 @@ def stall(rank: int, world: int, sync_dir: str, sleeper: int, max_wait_s: float)
 def mismatched(rank: int, world: int, sync_dir: str, kind: str) -> Any:
     shapes = list(SHAPES)
     step = 0
-    kw: dict[str, Any] = {}
     if rank == world - 1:
-        if kind == "wide_sum":
-            kw["wide_sum"] = False
-        elif kind == "shape":
+        if kind == "shape":
             shapes[3] = ((999,), "float32")
         elif kind == "count":
             shapes = shapes[:-1]
@@ -131,7 +128,7 @@ def mismatched(rank: int, world: int, sync_dir: str, kind: str) -> Any:
             shapes[1] = ((7,), "float32")
         elif kind == "step":
             step = 5
-    with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
         gs.average(grads_for(rank, 0, shapes), step=step)
 
 
@@ -204,6 +201,12 @@ def claim(rank: int, world: int, sync_dir: str, as_rank: int) -> Any:
 def rendezvous_world(rank: int, world: int, sync_dir: str, worlds: list[int]) -> Any:
     with gradsync.GradSync(config(rank, worlds[rank], sync_dir, max_wait_s=8.0)) as gs:
         gs.average(grads_for(rank, 0), step=0)
+
+
+def rendezvous_settings(rank: int, world: int, sync_dir: str, key: str, values: list[Any]) -> Any:
+    cfg = config(rank, world, sync_dir, max_wait_s=8.0, **{key: values[rank]})
+    with gradsync.GradSync(cfg) as gs:
+        gs.average(grads_for(rank, 0, SHAPES_BIG), step=0)
 
 
 def shared_buffer_steps(

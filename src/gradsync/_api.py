@@ -108,7 +108,8 @@ class GradSync:
 
         Raises:
             InvalidGradsError: the gradients cannot be averaged in place.
-            MismatchError: ranks passed different layouts or step numbers.
+            MismatchError: ranks passed different layouts or step numbers, or (first
+                call) were configured with different world sizes, strategies or wide_sum.
             PeerLostError: a peer died; PeerTimeoutError: live peers did not publish
                 within ``max_wait_s``; PeerAbortedError: a peer failed the step.
             SyncDirError: the sync directory could not be read or written.

@@ -44,7 +44,6 @@ KIND_OUTPUT = 2  # a rank's reduced shard of the mean
 _KINDS = (KIND_INPUT, KIND_OUTPUT)
 FLAG_NONFINITE = 1
 FLAG_CHECKSUMS = 2  # meta["crc"]: CRC-32 of every CRC_BLOCK bytes of payload, 8 hex digits each
-FLAG_NARROW_SUM = 4  # input files: this rank sums float32 in float32 (wide_sum=False)
 CRC_BLOCK = 1 << 20
 _FIXED = struct.Struct("<4sHBBIIQq16s16sIQQ")
 _CRC = struct.Struct("<I")

@@ -56,7 +56,6 @@ from ._errors import (
 from ._faults import fault_point
 from ._format import (
     FLAG_CHECKSUMS,
-    FLAG_NARROW_SUM,
     FLAG_NONFINITE,
     HEADER_READ_BYTES,
     KIND_INPUT,
@@ -365,9 +364,7 @@ class StepEngine:
             layout_digest=plan.digest,
             meta=meta,
             payload_len=payload_len,
-            flags=(FLAG_NONFINITE if nonfinite else 0)
-            | (FLAG_CHECKSUMS if crc is not None else 0)
-            | (FLAG_NARROW_SUM if kind == KIND_INPUT and not self.cfg.wide_sum else 0),
+            flags=(FLAG_NONFINITE if nonfinite else 0) | (FLAG_CHECKSUMS if crc is not None else 0),
             payload_offset=payload_offset,
         )
 
@@ -761,18 +758,6 @@ class StepEngine:
                     plan.layout, other.layout(str(peers[q].path)), q, step, step_dir
                 )
             self._check_length(peers[q], q, plan.in_len, step)
-        narrow = [q for q in range(self.world) if peers[q].header.flags & FLAG_NARROW_SUM]
-        if narrow and len(narrow) < self.world:
-            wide = [q for q in range(self.world) if q not in narrow]
-            # Each shard is reduced by one rank: mixed settings would mix the maths.
-            raise MismatchError(
-                f"step {step}: ranks {wide} sum float32 in float64 (wide_sum=True) but "
-                f"ranks {narrow} in float32 (wide_sum=False); give every rank the same "
-                "wide_sum",
-                step=step,
-                ranks=sorted(wide + narrow),
-                path=step_dir,
-            )
         bad = [
             (q, i)
             for q in range(self.world)

@@ -79,6 +79,12 @@ class Generation:
         return self.path / f"left-{rank}"
 
 
+def _settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
+    """The config fields every rank must share: they decide the file layout (strategy)
+    and the maths (wide_sum). The rest may differ between ranks."""
+    return {"strategy": cfg.strategy, "wide_sum": cfg.wide_sum}
+
+
 def _dump(data: dict[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
@@ -115,7 +121,8 @@ def rendezvous(cfg: FileGradSyncConfig) -> Generation:
         PeerLostError: rank 0 died during the rendezvous.
         RendezvousError: a rank is claimed twice, or a live job with the same run id
             already uses the directory.
-        MismatchError: ranks were started with different world sizes.
+        MismatchError: ranks were started with different world sizes, strategies or
+            wide_sum.
         SyncDirError: the sync directory cannot be created or written.
     """
     nonce = secrets.token_hex(8)
@@ -265,6 +272,7 @@ class _Leader:
                     ranks=[0, member.rank],
                     path=cfg.sync_dir,
                 )
+            self._check_settings(member, data.get("settings"))
             if not 0 < member.rank < cfg.world_size:
                 raise RendezvousError(
                     f"rendezvous: {member.describe()} joined as rank {member.rank}, outside "
@@ -280,6 +288,21 @@ class _Leader:
                     path=cfg.sync_dir,
                 )
             self.confirmed[member.rank] = member
+
+    def _check_settings(self, member: MemberInfo, theirs: object) -> None:
+        """Fail if ``member`` was configured differently where the ranks must agree."""
+        if not isinstance(theirs, dict):
+            return  # written by a gradsync that did not send them
+        cfg = self.cfg
+        for key, mine in _settings(cfg).items():
+            if key in theirs and theirs[key] != mine:
+                raise MismatchError(
+                    f"rendezvous: rank 0 has {key}={mine!r} but rank {member.rank} "
+                    f"({member.describe()}) has {key}={theirs[key]!r} in {cfg.sync_dir}; "
+                    f"every rank must use the same {key}",
+                    ranks=[0, member.rank],
+                    path=cfg.sync_dir,
+                )
 
     def _rival(self, rival: MemberInfo, doing: str) -> RendezvousError:
         return RendezvousError(
@@ -456,7 +479,11 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
                         heartbeat = Heartbeat(gen_path / f"hb-{me.nonce}", cfg.heartbeat_interval_s)
                         _write(
                             gen_path / f"member-{cfg.rank}-{me.nonce}.json",
-                            {"member": me.to_json(), "world_size": cfg.world_size},
+                            {
+                                "member": me.to_json(),
+                                "world_size": cfg.world_size,
+                                "settings": _settings(cfg),
+                            },
                             "confirming membership in",
                         )
             if gen_path is None and elapsed >= next_check:
