@@ -63,7 +63,7 @@ class FileGradSyncConfig:
             about W - 1 float32 roundings; an element whose float32 sum overflows
             takes the float64 mean). With 2 ranks both give the same bits. float16
             is always summed in float32, float64 in float64. Every rank must use the
-            same value (a step fails with MismatchError otherwise).
+            same value (the first call fails with MismatchError otherwise).
         run_id: Optional name of the job. Ranks only join peers with the same run_id,
             so concurrent jobs sharing one sync_dir stay apart. ``gradsync launch`` sets
             one; without it, a fresh rendezvous still keeps earlier runs' files out.

@@ -42,7 +42,8 @@ SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = tuple(ACCUMULATOR)
 def accumulator(dtype: np.dtype[Any], wide: bool) -> np.dtype[Any]:
     """The dtype ``dtype`` is summed in: ``ACCUMULATOR``'s, or with ``wide=False`` its own,
     except float16, always summed in float32 (a float16 sum overflows past 65504).
-    (Chunks of float32 whose float32 sum overflows are summed in float64 either way.)"""
+    (Either way, a float32 element whose float32 mean is not finite but whose float64
+    mean is takes the float64 mean: see mean_into.)"""
     if wide or dtype == np.float16:
         return ACCUMULATOR[dtype]
     return dtype
