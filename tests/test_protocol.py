@@ -246,7 +246,8 @@ def test_world_size_mismatch_at_rendezvous(tmp_path: Path) -> None:
     results = run_ranks(workers.rendezvous_world, 2, (2, str(tmp_path), [2, 3]))
     assert results[0].error_type == "MismatchError"
     assert re.search(
-        r"rendezvous: rank 0 has world_size 2 but rank 1 \(pid \d+ on \S+\) has world_size 3",
+        r"rendezvous: rank 0 has world_size 2 but rank 1 \(pid \d+ on \S+\) has world_size 3 "
+        r"in \S+; every rank must use the same world_size",
         results[0].message,
     )
     assert results[1].error_type == "MismatchError"
@@ -268,8 +269,8 @@ def test_settings_mismatch_at_rendezvous(
     results = run_ranks(workers.rendezvous_settings, 2, (2, str(tmp_path), key, values))
     assert results[0].error_type == "MismatchError", results[0].message
     assert re.fullmatch(
-        rf"rendezvous: rank 0 has {key}={re.escape(shown[0])} but rank 1 \(pid \d+ on \S+\) "
-        rf"has {key}={re.escape(shown[1])} in \S+; every rank must use the same {key}",
+        rf"rendezvous: rank 0 has {key} {re.escape(shown[0])} but rank 1 \(pid \d+ on \S+\) "
+        rf"has {key} {re.escape(shown[1])} in \S+; every rank must use the same {key}",
         results[0].message,
     ), results[0].message
     assert results[1].error_type == "MismatchError"

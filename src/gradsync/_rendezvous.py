@@ -263,16 +263,7 @@ class _Leader:
             known = self.confirmed.get(member.rank)
             if known is not None and known.nonce == member.nonce:
                 continue
-            world = data.get("world_size")
-            if world != cfg.world_size:
-                raise MismatchError(
-                    f"rendezvous: rank 0 has world_size {cfg.world_size} but rank "
-                    f"{member.rank} ({member.describe()}) has world_size {world} in "
-                    f"{cfg.sync_dir}",
-                    ranks=[0, member.rank],
-                    path=cfg.sync_dir,
-                )
-            self._check_settings(member, data.get("settings"))
+            self._check_agreement(member, data)
             if not 0 < member.rank < cfg.world_size:
                 raise RendezvousError(
                     f"rendezvous: {member.describe()} joined as rank {member.rank}, outside "
@@ -289,16 +280,18 @@ class _Leader:
                 )
             self.confirmed[member.rank] = member
 
-    def _check_settings(self, member: MemberInfo, theirs: object) -> None:
+    def _check_agreement(self, member: MemberInfo, data: dict[str, Any]) -> None:
         """Fail if ``member`` was configured differently where the ranks must agree."""
-        if not isinstance(theirs, dict):
-            return  # written by a gradsync that did not send them
         cfg = self.cfg
-        for key, mine in _settings(cfg).items():
+        settings = data.get("settings")
+        # A member file without settings was written by a gradsync that sent none.
+        theirs = {**(settings if isinstance(settings, dict) else {})}
+        theirs["world_size"] = data.get("world_size")
+        for key, mine in {"world_size": cfg.world_size, **_settings(cfg)}.items():
             if key in theirs and theirs[key] != mine:
                 raise MismatchError(
-                    f"rendezvous: rank 0 has {key}={mine!r} but rank {member.rank} "
-                    f"({member.describe()}) has {key}={theirs[key]!r} in {cfg.sync_dir}; "
+                    f"rendezvous: rank 0 has {key} {mine!r} but rank {member.rank} "
+                    f"({member.describe()}) has {key} {theirs[key]!r} in {cfg.sync_dir}; "
                     f"every rank must use the same {key}",
                     ranks=[0, member.rank],
                     path=cfg.sync_dir,
