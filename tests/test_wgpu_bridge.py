@@ -262,16 +262,22 @@ def test_upload_modes_with_foreign_arrays(device: Any, bridge: WgpuBridge, mode:
 
 
 @pytest.mark.wgpu
-@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("mode", ["write_buffer", "mapping", "host-staged"])
 def test_upload_pieces_queued_without_waiting(
-    device: Any, bridge: WgpuBridge, monkeypatch: pytest.MonkeyPatch, direct: bool
+    device: Any, bridge: WgpuBridge, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
-    if not direct:
+    # write_buffer: one queue.write_buffer a piece. Otherwise gathered into the mapped
+    # upload buffer: straight into the mapping, or (a wgpu-py without a writable view
+    # of it) into the host mirror first.
+    if mode != "write_buffer":
         monkeypatch.setattr(gradsync._wgpu, "DIRECT_MAX_PIECES", 0)
+    if mode == "host-staged":
+        monkeypatch.setattr(gradsync._wgpu, "_writable_mapping", lambda buf, nbytes: None)
     dts = [np.dtype(np.float32), np.dtype(np.float16)]
     bufs = [_buffer(device, np.zeros(10, np.float32)), _buffer(device, np.zeros(4, np.float16))]
     for k in range(3):
         host = bridge.download(bufs, dts)
+        downloaded = host[0].copy()
         want = [np.arange(10, dtype=np.float32) + k, np.arange(4, dtype=np.float16) - k]
         # Pieces of a param in any order; the float16 one starts 4 bytes in.
         pieces = [
@@ -283,15 +289,37 @@ def test_upload_pieces_queued_without_waiting(
         bridge._upload_pieces(bufs, dts, pieces)
         chunk = bridge._layout.chunks[0] if bridge._layout else None
         assert chunk is not None
-        # Gathered: the staging arrays hold the mean, and the staging buffer is being
-        # mapped again in the background, not waited for.
-        assert (chunk.remap is not None) == (not direct)
-        if not direct:
-            np.testing.assert_array_equal(host[0], want[0])
+        # Gathered: the staging buffer is being mapped again in the background, not
+        # waited for; only the host-staged path goes through the host mirror.
+        assert (chunk.remap is not None) == (mode != "write_buffer")
+        np.testing.assert_array_equal(host[0], want[0] if mode == "host-staged" else downloaded)
         for buf, w in zip(bufs, want, strict=True):
             np.testing.assert_array_equal(_read(device, buf, w.dtype), w)
     bridge.close()  # with a mapping still pending when gathered
     assert bridge._layout is None
+
+
+@pytest.mark.wgpu
+def test_writable_mapping_is_the_mapped_memory(device: Any) -> None:
+    # What the gathered upload relies on: the view writes the buffer's mapped bytes.
+    buf = device.create_buffer(
+        size=16,
+        usage=wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC,
+        mapped_at_creation=True,
+    )
+    view = gradsync._wgpu._writable_mapping(buf, 16)
+    assert view is not None
+    assert view.flags.writeable
+    assert view.size == 16
+    view[:] = np.arange(16, dtype=np.uint8)
+    del view
+    buf.unmap()
+    dst = device.create_buffer(size=16, usage=wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC)
+    enc = device.create_command_encoder()
+    enc.copy_buffer_to_buffer(buf, 0, dst, 0, 16)
+    device.queue.submit([enc.finish()])
+    assert bytes(device.queue.read_buffer(dst)) == bytes(range(16))
+    assert gradsync._wgpu._writable_mapping(object(), 16) is None  # no such wgpu-py API
 
 
 @pytest.mark.wgpu

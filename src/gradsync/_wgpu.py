@@ -81,6 +81,21 @@ _TYPE_ORDER = {
 }
 
 
+def _writable_mapping(buf: Any, nbytes: int) -> npt.NDArray[np.uint8] | None:
+    """A writable uint8 view of the first ``nbytes`` of mapped ``buf``, or None.
+
+    wgpu-py's public ``write_mapped`` copies from a host array on one thread: staging
+    the mean there first costs a second pass over it. Its
+    ``_experimental_get_mapped_range`` (wgpu-py 0.32) is the only writable view of a
+    mapping; without it (another wgpu-py) this returns None.
+    """
+    get = getattr(buf, "_experimental_get_mapped_range", None)
+    if get is None:
+        return None
+    view: npt.NDArray[np.uint8] = np.frombuffer(get(0, nbytes), np.uint8)
+    return view if view.flags.writeable else None
+
+
 @functools.cache
 def _import_wgpu() -> Any:
     # Deferred so that ``import gradsync`` works (and stays fast) without wgpu; cached
@@ -572,7 +587,9 @@ class WgpuBridge:
         self._check_buffers(buffers, _COPY_DST, "COPY_DST")
         with _wgpu_errors("uploading gradients"):
             if self.upload_mode == "mapped":
-                self._upload_mapped(buffers, host)
+                layout = self._get_layout(buffers, [a.dtype for a in host])
+                writes = [(c, off, a) for a, (c, off, _) in zip(host, layout.slots, strict=True)]
+                self._upload_mapped(buffers, [a.dtype for a in host], writes)
             else:
                 for buf, a in zip(buffers, host, strict=True):
                     self._device.queue.write_buffer(buf, 0, a)
@@ -616,24 +633,27 @@ class WgpuBridge:
                     if src.nbytes:
                         self._device.queue.write_buffer(buffers[param], offset, src)
                 return
-            self._workers.copy(
-                [
-                    (layout.views[param][start : start + len(src)], src)
-                    for param, start, src in pieces
-                ]
-            )
-            self._upload_mapped(buffers, layout.views, wait=False)
+            writes = []
+            for param, start, src in pieces:
+                c, off, _ = layout.slots[param]
+                writes.append((c, off + start * src.itemsize, src))
+            self._upload_mapped(buffers, dtypes, writes, wait=False)
 
     def _upload_mapped(
-        self, buffers: Sequence[Any], host: Sequence[npt.NDArray[Any]], *, wait: bool = True
+        self,
+        buffers: Sequence[Any],
+        dtypes: Sequence[np.dtype[Any]],
+        writes: Sequence[tuple[int, int, npt.NDArray[Any]]],
+        *,
+        wait: bool = True,
     ) -> None:
-        """Upload through the mapped staging buffers. Without ``wait``, return once the
-        copies are submitted; the staging buffers are mapped again in the background
-        and waited for at their next use."""
+        """Upload through the mapped staging buffers: each ``(chunk, byte offset,
+        array)`` of ``writes`` is copied there, then every buffer from its slot.
+        Without ``wait``, return once the copies are submitted; the staging buffers
+        are mapped again in the background and waited for at their next use."""
         wgpu = _import_wgpu()
 
-        dts = [a.dtype for a in host]
-        layout = self._get_layout(buffers, dts)
+        layout = self._get_layout(buffers, dtypes)
         for ch in layout.chunks:
             if ch.write is None:
                 ch.write = self._device.create_buffer(
@@ -647,13 +667,7 @@ class WgpuBridge:
                 remap.sync_wait()
             if str(ch.write.map_state) != "mapped":
                 ch.write.map_sync(wgpu.MapMode.WRITE)
-        if all(a is v for a, v in zip(host, layout.views, strict=True)):
-            # The caller averaged the arrays download() returned: one write per chunk.
-            for ch in layout.chunks:
-                ch.write.write_mapped(ch.host, 0)
-        else:
-            for a, (c, off, _) in zip(host, layout.slots, strict=True):
-                layout.chunks[c].write.write_mapped(a, off)
+        self._write_staging(layout, writes)
         for ch in layout.chunks:
             ch.write.unmap()
         enc = self._device.create_command_encoder(label="gradsync-upload")
@@ -668,6 +682,32 @@ class WgpuBridge:
                 ch.write.map_sync(wgpu.MapMode.WRITE)
             else:
                 ch.remap = ch.write.map_async(wgpu.MapMode.WRITE)
+
+    def _write_staging(
+        self, layout: _Layout, writes: Sequence[tuple[int, int, npt.NDArray[Any]]]
+    ) -> None:
+        """Copy ``writes`` into the mapped upload buffers: straight into the mappings, on
+        the bridge's threads, where wgpu-py gives a writable view of them; otherwise
+        into the host mirrors first, then one ``write_mapped`` a chunk."""
+        mapped = [_writable_mapping(ch.write, ch.nbytes) for ch in layout.chunks]
+        targets = [m for m in mapped if m is not None]
+        direct = len(targets) == len(mapped)
+        if not direct:
+            targets = [ch.host for ch in layout.chunks]
+        try:
+            self._workers.copy(
+                [
+                    (targets[c][off : off + src.nbytes], src.reshape(-1).view(np.uint8))
+                    for c, off, src in writes
+                    if src.nbytes
+                ]
+            )
+        finally:
+            # No numpy view of mapped memory may outlive unmap().
+            del mapped, targets
+        if not direct:
+            for ch in layout.chunks:
+                ch.write.write_mapped(ch.host, 0)
 
     def _fence(self) -> None:
         # queue.on_submitted_work_done_sync() raises a cffi TypeError in wgpu-py 0.32;
