@@ -73,6 +73,14 @@ def _read(device: Any, buf: Any, dtype: Any) -> np.ndarray:
     return np.frombuffer(device.queue.read_buffer(buf), dtype).copy()
 
 
+def _mapped_for_writing(device: Any, size: int) -> Any:
+    return device.create_buffer(
+        size=size,
+        usage=wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC,
+        mapped_at_creation=True,
+    )
+
+
 # -- pure logic, no adapter ------------------------------------------------------
 
 
@@ -302,11 +310,7 @@ def test_upload_pieces_queued_without_waiting(
 @pytest.mark.wgpu
 def test_writable_mapping_is_the_mapped_memory(device: Any) -> None:
     # What the gathered upload relies on: the view writes the buffer's mapped bytes.
-    buf = device.create_buffer(
-        size=16,
-        usage=wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC,
-        mapped_at_creation=True,
-    )
+    buf = _mapped_for_writing(device, 16)
     view = gradsync._wgpu._writable_mapping(buf, 16)
     assert view is not None
     assert view.flags.writeable
@@ -314,11 +318,11 @@ def test_writable_mapping_is_the_mapped_memory(device: Any) -> None:
     view[:] = np.arange(16, dtype=np.uint8)
     del view
     buf.unmap()
-    dst = device.create_buffer(size=16, usage=wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC)
+    dst = _buffer(device, np.zeros(16, np.uint8))
     enc = device.create_command_encoder()
     enc.copy_buffer_to_buffer(buf, 0, dst, 0, 16)
     device.queue.submit([enc.finish()])
-    assert bytes(device.queue.read_buffer(dst)) == bytes(range(16))
+    np.testing.assert_array_equal(_read(device, dst, np.uint8), np.arange(16))
     assert gradsync._wgpu._writable_mapping(object(), 16) is None  # no such wgpu-py API
 
 
@@ -491,11 +495,7 @@ def test_size_above_device_limit(device: Any, bridge: WgpuBridge) -> None:
 
 @pytest.mark.wgpu
 def test_mapped_buffer_and_closed_bridge(device: Any) -> None:
-    buf = device.create_buffer(
-        size=16,
-        usage=wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC,
-        mapped_at_creation=True,
-    )
+    buf = _mapped_for_writing(device, 16)
     bridge = WgpuBridge(device)
     with pytest.raises(InvalidGradsError, match=r"^param 0: buffer is mapped; unmap it"):
         bridge.download([buf], [np.dtype(np.float32)])
