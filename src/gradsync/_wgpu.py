@@ -66,8 +66,8 @@ _COPY_DST = 0x0008
 
 # A step's mean goes to the GPU by one queue.write_buffer per piece (a rank's shard of
 # a param, straight from the mapped files: no host copy) when it is at most this many
-# pieces and bytes. Bigger or more fragmented means are gathered into the staging
-# arrays and uploaded through the mapped buffer: write_buffer allocates fresh staging
+# pieces and bytes. Bigger or more fragmented means are copied into the mapped upload
+# buffer and go from there with one submit: write_buffer allocates fresh staging
 # memory per call, and a hundred small calls cost more than one gather. On the H200
 # (W=2, step returned / step + waiting for the GPU): direct 1.08 / 1.72 ms at 1 MiB,
 # 5.6 / 6.3 at 16 MiB, 27 / 90 at 64 MiB; gathered 1.6 / 2.2, 7.4 / 8.1, 22 / 80.
@@ -590,7 +590,7 @@ class WgpuBridge:
             if self.upload_mode == "mapped":
                 layout = self._get_layout(buffers, [a.dtype for a in host])
                 writes = [(c, off, a) for a, (c, off, _) in zip(host, layout.slots, strict=True)]
-                self._upload_mapped(buffers, [a.dtype for a in host], writes)
+                self._upload_mapped(buffers, layout, writes)
             else:
                 for buf, a in zip(buffers, host, strict=True):
                     self._device.queue.write_buffer(buf, 0, a)
@@ -638,23 +638,22 @@ class WgpuBridge:
             for param, start, src in pieces:
                 c, off, _ = layout.slots[param]
                 writes.append((c, off + start * src.itemsize, src))
-            self._upload_mapped(buffers, dtypes, writes, wait=False)
+            self._upload_mapped(buffers, layout, writes, wait=False)
 
     def _upload_mapped(
         self,
         buffers: Sequence[Any],
-        dtypes: Sequence[np.dtype[Any]],
+        layout: _Layout,
         writes: Sequence[tuple[int, int, npt.NDArray[Any]]],
         *,
         wait: bool = True,
     ) -> None:
-        """Upload through the mapped staging buffers: each ``(chunk, byte offset,
-        array)`` of ``writes`` is copied there, then every buffer from its slot.
+        """Upload through ``layout``'s mapped staging buffers: each ``(chunk, byte
+        offset, array)`` of ``writes`` is copied there, then every buffer from its slot.
         Without ``wait``, return once the copies are submitted; the staging buffers
         are mapped again in the background and waited for at their next use."""
         wgpu = _import_wgpu()
 
-        layout = self._get_layout(buffers, dtypes)
         for ch in layout.chunks:
             if ch.write is None:
                 ch.write = self._device.create_buffer(
