@@ -8,8 +8,9 @@ same invocation:
                 ``--buffers``, also ``gradsync-buf``: the gradients are arrays from
                 ``GradSync.buffers_like`` (allocated once, before the baseline, like
                 the other peers' gradients), published without a copy. With
-                ``--float32-sum``, also rows ``*-f32``: ``wide_sum=False`` (float32
-                summed in float32 in rank order, as gloo and MPI do).
+                ``--wide-sum``, also rows ``*-f64``: ``wide_sum=True`` (float32
+                summed in float64; the default sums in float32 in rank order, as
+                gloo and MPI do).
 - ``gloo``      ``torch.distributed.all_reduce`` (SUM, then ``div_(W)``) of one flat
                 float32 buffer (multi-tensor workloads are copied into and out of it,
                 as DDP's buckets are). torch is imported only inside this peer.
@@ -211,7 +212,7 @@ class GradSyncPeer:
             max_wait_s=300.0,
             strategy=spec["strategy"],
             threads=spec.get("threads"),
-            wide_sum=spec.get("wide_sum", True),
+            wide_sum=spec.get("wide_sum", False),
         )
         self.sync = GradSync(cfg)
         self._barrier = barrier
@@ -1014,9 +1015,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="also run gradsync on GradSync.buffers_like arrays (rows gradsync-buf)",
     )
     p.add_argument(
-        "--float32-sum",
+        "--wide-sum",
         action="store_true",
-        help="also run gradsync with wide_sum=False (float32 summed in float32; rows *-f32)",
+        help="also run gradsync with wide_sum=True (float32 summed in float64; rows *-f64)",
     )
     p.add_argument("--steps", type=int, default=30, help="timed steps, workloads >= 16 MiB")
     p.add_argument("--small-steps", type=int, default=200, help="timed steps, workloads < 16 MiB")
@@ -1109,7 +1110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for s in strategies
                     for t in _csv(args.threads)
                     for b in ((False, True) if args.buffers else (False,))
-                    for w in ((True, False) if args.float32_sum else (True,))
+                    for w in ((False, True) if args.wide_sum else (False,))
                 ]
                 for strategy, threads, buffers, wide in variants if "gradsync" in peers else []:
                     spec = {
@@ -1122,11 +1123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     }
                     label = f"gradsync[{strategy}, threads {threads}"
                     label += ", buffers" if buffers else ""
-                    label += "] " if wide else ", float32 sum] "
+                    label += ", float64 sum] " if wide else "] "
                     launch = run(f"{label}{d} W={world}", "gradsync", world, spec)
                     peer = "gradsync" if strategy == "sharded" else f"gradsync-{strategy}"
                     peer += "-buf" if buffers else ""
-                    peer += "" if wide else "-f32"
+                    peer += "-f64" if wide else ""
                     peer += "" if threads == "auto" else f"-t{threads}"
                     rows += summarise(launch, d, world, peer, workloads)
                 if "naive" in peers:
@@ -1164,10 +1165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     targets = check_targets(rows, names)
     if args.buffers:
         targets += check_targets(rows, names, peer="gradsync-buf")
-    if args.float32_sum:
-        targets += check_targets(rows, names, peer="gradsync-f32")
+    if args.wide_sum:
+        targets += check_targets(rows, names, peer="gradsync-f64")
         if args.buffers:
-            targets += check_targets(rows, names, peer="gradsync-buf-f32")
+            targets += check_targets(rows, names, peer="gradsync-buf-f64")
     print("\n# targets")
     for t in targets:
         verdict = "n/a " if t.passed is None else ("PASS" if t.passed else "FAIL")

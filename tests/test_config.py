@@ -61,7 +61,7 @@ def test_defaults() -> None:
     assert cfg.heartbeat_timeout_s == 15.0
     assert cfg.warn_after_s == 10.0
     assert cfg.check_finite is False
-    assert cfg.wide_sum is True
+    assert cfg.wide_sum is False
     assert cfg.run_id is None
     assert cfg.enabled is False
     assert make(world_size=2).enabled is True
@@ -390,7 +390,7 @@ def test_from_env_threads() -> None:
 )
 def test_from_env_wide_sum(raw: str, value: bool) -> None:
     assert FileGradSyncConfig.from_env(env=base_env(GRADSYNC_WIDE_SUM=raw)).wide_sum is value
-    assert FileGradSyncConfig.from_env(env=base_env()).wide_sum is True
+    assert FileGradSyncConfig.from_env(env=base_env()).wide_sum is False
 
 
 def test_from_env_max_wait() -> None:

@@ -21,7 +21,7 @@ def expected(
     offset: int = 0,
     big: bool = False,
     huge: bool = False,
-    wide_sum: bool = True,
+    wide_sum: bool = False,
 ) -> list[bytes]:
     shapes = workers.SHAPES_HUGE if huge else workers.SHAPES_BIG if big else workers.SHAPES
     per_rank = [workers.grads_for(r + offset, step, shapes) for r in range(world)]
@@ -47,8 +47,8 @@ def test_every_rank_gets_the_same_bits_as_average_host_grads(
     tmp_path: Path, strategy: str, big: bool, world: int, use_mmap: bool
 ) -> None:
     # Small payloads are reduced whole by every rank, big ones in shards or by rank 0:
-    # all of them must give exactly average_host_grads's bits (float32 pairs take a
-    # fast path at world 2, the float64 accumulator at 3).
+    # all of them must give exactly average_host_grads's bits (float32 in float32 in
+    # rank order: one multiply by 0.5 at world 2, a division at 3).
     steps = 3
     kw = {"strategy": strategy, "jitter_s": 0.05, "big": big, "use_mmap": use_mmap}
     results = run_ranks(workers.average_steps, world, (world, str(tmp_path), steps, kw))
@@ -64,16 +64,16 @@ def test_every_rank_gets_the_same_bits_as_average_host_grads(
     [("sharded", False, 1), ("sharded", True, 1), ("root", True, 1), ("sharded", True, 3)],
     ids=["small-replicated", "big-sharded", "big-root", "big-threads"],
 )
-def test_float32_sums_give_every_rank_average_host_grads_bits(
+def test_float64_sums_give_every_rank_average_host_grads_bits(
     tmp_path: Path, strategy: str, big: bool, threads: int
 ) -> None:
-    # wide_sum=False: float32 summed in float32 in rank order, by whichever rank
-    # reduces each element; the same bits everywhere, and not the float64 sum's.
-    kw = {"strategy": strategy, "big": big, "wide_sum": False, "threads": threads}
+    # wide_sum=True: float32 summed in float64, by whichever rank reduces each element;
+    # the same bits everywhere, and not the float32 sum's.
+    kw = {"strategy": strategy, "big": big, "wide_sum": True, "threads": threads}
     results = run_ranks(workers.average_steps, 3, (3, str(tmp_path), 2, kw))
     assert_ok(results)
     for step in range(2):
-        want = expected(3, step, big=big, wide_sum=False)
+        want = expected(3, step, big=big, wide_sum=True)
         for r in range(3):
             assert results[r].value[step] == want, f"rank {r} step {step}"
     assert want != expected(3, 1, big=big), "no float32 param whose two sums differ"

@@ -122,8 +122,8 @@ def rank_order_mean(arrays: Sequence[np.ndarray], acc_type: type) -> np.ndarray:
 
 @SETTINGS
 @given(rank_arrays(np.float32, float_elements(np.float32)))
-def test_float32_mean_is_rank_order_float64_mean_rounded(arrays: list[np.ndarray]) -> None:
-    [got] = average_host_grads([[a] for a in arrays])
+def test_float32_wide_mean_is_rank_order_float64_mean_rounded(arrays: list[np.ndarray]) -> None:
+    [got] = average_host_grads([[a] for a in arrays], wide_sum=True)
     assert got.dtype == np.float32
     assert got.shape == arrays[0].shape
     # Python floats are IEEE doubles: an independent float64 reference.
@@ -177,13 +177,13 @@ def narrow_mean(arrays: Sequence[np.ndarray]) -> np.ndarray:
 
 @SETTINGS
 @given(rank_arrays(np.float32, float_elements(np.float32)))
-def test_float32_sums_in_float32_in_rank_order_without_wide_sum(arrays: list[np.ndarray]) -> None:
-    [got] = average_host_grads([[a] for a in arrays], wide_sum=False)
+def test_float32_sums_in_float32_in_rank_order_by_default(arrays: list[np.ndarray]) -> None:
+    [got] = average_host_grads([[a] for a in arrays])
     assert got.dtype == np.float32
     assert got.tobytes() == narrow_mean(arrays).tobytes()
     assert np.all(np.isfinite(got))  # an overflowing chunk is redone in float64
     if len(arrays) <= 2:  # two ranks: the same bits as the wide sum
-        [wide] = average_host_grads([[a] for a in arrays])
+        [wide] = average_host_grads([[a] for a in arrays], wide_sum=True)
         assert got.tobytes() == wide.tobytes()
 
 
@@ -192,18 +192,18 @@ def test_float32_sums_in_float32_in_rank_order_without_wide_sum(arrays: list[np.
 def test_wide_sum_leaves_float16_and_float64_alone(arrays: list[np.ndarray]) -> None:
     doubles = [a.astype(np.float64) for a in arrays]
     for group in (arrays, doubles):
-        [narrow] = average_host_grads([[a] for a in group], wide_sum=False)
-        [wide] = average_host_grads([[a] for a in group])
+        [narrow] = average_host_grads([[a] for a in group])
+        [wide] = average_host_grads([[a] for a in group], wide_sum=True)
         assert narrow.tobytes() == wide.tobytes()
 
 
-def test_float32_sum_without_wide_sum_examples() -> None:
+def test_float32_sum_examples() -> None:
     # 1 + 2**-24 rounds back to 1 in float32, twice: the mean is 1/3 in float32.
     ranks = [np.array([x], np.float32) for x in (1.0, 2.0**-24, 2.0**-24)]
-    [got] = average_host_grads([[r] for r in ranks], wide_sum=False)
+    [got] = average_host_grads([[r] for r in ranks])
     assert got[0] == np.float32(1.0) / np.float32(3.0)
     huge = np.full(4, F32_MAX, np.float32)
-    [mean] = average_host_grads([[huge]] * 5, wide_sum=False)  # float32 sum overflows
+    [mean] = average_host_grads([[huge]] * 5)  # float32 sum overflows
     np.testing.assert_array_equal(mean, huge)
     # One element overflows in float32, its neighbour does not: only the first takes the
     # float64 mean, however the elements are chunked.
@@ -215,7 +215,7 @@ def test_float32_sum_without_wide_sum_examples() -> None:
     for chunk in (1, 2, 1 << 15):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(reduce_mod, "CHUNK_ELEMS", chunk)
-            [got] = average_host_grads([[c] for c in cols], wide_sum=False)
+            [got] = average_host_grads([[c] for c in cols])
         assert got[:3].tolist() == want
         # MAX + MAX overflows before -inf: float32 gives NaN, float64 -inf; neither is
         # finite, so the float32 sum stands.
@@ -224,14 +224,14 @@ def test_float32_sum_without_wide_sum_examples() -> None:
         average_host_grads([[huge]], wide_sum="no")  # type: ignore[arg-type]
 
 
-def test_float32_sums_in_float64() -> None:
+def test_float32_sums_in_float64_with_wide_sum() -> None:
     # In float32, 1 + 2**-24 + 2**-24 rounds back to 1; the float64 accumulator keeps both.
     ranks = [np.array([x], np.float32) for x in (1.0, 2.0**-24, 2.0**-24)]
-    [got] = average_host_grads([[r] for r in ranks])
+    [got] = average_host_grads([[r] for r in ranks], wide_sum=True)
     assert got[0] == np.float32((1.0 + 2.0**-23) / 3)
     assert got[0] != np.float32(1.0) / np.float32(3.0)
     huge = np.full(4, F32_MAX, np.float32)
-    [mean] = average_host_grads([[huge]] * 5)  # the sum exceeds float32, the mean does not
+    [mean] = average_host_grads([[huge]] * 5, wide_sum=True)  # the sum exceeds float32
     np.testing.assert_array_equal(mean, huge)
 
 
@@ -244,7 +244,7 @@ def test_mixed_params_keep_their_dtypes_and_shapes() -> None:
         np.zeros((0, 3), np.float32),  # an empty param
     ]
     per_rank = [[p * (r + 1) for p in params] for r in range(3)]
-    out = average_host_grads(per_rank)
+    out = average_host_grads(per_rank, wide_sum=True)
     assert [o.dtype for o in out] == [p.dtype for p in params]
     assert [o.shape for o in out] == [p.shape for p in params]
     for o, p, pr in zip(out, params, zip(*per_rank, strict=True), strict=True):
@@ -488,17 +488,17 @@ def test_mean_into_chunks_and_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, int]] = []
     out = np.empty(50, np.float32)
     scratch = np.empty(100, np.float32)
-    mean_into(copy_fetchers(flats, calls), 50, out, scratch)
+    mean_into(copy_fetchers(flats, calls), 50, out, scratch, wide=True)
     assert calls[:3] == [(0, 16)] * 3
     assert sorted(set(calls)) == [(0, 16), (16, 32), (32, 48), (48, 50)]
     expected = ((flats[0].astype(np.float64) + flats[1] + flats[2]) / 3).astype(np.float32)
     assert out.tobytes() == expected.tobytes()
     small = np.empty(4, np.float32)  # too small: mean_into makes its own buffer
     again = np.empty(50, np.float32)
-    mean_into(copy_fetchers(flats, []), 50, again, small)
+    mean_into(copy_fetchers(flats, []), 50, again, small, wide=True)
     assert again.tobytes() == out.tobytes()
     untouched = np.full(3, 7.0, np.float32)
-    mean_into(copy_fetchers(flats, []), 0, untouched)  # nothing to do
+    mean_into(copy_fetchers(flats, []), 0, untouched, wide=True)  # nothing to do
     np.testing.assert_array_equal(untouched, 7.0)
 
 
@@ -506,7 +506,7 @@ def test_large_param_crosses_default_chunks() -> None:
     n = reduce_mod.CHUNK_ELEMS * 2 + 123
     rng = np.random.default_rng(5)
     ranks = [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
-    [got] = average_host_grads([[r] for r in ranks])
+    [got] = average_host_grads([[r] for r in ranks], wide_sum=True)
     acc = ranks[0].astype(np.float64)
     for r in ranks[1:]:
         acc += r

@@ -56,14 +56,15 @@ class FileGradSyncConfig:
             (pieces of at least 1 MiB; smaller steps always run on the calling
             thread). ``None`` (default): this process's usable CPUs divided by the
             ranks on this host, 1 to 8. The result does not depend on it, bit for bit.
-        wide_sum: Sum float32 gradients in float64 (default): the mean is then within
-            one rounding of the exact mean and the same whichever process has which
-            rank. ``False`` sums them in float32 in rank order, as gloo and NCCL do:
-            2.5-5x less CPU for the reduction at 3 or more ranks (the error grows to
-            about W - 1 float32 roundings; an element whose float32 sum overflows
-            takes the float64 mean). With 2 ranks both give the same bits. float16
-            is always summed in float32, float64 in float64. Every rank must use the
-            same value (the first call fails with MismatchError otherwise).
+        wide_sum: Sum float32 gradients in float64. ``False`` (default): in float32,
+            in rank order, as gloo, NCCL and MPI do; the error is then at most about
+            W - 1 float32 roundings, and an element whose float32 sum overflows takes
+            the float64 mean. ``True``: the mean is within one rounding of the exact
+            mean and does not depend on which process has which rank, for 2.5-5x
+            more CPU in the reduction at 3 or more ranks. With 2 ranks both give the
+            same bits. float16 is always summed in float32, float64 in float64.
+            Every rank must use the same value (the first call fails with
+            MismatchError otherwise).
         run_id: Optional name of the job. Ranks only join peers with the same run_id,
             so concurrent jobs sharing one sync_dir stay apart. ``gradsync launch`` sets
             one; without it, a fresh rendezvous still keeps earlier runs' files out.
@@ -85,7 +86,7 @@ class FileGradSyncConfig:
     use_mmap: bool | None = None
     checksums: bool = False
     threads: int | None = None
-    wide_sum: bool = True
+    wide_sum: bool = False
 
     def __post_init__(self) -> None:
         _check_int("world_size", self.world_size, minimum=1)

@@ -1,9 +1,8 @@
 """The averaging maths: dtype rules, shard boundaries and the deterministic mean.
 
 Every rank, strategy and helper computes the mean with :func:`mean_into`, which
-adds ranks in fixed order 0, 1, ..., W-1 and divides once by W: in a wider
-accumulator by default, or, with ``wide=False``, float32 in float32 (as gloo and
-NCCL do). The operation is element-wise, so how elements are split into shards or
+adds ranks in fixed order 0, 1, ..., W-1 and divides once by W: float32 in float32
+(as gloo and NCCL do), or, with ``wide=True``, in a wider accumulator. The operation is element-wise, so how elements are split into shards or
 chunks never changes a bit of the result.
 """
 
@@ -28,9 +27,9 @@ __all__ = [
     "shard_range",
 ]
 
-# float16 is summed in float32 and float32 in float64: the result is then within
-# one rounding of the exact mean, whatever the order of magnitude of the inputs, and
-# does not depend on which process has which rank (the default, ``wide_sum=True``).
+# With ``wide_sum=True`` float16 is summed in float32 and float32 in float64: the
+# result is then within one rounding of the exact mean, whatever the order of magnitude
+# of the inputs, and does not depend on which process has which rank.
 ACCUMULATOR: dict[np.dtype[Any], np.dtype[Any]] = {
     np.dtype(np.float16): np.dtype(np.float32),
     np.dtype(np.float32): np.dtype(np.float64),
@@ -115,7 +114,7 @@ def mean_into(
     scratch: np.ndarray | None = None,
     chunk_elems: int | None = None,
     *,
-    wide: bool = True,
+    wide: bool,
 ) -> None:
     """Write the element-wise mean of ``len(fetch)`` inputs of ``n`` elements into ``out``.
 
@@ -225,7 +224,7 @@ def _patch_overflow(
 def average_host_grads(
     per_rank: Sequence[Sequence[npt.ArrayLike]],
     *,
-    wide_sum: bool = True,
+    wide_sum: bool = False,
 ) -> list[np.ndarray]:
     """The mean over ranks of each param, computed exactly as the file protocol does.
 
