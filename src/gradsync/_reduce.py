@@ -2,8 +2,9 @@
 
 Every rank, strategy and helper computes the mean with :func:`mean_into`, which
 adds ranks in fixed order 0, 1, ..., W-1 and divides once by W: float32 in float32
-(as gloo and NCCL do), or, with ``wide=True``, in a wider accumulator. The operation is element-wise, so how elements are split into shards or
-chunks never changes a bit of the result.
+(as gloo and NCCL do), or, with ``wide=True``, in a wider accumulator. The operation
+is element-wise, so how elements are split into shards or chunks never changes a bit
+of the result.
 """
 
 from __future__ import annotations
