@@ -326,6 +326,57 @@ def test_writable_mapping_is_the_mapped_memory(device: Any) -> None:
     assert gradsync._wgpu._writable_mapping(object(), 16) is None  # no such wgpu-py API
 
 
+class _NoPoll:
+    """A device as an older wgpu-py has it: no ``_poll``."""
+
+    def __init__(self, device: Any) -> None:
+        self._device = device
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_poll":
+            raise AttributeError(name)
+        return getattr(self._device, name)
+
+
+class _StrictModes:
+    """A buffer as a wgpu-py that knows no "READ_NOSYNC" has it."""
+
+    def __init__(self, buffer: Any) -> None:
+        self._buffer = buffer
+
+    def map_async(self, mode: Any) -> Any:
+        if mode == "READ_NOSYNC":
+            raise ValueError("unknown map mode 'READ_NOSYNC'")
+        return self._buffer.map_async(mode)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._buffer, name)
+
+
+@pytest.mark.wgpu
+@pytest.mark.parametrize("hooks", ["both", "no-nosync", "no-poll"])
+def test_map_now_waits_for_the_copy_submitted_before(
+    device: Any, monkeypatch: pytest.MonkeyPatch, hooks: str
+) -> None:
+    # The download's map: waited for on this thread (device._poll), without wgpu-py's
+    # empty submit ("READ_NOSYNC"); map_sync where wgpu-py lacks either.
+    monkeypatch.setattr(gradsync._wgpu, "_nosync_reads", True)
+    staging = device.create_buffer(
+        size=64, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
+    )
+    for k in range(3):
+        src = _buffer(device, np.arange(16, dtype=np.float32) * (k + 1))
+        enc = device.create_command_encoder()
+        enc.copy_buffer_to_buffer(src, 0, staging, 0, 64)
+        device.queue.submit([enc.finish()])
+        buf = _StrictModes(staging) if hooks == "no-nosync" else staging
+        gradsync._wgpu._map_now(_NoPoll(device) if hooks == "no-poll" else device, buf, read=True)
+        got = np.frombuffer(staging.read_mapped(0, 64), np.float32).copy()
+        staging.unmap()
+        np.testing.assert_array_equal(got, np.arange(16, dtype=np.float32) * (k + 1))
+    assert gradsync._wgpu._nosync_reads is (hooks != "no-nosync")
+
+
 @pytest.mark.wgpu
 def test_unaligned_piece_goes_through_the_staging_buffer(device: Any, bridge: WgpuBridge) -> None:
     # write_buffer moves whole 4-byte words: a float16 piece starting at element 1
