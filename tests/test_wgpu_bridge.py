@@ -326,18 +326,6 @@ def test_writable_mapping_is_the_mapped_memory(device: Any) -> None:
     assert gradsync._wgpu._writable_mapping(object(), 16) is None  # no such wgpu-py API
 
 
-class _NoPoll:
-    """A device as an older wgpu-py has it: no ``_poll``."""
-
-    def __init__(self, device: Any) -> None:
-        self._device = device
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_poll":
-            raise AttributeError(name)
-        return getattr(self._device, name)
-
-
 class _StrictModes:
     """A buffer as a wgpu-py that knows no "READ_NOSYNC" has it."""
 
@@ -354,12 +342,12 @@ class _StrictModes:
 
 
 @pytest.mark.wgpu
-@pytest.mark.parametrize("hooks", ["both", "no-nosync", "no-poll"])
-def test_map_now_waits_for_the_copy_submitted_before(
-    device: Any, monkeypatch: pytest.MonkeyPatch, hooks: str
+@pytest.mark.parametrize("nosync", [True, False], ids=["read-nosync", "map-sync"])
+def test_map_for_reading_sees_the_copy_submitted_before(
+    device: Any, monkeypatch: pytest.MonkeyPatch, nosync: bool
 ) -> None:
-    # The download's map: waited for on this thread (device._poll), without wgpu-py's
-    # empty submit ("READ_NOSYNC"); map_sync where wgpu-py lacks either.
+    # The download's map skips wgpu-py's empty submit ("READ_NOSYNC"), or, where
+    # wgpu-py refuses that mode, falls back to map_sync for good.
     monkeypatch.setattr(gradsync._wgpu, "_nosync_reads", True)
     staging = device.create_buffer(
         size=64, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
@@ -369,12 +357,11 @@ def test_map_now_waits_for_the_copy_submitted_before(
         enc = device.create_command_encoder()
         enc.copy_buffer_to_buffer(src, 0, staging, 0, 64)
         device.queue.submit([enc.finish()])
-        buf = _StrictModes(staging) if hooks == "no-nosync" else staging
-        gradsync._wgpu._map_now(_NoPoll(device) if hooks == "no-poll" else device, buf, read=True)
+        gradsync._wgpu._map_for_reading(staging if nosync else _StrictModes(staging))
         got = np.frombuffer(staging.read_mapped(0, 64), np.float32).copy()
         staging.unmap()
         np.testing.assert_array_equal(got, np.arange(16, dtype=np.float32) * (k + 1))
-    assert gradsync._wgpu._nosync_reads is (hooks != "no-nosync")
+    assert gradsync._wgpu._nosync_reads is nosync
 
 
 @pytest.mark.wgpu
