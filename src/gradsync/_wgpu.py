@@ -107,13 +107,15 @@ def _import_wgpu() -> Any:
 def _map_for_reading(buffer: Any) -> None:
     """Map ``buffer`` for reading; return once it is mapped.
 
-    Called right after this bridge's own submit. wgpu-py's ``map_sync`` for reading
-    first submits an empty command buffer (a guard for maps asked before any submit,
-    wgpu-native#305); the bridge always submits its copies first, so it skips the
+    wgpu-py's ``map_sync`` for reading first submits an empty command buffer: a guard
+    for a buffer written through its own mapping and mapped again with no submit in
+    between, which reads zeros (wgpu-native#305, wgpu#5173). The bridge's read buffers
+    are only ever written by copies it has submitted before mapping, so it skips the
     guard ("READ_NOSYNC"; plain ``map_sync`` where wgpu-py refuses that mode).
-    lavapipe, 1 MiB download: 242 -> 192 us. (Also waiting on the device from this
-    thread, not only through wgpu-py's poll thread, saved 11 us more there but
-    stalled steps on the H200 for ~10 ms, one in two.)
+    lavapipe, 1 MiB download: 242 -> 192 us; H200: within its noise (0.05 ms at 4
+    ranks). (Also waiting on the device from this thread, not only through wgpu-py's
+    poll thread, saved 11 us more on lavapipe but stalled H200 steps ~10 ms, one in
+    two: benchmarks/h200/2026-12-03-h.)
     """
     global _nosync_reads
     wgpu = _import_wgpu()
