@@ -35,6 +35,7 @@ __all__ = [
     "encode_meta",
     "layout_hash",
     "layout_json",
+    "layout_text_hash",
 ]
 
 MAGIC = b"GSYN"
@@ -97,7 +98,12 @@ def layout_json(layout: Layout) -> str:
 
 def layout_hash(layout: Layout) -> bytes:
     """A 16-byte digest of a layout; equal layouts, equal digests."""
-    return hashlib.blake2b(layout_json(layout).encode(), digest_size=16).digest()
+    return layout_text_hash(layout_json(layout))
+
+
+def layout_text_hash(text: str) -> bytes:
+    """:func:`layout_hash` of the layout whose :func:`layout_json` is ``text``."""
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def encode_meta(

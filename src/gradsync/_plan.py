@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._format import Layout, layout_hash, layout_json
+from ._format import Layout, layout_json, layout_text_hash
 from ._reduce import shard_range
 
 __all__ = ["Group", "Plan", "Segment"]
@@ -114,14 +114,15 @@ class Plan:
                 out_lens[q] += (hi - lo) * dtype.itemsize
             groups.append(Group(dtype, tuple(params), size, in_offset, shards, out_offsets))
             in_offset += size * dtype.itemsize
+        text = layout_json(layout)
         return cls(
             layout,
-            layout_hash(layout),
+            layout_text_hash(text),
             tuple(groups),
             in_offset,
             tuple(out_lens),
             replicate,
-            layout_json(layout),
+            text,
         )
 
     @functools.cached_property
