@@ -118,7 +118,6 @@ def _map_for_reading(buffer: Any) -> None:
     two: benchmarks/h200/2026-12-03-h.)
     """
     global _nosync_reads
-    wgpu = _import_wgpu()
     if _nosync_reads:
         try:
             promise = buffer.map_async("READ_NOSYNC")
@@ -127,7 +126,7 @@ def _map_for_reading(buffer: Any) -> None:
         else:
             promise.sync_wait()
             return
-    buffer.map_sync(wgpu.MapMode.READ)
+    buffer.map_sync(_import_wgpu().MapMode.READ)
 
 
 # Whether this wgpu-py takes map_async("READ_NOSYNC"); cleared at the first refusal.
