@@ -20,7 +20,6 @@ from ._errors import ConfigError, InvalidGradsError, MismatchError
 __all__ = [
     "ACCUMULATOR",
     "SUPPORTED_DTYPES",
-    "accumulator",
     "average_host_grads",
     "check_dtype",
     "mean_into",
@@ -37,16 +36,6 @@ ACCUMULATOR: dict[np.dtype[Any], np.dtype[Any]] = {
     np.dtype(np.float64): np.dtype(np.float64),
 }
 SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = tuple(ACCUMULATOR)
-
-
-def accumulator(dtype: np.dtype[Any], wide: bool) -> np.dtype[Any]:
-    """The dtype ``dtype`` is summed in: ``ACCUMULATOR``'s, or with ``wide=False`` its own,
-    except float16, always summed in float32 (a float16 sum overflows past 65504).
-    (Either way, a float32 element whose float32 mean is not finite but whose float64
-    mean is takes the float64 mean: see mean_into.)"""
-    if wide or dtype == np.float16:
-        return ACCUMULATOR[dtype]
-    return dtype
 
 
 # Elements per chunk of the reduction: the accumulator and one input chunk stay in
@@ -123,11 +112,11 @@ def mean_into(
     view, or ``buf[: stop - start]`` after filling it. ``buf`` has ``out``'s dtype.
     ``out`` must not overlap the inputs. Work goes ``chunk_elems`` elements at a
     time (default ``CHUNK_ELEMS``); the result does not depend on it.
-    Ranks are added in index order in ``accumulator(out.dtype, wide)``, then divided
-    by W and rounded once to ``out.dtype``.
+    Ranks are added in index order, float32 in float32 unless ``wide`` (then in
+    ``ACCUMULATOR``'s dtype), float16 always in float32 (a float16 sum overflows past
+    65504), float64 in float64; then divided by W and rounded once to ``out.dtype``.
     """
     world = len(fetch)
-    acc_dtype = accumulator(out.dtype, wide)
     chunk = min(CHUNK_ELEMS if chunk_elems is None else chunk_elems, max(n, 1))
     in_buf = scratch if scratch is not None and scratch.size >= chunk else None
     if in_buf is None:
@@ -144,7 +133,7 @@ def mean_into(
     # the float64 one is, element by element, so chunking never changes a bit. Either
     # way a mean of finite inputs is finite.
     redo: Sequence[int] = range(0, n, chunk)
-    if out.dtype == np.float32 and world >= 2 and (world == 2 or acc_dtype == out.dtype):
+    if out.dtype == np.float32 and world >= 2 and (world == 2 or not wide):
         redo = _float32_mean(fetch, n, out, in_buf, chunk)
         if world > 2:
             for start in redo:
