@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -342,12 +343,13 @@ class _StrictModes:
 
 
 @pytest.mark.wgpu
+@pytest.mark.parametrize("spin_s", [0.0, 1.0], ids=["blocking", "polled"])
 @pytest.mark.parametrize("nosync", [True, False], ids=["read-nosync", "map-sync"])
 def test_map_for_reading_sees_the_copy_submitted_before(
-    device: Any, monkeypatch: pytest.MonkeyPatch, nosync: bool
+    device: Any, monkeypatch: pytest.MonkeyPatch, nosync: bool, spin_s: float
 ) -> None:
     # The download's map skips wgpu-py's empty submit ("READ_NOSYNC"), or, where
-    # wgpu-py refuses that mode, falls back to map_sync for good.
+    # wgpu-py refuses that mode, falls back to map_sync for good; waiting either way.
     monkeypatch.setattr(gradsync._wgpu, "_nosync_reads", True)
     staging = device.create_buffer(
         size=64, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
@@ -357,11 +359,88 @@ def test_map_for_reading_sees_the_copy_submitted_before(
         enc = device.create_command_encoder()
         enc.copy_buffer_to_buffer(src, 0, staging, 0, 64)
         device.queue.submit([enc.finish()])
-        gradsync._wgpu._map_for_reading(staging if nosync else _StrictModes(staging))
+        gradsync._wgpu._map_for_reading(
+            staging if nosync else _StrictModes(staging), device, spin_s
+        )
         got = np.frombuffer(staging.read_mapped(0, 64), np.float32).copy()
         staging.unmap()
         np.testing.assert_array_equal(got, np.arange(16, dtype=np.float32) * (k + 1))
     assert gradsync._wgpu._nosync_reads is nosync
+
+
+class _FakePromise:
+    def __init__(self, resolve_after_polls: int | None) -> None:
+        self._state = "pending"
+        self.left = resolve_after_polls
+        self.polls = 0
+        self.waits = 0
+
+    def poll(self, block: bool) -> None:
+        assert block is False  # a blocking poll here stalled H200 steps (see _wait)
+        self.polls += 1
+        if self.left is not None and self.polls >= self.left:
+            self._state = "fulfilled"
+
+    def sync_wait(self) -> None:
+        self.waits += 1
+
+
+class _FakeDevice:
+    def __init__(self, promise: _FakePromise) -> None:
+        self._poll = promise.poll
+
+
+def test_wait_polls_until_the_promise_resolves() -> None:
+    promise = _FakePromise(resolve_after_polls=3)
+    gradsync._wgpu._wait(promise, _FakeDevice(promise), 10.0)
+    assert (promise.polls, promise.waits) == (3, 1)
+
+
+def test_wait_polls_for_at_most_spin_s_then_blocks() -> None:
+    promise = _FakePromise(resolve_after_polls=None)
+    t0 = time.perf_counter()
+    gradsync._wgpu._wait(promise, _FakeDevice(promise), 0.02)
+    assert time.perf_counter() - t0 >= 0.02
+    assert promise.polls > 0
+    assert promise.waits == 1
+
+
+def test_wait_without_spin_or_poll_api_only_blocks() -> None:
+    promise = _FakePromise(resolve_after_polls=1)
+    gradsync._wgpu._wait(promise, _FakeDevice(promise), 0.0)
+    gradsync._wgpu._wait(promise, object(), 1.0)  # a wgpu-py without device._poll
+    assert (promise.polls, promise.waits) == (0, 2)
+
+
+def test_adapter_type_unknown_without_adapter_info() -> None:
+    assert gradsync._wgpu._adapter_type(object()) is None
+
+
+@pytest.mark.wgpu
+def test_bridge_polls_only_on_gpus(device: Any) -> None:
+    # A CPU adapter's "GPU" work runs on the cores a polling wait would take.
+    with WgpuBridge(device) as bridge:
+        cpu = device.adapter.info["adapter_type"] == "CPU"
+        assert bridge._spin_s == (0.0 if cpu else gradsync._wgpu.SPIN_S)
+
+
+@pytest.mark.wgpu
+def test_polled_waits_roundtrip(device: Any) -> None:
+    # Download, queued upload (float16 from element 1: gathered, its staging buffer
+    # remapped in the background and waited for next time), upload with its fence.
+    with WgpuBridge(device) as bridge:
+        bridge._spin_s = 1.0
+        f16 = [np.dtype(np.float16)]
+        start = np.arange(300, dtype=np.float16)
+        buf = _buffer(device, start)
+        for k in range(3):
+            (h,) = bridge.download([buf], f16)
+            np.testing.assert_array_equal(h, start * 2**k)
+            bridge._upload_pieces([buf], f16, [(0, 1, h[1:] * 2), (0, 0, h[:1] * 2)])
+            assert bridge._layout is not None
+            assert bridge._layout.chunks[0].remap is not None
+        bridge.upload([buf], [np.full(300, 7, np.float16)])
+        np.testing.assert_array_equal(_read(device, buf, np.float16), np.full(300, 7))
 
 
 @pytest.mark.wgpu

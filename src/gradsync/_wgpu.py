@@ -22,6 +22,7 @@ import functools
 import importlib
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,9 @@ COPY_BUFFER_ALIGNMENT = 4
 # read_mapped/write_mapped offsets must be multiples of 8 in wgpu-py, and 8 also keeps
 # every float64 host view aligned.
 _SLOT_ALIGNMENT = 8
+# Longest a wait for the GPU polls from the waiting thread (see _wait): round trips of
+# downloads up to ~32 MiB on the H200 (16 MiB: 2.3-2.9 ms); longer ones then block.
+SPIN_S = 0.005
 
 SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = (
     np.dtype(np.float16),
@@ -104,8 +108,8 @@ def _import_wgpu() -> Any:
     return importlib.import_module("wgpu")
 
 
-def _map_for_reading(buffer: Any) -> None:
-    """Map ``buffer`` for reading; return once it is mapped.
+def _map_for_reading(buffer: Any, device: Any, spin_s: float) -> None:
+    """Map ``buffer`` for reading; return once it is mapped (see :func:`_wait`).
 
     wgpu-py's ``map_sync`` for reading first submits an empty command buffer: a guard
     for a buffer written through its own mapping and mapped again with no submit in
@@ -124,13 +128,43 @@ def _map_for_reading(buffer: Any) -> None:
         except (KeyError, ValueError, TypeError):  # an unknown mode: checked before mapping
             _nosync_reads = False
         else:
-            promise.sync_wait()
+            _wait(promise, device, spin_s)
             return
     buffer.map_sync(_import_wgpu().MapMode.READ)
 
 
+def _wait(promise: Any, device: Any, spin_s: float) -> None:
+    """Wait for a wgpu-py promise, first polling ``device`` from this thread without
+    blocking for up to ``spin_s`` seconds.
+
+    wgpu-py resolves promises from a per-device thread that blocks in the driver until
+    the GPU finishes, then wakes the waiting thread: on the H200 (Vulkan) a 1 MiB
+    download's round trip took 321 us that way against 248 us polled from here (one
+    process; 2 processes sharing the GPU 556-567 against 442-463, 4 processes 673-746
+    against 572-615: benchmarks/h200/2026-12-03-l). Polling burns this core meanwhile,
+    so the spin is bounded, and off (``spin_s`` 0) on CPU adapters, whose "GPU" work
+    runs on the cores it would take (lavapipe, 2 processes on 2 cores: p90 1.6 ms).
+    ``device._poll`` and ``promise._state`` are wgpu-py's internals: without them
+    this is a plain wait.
+    """
+    poll = getattr(device, "_poll", None)
+    if spin_s > 0 and poll is not None and getattr(promise, "_state", None) == "pending":
+        deadline = time.perf_counter() + spin_s
+        while promise._state == "pending" and time.perf_counter() < deadline:
+            poll(False)
+    promise.sync_wait()
+
+
 # Whether this wgpu-py takes map_async("READ_NOSYNC"); cleared at the first refusal.
 _nosync_reads = True
+
+
+def _adapter_type(device: Any) -> str | None:
+    """``device``'s adapter type ("DiscreteGPU", "CPU"...), None where unknown."""
+    try:
+        return str(device.adapter.info["adapter_type"])
+    except (AttributeError, KeyError, TypeError):
+        return None
 
 
 def _round_up(n: int, align: int) -> int:
@@ -384,6 +418,8 @@ class WgpuBridge:
         self._fence_src: Any = None
         self._fence_dst: Any = None
         self._closed = False
+        # How long a wait for the GPU polls from this thread first (see _wait).
+        self._spin_s = 0.0 if _adapter_type(device) == "CPU" else SPIN_S
         # How upload() copies ("mapped" or "write_buffer"; a step's upload chooses per
         # call, see DIRECT_MAX_BYTES). "mapped" (one persistent MAP_WRITE buffer, kept
         # mapped while idle, then one encoder of copies) measured 4x faster than
@@ -570,7 +606,7 @@ class WgpuBridge:
                 enc.copy_buffer_to_buffer(buf, 0, layout.chunks[c].read, off, size)
             self._device.queue.submit([enc.finish()])
             for c, ch in enumerate(layout.chunks):
-                _map_for_reading(ch.read)
+                _map_for_reading(ch.read, self._device, self._spin_s)
                 try:
                     mapped = np.frombuffer(ch.read.read_mapped(0, ch.nbytes, copy=False), np.uint8)
                     if into is None:
@@ -693,7 +729,7 @@ class WgpuBridge:
                 )
             if ch.remap is not None:
                 remap, ch.remap = ch.remap, None
-                remap.sync_wait()
+                _wait(remap, self._device, self._spin_s)
             if str(ch.write.map_state) != "mapped":
                 ch.write.map_sync(wgpu.MapMode.WRITE)
         self._write_staging(layout, writes)
@@ -755,7 +791,7 @@ class WgpuBridge:
         enc = self._device.create_command_encoder(label="gradsync-fence")
         enc.copy_buffer_to_buffer(self._fence_src, 0, self._fence_dst, 0, 8)
         self._device.queue.submit([enc.finish()])
-        _map_for_reading(self._fence_dst)
+        _map_for_reading(self._fence_dst, self._device, self._spin_s)
         self._fence_dst.unmap()
 
     def _check_open(self) -> None:
