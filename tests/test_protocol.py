@@ -11,7 +11,9 @@ import pytest
 
 import gradsync
 import workers
+from gradsync._liveness import MemberInfo
 from gradsync._protocol import validate_grads
+from gradsync._rendezvous import _Leader
 from ranks import run_ranks
 
 
@@ -275,6 +277,39 @@ def test_settings_mismatch_at_rendezvous(
     ), results[0].message
     assert results[1].error_type == "MismatchError"
     assert results[1].message == results[0].message
+
+
+@pytest.mark.parametrize(
+    ("data", "pattern"),
+    [
+        # A member file of a gradsync that sent no settings: it may sum differently.
+        (
+            {"world_size": 2},
+            r"rendezvous: rank 1 \(pid \d+ on \S+\) sent no settings \(strategy, wide_sum\) "
+            r"in \S+: it runs an older gradsync; every rank must run the same gradsync version",
+        ),
+        # Settings without one of the keys this gradsync needs agreed on.
+        (
+            {"world_size": 2, "settings": {"strategy": "sharded"}},
+            r"rendezvous: rank 0 has wide_sum False but rank 1 \(pid \d+ on \S+\) has "
+            r"wide_sum None in \S+; every rank must use the same wide_sum",
+        ),
+    ],
+    ids=["no-settings", "missing-key"],
+)
+def test_member_without_settings_is_refused(
+    tmp_path: Path, data: dict[str, object], pattern: str
+) -> None:
+    cfg = gradsync.FileGradSyncConfig(2, 0, tmp_path)
+    leader = _Leader(cfg, MemberInfo.for_self(0, "0" * 16))
+    joiner = MemberInfo.for_self(1, "1" * 16)
+    with pytest.raises(gradsync.MismatchError, match=f"^{pattern}$") as info:
+        leader._check_agreement(joiner, {"member": joiner.to_json(), **data})
+    assert info.value.ranks == (0, 1)
+    assert info.value.path == str(tmp_path)
+    leader._check_agreement(
+        joiner, {"world_size": 2, "settings": {"strategy": "sharded", "wide_sum": False}}
+    )
 
 
 def test_two_processes_claiming_one_rank(tmp_path: Path) -> None:

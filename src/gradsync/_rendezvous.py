@@ -284,14 +284,22 @@ class _Leader:
         """Fail if ``member`` was configured differently where the ranks must agree."""
         cfg = self.cfg
         settings = data.get("settings")
-        # A member file without settings was written by a gradsync that sent none.
-        theirs = {**(settings if isinstance(settings, dict) else {})}
-        theirs["world_size"] = data.get("world_size")
+        if not isinstance(settings, dict):
+            # Written by a gradsync that sent no settings: nothing says it sums and lays
+            # out its files as this one does, so it may not join.
+            raise MismatchError(
+                f"rendezvous: rank {member.rank} ({member.describe()}) sent no settings "
+                f"(strategy, wide_sum) in {cfg.sync_dir}: it runs an older gradsync; every "
+                "rank must run the same gradsync version",
+                ranks=[0, member.rank],
+                path=cfg.sync_dir,
+            )
+        theirs = {**settings, "world_size": data.get("world_size")}
         for key, mine in {"world_size": cfg.world_size, **_settings(cfg)}.items():
-            if key in theirs and theirs[key] != mine:
+            if theirs.get(key) != mine:
                 raise MismatchError(
                     f"rendezvous: rank 0 has {key} {mine!r} but rank {member.rank} "
-                    f"({member.describe()}) has {key} {theirs[key]!r} in {cfg.sync_dir}; "
+                    f"({member.describe()}) has {key} {theirs.get(key)!r} in {cfg.sync_dir}; "
                     f"every rank must use the same {key}",
                     ranks=[0, member.rank],
                     path=cfg.sync_dir,
