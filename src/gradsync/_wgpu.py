@@ -117,9 +117,9 @@ def _map_for_reading(buffer: Any, device: Any, spin_s: float) -> None:
     are only ever written by copies it has submitted before mapping, so it skips the
     guard ("READ_NOSYNC"; plain ``map_sync`` where wgpu-py refuses that mode).
     lavapipe, 1 MiB download: 242 -> 192 us; H200: within its noise (0.05 ms at 4
-    ranks). (Also waiting on the device from this thread, not only through wgpu-py's
-    poll thread, saved 11 us more on lavapipe but stalled H200 steps ~10 ms, one in
-    two: benchmarks/h200/2026-12-03-h.)
+    ranks). (A *blocking* poll from this thread, beside wgpu-py's poll thread, stalled
+    H200 steps ~10 ms, one in two: benchmarks/h200/2026-12-03-h; :func:`_wait` polls
+    without blocking.)
     """
     global _nosync_reads
     if _nosync_reads:
