@@ -28,8 +28,12 @@ Peak RSS (``VmHWM``, reset per workload through ``/proc/self/clear_refs``) is re
 minus the RSS once the gradients are allocated and written ("extra RSS": what the peer
 needs beyond the gradients it is handed); PSS likewise, after the timed steps.
 
-Run: ``python benchmarks/allreduce.py [--quick] [--world-sizes 2,3,4] [--dirs tmpfs,disk]
-[--workloads 4KiB,1MiB,16MiB,64MiB,100x16MiB] [--json out.json]``.
+This machine's speed drifts by tens of percent within a minute, and peers run one after
+another: ``--rounds N`` runs every peer N times per W, interleaved, and reports per row
+the median over rounds and, as ratios, the median of the same-round ratios.
+
+Run: ``python benchmarks/allreduce.py [--quick] [--rounds 3] [--world-sizes 2,3,4]
+[--dirs tmpfs,disk] [--workloads 4KiB,1MiB,16MiB,64MiB,100x16MiB] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -756,6 +760,50 @@ def add_ratios(rows: list[Row]) -> None:
                 setattr(r, attr, r.median_ms / other.median_ms)
 
 
+def combine_rounds(rounds: list[list[Row]]) -> list[Row]:
+    """One row per (dir, W, workload, peer) from the rows of several rounds, each round's
+    ratios already added: times and ratios are medians over rounds (a ratio within one
+    round compares runs made seconds apart), memory and errors the worst round's."""
+    if len(rounds) == 1:
+        return rounds[0]
+    groups: dict[tuple[str, int, str, str], list[Row]] = {}
+    for rows in rounds:
+        for r in rows:
+            groups.setdefault((r.dir_kind, r.world, r.workload, r.peer), []).append(r)
+
+    def med(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return statistics.median(present) if present else None
+
+    out = []
+    for same in groups.values():
+        ok = [r for r in same if r.ok]
+        row = Row(same[0].dir_kind, same[0].world, same[0].workload, same[0].peer, same[0].nbytes)
+        out.append(row)
+        if len(ok) < len(same):
+            row.ok, row.error = False, next(r.error for r in same if not r.ok)
+            continue
+        row.steps = sum(r.steps for r in ok)
+        row.slowest_ms = [t for r in ok for t in r.slowest_ms]
+        row.median_ms = statistics.median(r.median_ms for r in ok)
+        row.p90_ms = statistics.median(r.p90_ms for r in ok)
+        row.gbps = row.nbytes / (row.median_ms * 1e-3) / 1e9
+        rss = [r.extra_rss for r in ok if r.extra_rss is not None]
+        pss = [r.extra_pss for r in ok if r.extra_pss is not None]
+        row.extra_rss = max(rss) if rss else None
+        row.extra_pss = max(pss) if len(pss) == len(ok) else None
+        errs = [r.max_rel_err for r in ok if r.max_rel_err is not None]
+        row.max_rel_err = max(errs) if errs else None
+        same_bits = [r.identical for r in ok if r.identical is not None]
+        row.identical = all(same_bits) if same_bits else None
+        if ok[0].split_ms:
+            row.split_ms = {k: statistics.fmean(r.split_ms[k] for r in ok) for k in ok[0].split_ms}
+        row.vs_gloo = med([r.vs_gloo for r in ok])
+        row.vs_mpi = med([r.vs_mpi for r in ok])
+        row.vs_memcpy = med([r.vs_memcpy for r in ok])
+    return out
+
+
 # -- targets -------------------------------------------------------------------------
 
 
@@ -1023,6 +1071,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--small-steps", type=int, default=200, help="timed steps, workloads < 16 MiB")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--naive-steps", type=int, default=10, help="timed steps of the naive peer")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every peer this many times per W, interleaved; a row is then the median "
+        "over rounds, and its ratios the median of the same-round ratios",
+    )
     p.add_argument("--quick", action="store_true", help="few steps (smoke test)")
     p.add_argument("--json", type=Path, help="write every row (and machine info) here")
     p.add_argument("--_mpi-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -1091,9 +1146,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {label}: {time.monotonic() - t0:.1f} s {status}", flush=True)
         return launch
 
-    if "memcpy" in peers:
-        rows += memcpy_rows(workloads)
-    for world in worlds:
+    rounds: list[list[Row]] = [[] for _ in range(args.rounds)]
+    for rnd, world in ((rnd, w) for w in worlds for rnd in range(args.rounds)):
+        rows = rounds[rnd]
+        if args.rounds > 1:
+            print(f"  round {rnd + 1} of {args.rounds}, W={world}:", flush=True)
+        if "memcpy" in peers and not any(r.peer == "memcpy" for r in rows):
+            rows += memcpy_rows(workloads)
         base_spec = {"world": world, "workloads": workloads}
         if "gloo" in peers:
             spec = {**base_spec, "port": _free_port()}
@@ -1138,6 +1197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 shutil.rmtree(root, ignore_errors=True)
 
+    for round_rows in rounds:
+        add_ratios(round_rows)
+    per_round = rounds if args.rounds > 1 else []
+    rows = combine_rounds(rounds)
     order = {n: i for i, n in enumerate(names)}
     peer_order = {p: i for i, p in enumerate(("gradsync", "gradsync-root", "naive"))}
     file_rows = sorted(
@@ -1155,12 +1218,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         key=lambda r: (r.world, order[r.workload], r.peer),
     )
     rows = file_rows + ref_rows
-    add_ratios(rows)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     info["loadavg_end"] = load
     print(f"\n# total {time.monotonic() - t_start:.0f} s; load average at start {info['loadavg']},")
     print(f"# at end {load}. Step time = slowest rank's time per step; xRSS = extra peak RSS")
     print("# (max over ranks); /gloo, /MPI, /cpy: median over that peer's median (same W).")
+    if args.rounds > 1:
+        print(
+            f"# {args.rounds} rounds per W, interleaved: times are medians over rounds, ratios"
+            "\n# the median of the same-round ratios, xRSS the worst round's."
+        )
     print(format_table(rows))
     targets = check_targets(rows, names)
     if args.buffers:
@@ -1180,6 +1247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "machine": info,
                     "command": command,
                     "rows": [asdict(r) for r in rows],
+                    "rounds": [[asdict(r) for r in rr] for rr in per_round],
                     "targets": [asdict(t) for t in targets],
                 },
                 indent=1,
