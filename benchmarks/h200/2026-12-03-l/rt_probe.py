@@ -11,13 +11,17 @@ Run: python rt_probe.py [--procs N] [--mib 1] (BACKEND=Vulkan picks the backend)
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/
+from spawned import run_spawned
 
 MODES = ("wait", "spin", "spinY", "naive")
 
@@ -82,20 +86,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--per", type=int, default=40)
     a = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=worker, args=(i, a.mib, a.rounds, a.per, q)) for i in range(a.procs)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        out = sorted(q.get(timeout=300) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    out = run_spawned(worker, [(i, a.mib, a.rounds, a.per) for i in range(a.procs)])
     for idx, r in out:
         cells = "  ".join(f"{m} {med:.0f}/{p90:.0f}" for m, (med, p90) in r.items())
         print(f"procs={a.procs} {a.mib} MiB proc {idx}: {cells}  (median/p90 us)")

@@ -4,14 +4,17 @@ step's own phase medians (``StepStats``). BACKEND (default Vulkan) picks the bac
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/
+from spawned import run_spawned
 
 SYNC_DIR = "/dev/shm/partsw"
 STEPS = 400
@@ -71,19 +74,8 @@ def rank_main(rank: int, backend: str, q: Any) -> None:
 
 def main() -> None:
     shutil.rmtree(SYNC_DIR, ignore_errors=True)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     backend = os.environ.get("BACKEND", "Vulkan")
-    procs = [ctx.Process(target=rank_main, args=(r, backend, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        res = sorted(q.get(timeout=300) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    res = run_spawned(rank_main, [(r, backend) for r in range(2)])
     for key in sorted(set(res[0][1]) | set(res[1][1])):
         print(f"{key:24s} " + "   ".join(f"rank {r}: {o.get(key)}" for r, o in res))
 
