@@ -1136,7 +1136,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         peers = [p for p in peers if p != "mpi"]
     print(f"# command: {command}", flush=True)
 
-    rows: list[Row] = []
     t_start = time.monotonic()
 
     def run(label: str, kind: str, world: int, spec: dict[str, Any]) -> Launch:
@@ -1154,19 +1153,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rounds: list[list[Row]] = [[] for _ in range(args.rounds)]
     for rnd, world in ((rnd, w) for w in worlds for rnd in range(args.rounds)):
-        rows = rounds[rnd]
+        measured = rounds[rnd]  # this round's rows, appended to
         if args.rounds > 1:
             print(f"  round {rnd + 1} of {args.rounds}, W={world}:", flush=True)
-        if "memcpy" in peers and not any(r.peer == "memcpy" for r in rows):
-            rows += memcpy_rows(workloads)
+        if "memcpy" in peers and not any(r.peer == "memcpy" for r in measured):
+            measured += memcpy_rows(workloads)
         base_spec = {"world": world, "workloads": workloads}
         if "gloo" in peers:
             spec = {**base_spec, "port": _free_port()}
             launch = run(f"gloo W={world}", "gloo", world, spec)
-            rows += summarise(launch, "-", world, "gloo", workloads)
+            measured += summarise(launch, "-", world, "gloo", workloads)
         if "mpi" in peers:
             launch = run(f"mpi W={world}", "mpi", world, base_spec)
-            rows += summarise(launch, "-", world, "mpi", workloads)
+            measured += summarise(launch, "-", world, "mpi", workloads)
         for d in dirs:
             root = dir_paths[d] / f"gradsync-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             try:
@@ -1194,12 +1193,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     peer += "-buf" if buffers else ""
                     peer += "-f64" if wide else ""
                     peer += "" if threads == "auto" else f"-t{threads}"
-                    rows += summarise(launch, d, world, peer, workloads)
+                    measured += summarise(launch, d, world, peer, workloads)
                 if "naive" in peers:
                     spec = {"world": world, "workloads": naive_workloads}
                     spec["sync_dir"] = str(root / "naive")
                     launch = run(f"naive {d} W={world}", "naive", world, spec)
-                    rows += summarise(launch, d, world, "naive", naive_workloads)
+                    measured += summarise(launch, d, world, "naive", naive_workloads)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
 
