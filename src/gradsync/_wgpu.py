@@ -400,6 +400,17 @@ class _Layout:
     chunks: list[_Chunk]
     views: list[npt.NDArray[Any]]
 
+    def writes(
+        self, pieces: Sequence[tuple[int, int, npt.NDArray[Any]]]
+    ) -> list[tuple[int, int, npt.NDArray[Any]]]:
+        """``(param, first element, elements)`` pieces as ``(chunk, byte offset, elements)``
+        in the staging buffers."""
+        out = []
+        for param, start, src in pieces:
+            c, off, _ = self.slots[param]
+            out.append((c, off + start * src.itemsize, src))
+        return out
+
 
 class WgpuBridge:
     """Copies gradient buffers of one ``GPUDevice`` to host arrays and back.
@@ -654,7 +665,7 @@ class WgpuBridge:
         with _wgpu_errors("uploading gradients"):
             if self.upload_mode == "mapped":
                 layout = self._get_layout(buffers, [a.dtype for a in host])
-                writes = [(c, off, a) for a, (c, off, _) in zip(host, layout.slots, strict=True)]
+                writes = layout.writes([(i, 0, a) for i, a in enumerate(host)])
                 self._upload_mapped(buffers, layout, writes)
             else:
                 for buf, a in zip(buffers, host, strict=True):
@@ -699,11 +710,7 @@ class WgpuBridge:
                     if src.nbytes:
                         self._device.queue.write_buffer(buffers[param], offset, src)
                 return
-            writes = []
-            for param, start, src in pieces:
-                c, off, _ = layout.slots[param]
-                writes.append((c, off + start * src.itemsize, src))
-            self._upload_mapped(buffers, layout, writes, wait=False)
+            self._upload_mapped(buffers, layout, layout.writes(pieces), wait=False)
 
     def _upload_mapped(
         self,
