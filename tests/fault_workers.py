@@ -108,7 +108,7 @@ def corrupt_own_file(
 ) -> dict[str, Any]:
     """Average 2 steps (``SHAPES_BIG``); ``victim`` publishes a damaged ``name`` on call ``call``.
 
-    ``name`` is ``in`` or ``out``: the victim's data file ``d-<victim>-<call % 2>.<name>``
+    ``name`` is ``in`` or ``out``: the victim's data file (``d-<victim>.<name>``: one file a rank)
     is replaced by a damaged copy after it is written and closed, just before its marker
     ``s-<call>/<name>-<victim>`` is created, so every reader sees the damage.
     ``how``: ``header`` flips a byte of the fixed header (the step field), ``truncate``
@@ -139,17 +139,17 @@ def corrupt_own_file(
 @contextlib.contextmanager
 def _before_marker(action: Any) -> Iterator[None]:
     """Run ``action()`` just before the engine creates its next marker file."""
-    original = _protocol.create_marker
+    original = _protocol.place_marker
 
-    def create(path: Path) -> None:
+    def place(path: Path, reuse: str | None) -> None:
         action()
-        original(path)
+        original(path, reuse)
 
-    _protocol.create_marker = create  # type: ignore[assignment]
+    _protocol.place_marker = place  # type: ignore[assignment]
     try:
         yield
     finally:
-        _protocol.create_marker = original
+        _protocol.place_marker = original
 
 
 def _damage(path: Path, how: str) -> None:

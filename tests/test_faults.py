@@ -351,7 +351,7 @@ def test_stopped_rank_past_max_wait_is_a_timeout_naming_only_it(
 
 # -- 3. corrupted files --------------------------------------------------------------------------
 
-# Rank 1 of 3 damages its data file d-1-0.<name> of call 2 (step 1) on disk before
+# Rank 1 of 3 damages its data file d-1.<name> of call 2 (step 1) on disk before
 # publishing its marker; ranks 0 and 2 read it. SHAPES_BIG, so that shards (out) exist.
 CORRUPT_CASES = [
     ("in", "header", r"is unusable: {path} has a corrupt header \(checksum mismatch\)"),
@@ -363,7 +363,7 @@ CORRUPT_CASES = [
 
 
 def _damaged_file(results: dict[int, Outcome], tmp_path: Path, name: str) -> str:
-    """The path rank 1 damaged: its data file for call 2 (slot 0), never a marker.
+    """The path rank 1 damaged: its data file for call 2 (one file a rank), never a marker.
 
     Fails with ``pytest.fail`` (not an AssertionError, which the payload xfail expects).
     """
@@ -371,9 +371,9 @@ def _damaged_file(results: dict[int, Outcome], tmp_path: Path, name: str) -> str
     if crashed:
         pytest.fail(f"ranks {crashed} crashed: {results[crashed[0]].value}")
     path = results[1].value["damaged"]
-    pattern = rf"{re.escape(str(tmp_path))}/gen-[0-9a-f]+/d-1-0\.{name}"
+    pattern = rf"{re.escape(str(tmp_path))}/gen-[0-9a-f]+/d-1\.{name}"
     if path is None or not re.fullmatch(pattern, path):
-        pytest.fail(f"rank 1 damaged {path!r}, not its data file d-1-0.{name} of call 2")
+        pytest.fail(f"rank 1 damaged {path!r}, not its data file d-1.{name} of call 2")
     return str(path)
 
 

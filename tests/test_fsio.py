@@ -19,6 +19,7 @@ from gradsync import ConfigError, SyncDirError, _fsio, atomic_write_bytes, wait_
 from gradsync._fsio import (
     Backoff,
     list_names,
+    place_marker,
     read_exact_into,
     read_small,
     translate_oserror,
@@ -564,3 +565,43 @@ def test_write_in_place_failure_midway_propagates(tmp_path: Path) -> None:
         write_in_place(target, [b"x" * 100, b"y" * 100], midway=boom)
     # Half-written, as readers never see it: only a marker, created after, publishes it.
     assert target.read_bytes() == b"x" * 100
+
+
+# --- markers --------------------------------------------------------------------------------
+
+
+def test_place_marker_moves_the_old_marker(tmp_path: Path) -> None:
+    (tmp_path / "s-1").mkdir()
+    (tmp_path / "s-3").mkdir()
+    old = tmp_path / "s-1" / "in-0"
+    old.touch()
+    inode = old.stat().st_ino
+    place_marker(tmp_path / "s-3" / "in-0", str(old))
+    assert not old.exists()
+    assert (tmp_path / "s-3" / "in-0").stat().st_ino == inode
+
+
+@pytest.mark.parametrize("reuse", [None, "s-1/in-0", "gone/in-0"])
+def test_place_marker_creates_when_there_is_nothing_to_move(
+    tmp_path: Path, reuse: str | None
+) -> None:
+    (tmp_path / "s-1").mkdir()
+    target = tmp_path / "in-0"
+    place_marker(target, None if reuse is None else str(tmp_path / reuse))
+    assert target.is_file()
+    assert target.stat().st_size == 0
+
+
+def test_place_marker_refuses_an_existing_marker_it_would_create(tmp_path: Path) -> None:
+    target = tmp_path / "in-0"
+    target.touch()
+    with pytest.raises(FileExistsError):
+        place_marker(target, str(tmp_path / "absent"))
+
+
+def test_place_marker_into_a_missing_directory_fails(tmp_path: Path) -> None:
+    old = tmp_path / "in-0"
+    old.touch()
+    with pytest.raises(FileNotFoundError):
+        place_marker(tmp_path / "gone" / "in-0", str(old))
+    assert old.exists()  # nothing moved

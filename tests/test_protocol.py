@@ -372,6 +372,44 @@ def test_at_most_three_steps_on_disk_and_clean_shutdown_removes_the_run(tmp_path
         assert not Path(gen_dir).exists()
 
 
+@pytest.mark.parametrize(
+    ("plans", "created"),
+    [
+        ("bbbbbbb", ["in-{r}", "out-{r}"] * 2),  # calls 1 and 2; later calls move them
+        ("sssssss", ["in-{r}"] * 2),
+        # A replicated call publishes no out marker, so a sharded call two calls later
+        # has none to move (call 6 here) and creates one.
+        ("bsbsbbs", ["in-{r}", "out-{r}", "in-{r}", "out-{r}"]),
+    ],
+)
+def test_markers_are_moved_from_call_to_call(
+    tmp_path: Path, plans: str, created: list[str]
+) -> None:
+    results = run_ranks(workers.marker_creates, 2, (2, str(tmp_path), plans))
+    assert_ok(results)
+    per_rank = [results[r].value[2] for r in range(2)]
+    for r in range(2):
+        names, most_dirs, _ = results[r].value
+        assert names == [n.format(r=r) for n in created]
+        assert most_dirs <= 3
+    for step, kind in enumerate(plans):
+        shapes = workers.SHAPES_BIG if kind == "b" else workers.SHAPES
+        want = gradsync.average_host_grads([workers.grads_for(q, step, shapes) for q in range(2)])
+        for r in range(2):
+            assert per_rank[r][step] == [w.tobytes() for w in want]
+
+
+def test_a_layout_change_never_overwrites_a_file_still_being_read(tmp_path: Path) -> None:
+    # A small call (two slots) leaves readers behind; the big call after it used to
+    # write its input into slot 0 while they read it ("belongs to another run or call").
+    results = run_ranks(workers.late_reader_across_plans, 2, (2, str(tmp_path)))
+    assert_ok(results)
+    for step, shapes in enumerate((workers.SHAPES_BIG, workers.SHAPES, workers.SHAPES_BIG)):
+        want = gradsync.average_host_grads([workers.grads_for(q, step, shapes) for q in range(2)])
+        for r in range(2):
+            assert results[r].value[step] == [w.tobytes() for w in want]
+
+
 # -- 7. bad environment -----------------------------------------------------------------
 
 

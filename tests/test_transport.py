@@ -70,21 +70,26 @@ def test_open_missing_file_raises(tmp_path: Path) -> None:
         Transport(mapped=True, head_bytes=16).open(tmp_path / "absent")
 
 
-@pytest.mark.parametrize("replicated", [False, True])
-def test_prune_removes_a_step_dir_of_markers(tmp_path: Path, replicated: bool) -> None:
+def test_prune_removes_an_emptied_step_dir(tmp_path: Path) -> None:
     step_dir = tmp_path / "s-3"
     step_dir.mkdir()
-    for name in ("in-0", "in-1", "in-2") if replicated else ("in-0", "in-1", "out-0", "out-1"):
-        (step_dir / name).touch()
-    _prune_step_dir(step_dir, 3, replicated)
+    _prune_step_dir(step_dir, 3)
     assert not step_dir.exists()
+    _prune_step_dir(step_dir, 3)  # already gone: nothing to do
 
 
-def test_prune_falls_back_for_anything_else(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "left",
+    [
+        ("in-0", "in-1", "in-2"),  # markers nobody moved on
+        ("out-0", "out-1"),  # of a sharded call followed by a replicated one
+        ("in-0", "out-0", "abort-1", "out-1"),  # an abort note: only rmtree gets it
+    ],
+)
+def test_prune_removes_whatever_is_left(tmp_path: Path, left: tuple[str, ...]) -> None:
     step_dir = tmp_path / "s-3"
     step_dir.mkdir()
-    for name in ("in-0", "out-0", "abort-1", "out-1"):  # out-* of an earlier, sharded plan
+    for name in left:
         (step_dir / name).write_text("{}")
-    _prune_step_dir(step_dir, 2, replicated=True)
+    _prune_step_dir(step_dir, 3)
     assert not step_dir.exists()
-    _prune_step_dir(step_dir, 2, replicated=True)  # already gone: nothing to do

@@ -706,7 +706,7 @@ _WORKER = textwrap.dedent(
         # this rank's data file (280 KiB: reduced in shards), which is then published
         # without a copy: the rank's input-file name links to that file.
         gen = gradsync._api._registry[cfg].generation_dir
-        linked = os.path.islink(os.path.join(gen, f"d-{rank}-0.in"))
+        linked = os.path.islink(os.path.join(gen, f"d-{rank}.in"))
         assert linked == (step > 0 and mode != "unmapped"), (step, linked)
     assert mapped_uploads == ([{"wait": False}] * 3 if mode == "gathered" else []), mapped_uploads
     with open(out, "wb") as f:

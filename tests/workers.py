@@ -178,6 +178,55 @@ def count_step_dirs(rank: int, world: int, sync_dir: str, steps: int) -> Any:
     return most_dirs, most_bytes, gen_dir
 
 
+def marker_creates(rank: int, world: int, sync_dir: str, plans: str) -> Any:
+    """Average one call per letter of ``plans`` (s: small, replicated; b: big, sharded);
+    report how many markers were created rather than moved, the most step dirs seen,
+    and each call's result as bytes."""
+    from gradsync import _fsio  # noqa: PLC0415
+
+    created: list[str] = []
+    original = _fsio.create_marker
+
+    def create(path: Path) -> None:
+        created.append(path.name)
+        original(path)
+
+    _fsio.create_marker = create  # type: ignore[assignment]
+    most_dirs = 0
+    results = []
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        for step, kind in enumerate(plans):
+            grads = grads_for(rank, step, SHAPES_BIG if kind == "b" else SHAPES)
+            gs.average(grads, step=step)
+            results.append([g.tobytes() for g in grads])
+            gen = Path(gs.generation_dir or "")
+            most_dirs = max(most_dirs, sum(p.name.startswith("s-") for p in gen.iterdir()))
+    return created, most_dirs, results
+
+
+def late_reader_across_plans(rank: int, world: int, sync_dir: str) -> Any:
+    """Three calls: big (one file a rank), small (two slots), big. Rank 1 opens its
+    peers' files of the small call late, after rank 0 has written its next input."""
+    from gradsync._protocol import StepEngine  # noqa: PLC0415
+
+    if rank == 1:
+        original = StepEngine._open
+
+        def late_open(self: StepEngine, path: Path, q: int, kind: int, step: int) -> Any:
+            if self.seq == 2 and q != self.rank:
+                time.sleep(0.5)
+            return original(self, path, q, kind, step)
+
+        StepEngine._open = late_open  # type: ignore[method-assign]
+    results = []
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        for step, shapes in enumerate((SHAPES_BIG, SHAPES, SHAPES_BIG)):
+            grads = grads_for(rank, step, shapes)
+            gs.average(grads, step=step)
+            results.append([g.tobytes() for g in grads])
+    return results
+
+
 def crash_after_publish(rank: int, world: int, sync_dir: str) -> Any:
     """An earlier run: average one step, publish the next inputs, then die hard."""
     gs = gradsync.GradSync(config(rank, world, sync_dir))
@@ -236,7 +285,7 @@ def shared_buffer_steps(
                     b[...] = g
                 grads = bufs
             gs.average(grads, step=step)
-            out["linked"].append((gen / f"d-{rank}-0.in").is_symlink())
+            out["linked"].append((gen / f"d-{rank}.in").is_symlink())
             out["results"].append([g.tobytes() for g in grads])
             if step == 2:
                 out["untouched"] = all(
@@ -292,7 +341,7 @@ def torch_grads_in_buffers(rank: int, world: int, sync_dir: str) -> dict[str, An
             )
             out["before"].append([g.tobytes() for g in grads])
             gs.average(grads, step=step)
-            out["linked"].append((gen / f"d-{rank}-0.in").is_symlink())
+            out["linked"].append((gen / f"d-{rank}.in").is_symlink())
             out["after"].append([g.tobytes() for g in grads])
             opt.step()
     return out

@@ -22,6 +22,7 @@ __all__ = [
     "atomic_write_bytes",
     "create_marker",
     "list_names",
+    "place_marker",
     "read_exact_into",
     "read_small",
     "translate_oserror",
@@ -110,6 +111,23 @@ def write_in_place(
 def create_marker(path: Path) -> None:
     """Create the empty file ``path``; it must not exist (``O_EXCL``, atomic on NFS too)."""
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+
+
+def place_marker(path: Path, reuse: str | None) -> None:
+    """Make the empty file ``path`` appear, atomically: by moving the finished marker
+    ``reuse`` there if it exists, else by creating it.
+
+    A rename is one system call that allocates nothing; a create is two (open, close)
+    and allocates an inode that someone later unlinks. ``path`` must not exist
+    (a rename would replace it). Raises OSError as the system reported it.
+    """
+    if reuse is not None:
+        try:
+            os.rename(reuse, path)
+            return
+        except FileNotFoundError:
+            pass  # the first calls, a plan that had no such marker, or a pruned step
+    create_marker(path)
 
 
 def _writev_all(fd: int, chunks: Sequence[bytes | memoryview], offset: int | None = None) -> int:

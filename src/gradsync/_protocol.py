@@ -1,11 +1,12 @@
 """One averaging step over files: publish, wait, reduce a shard, gather the mean.
 
-In generation directory ``gen-<id>/``, every rank owns four data files, reused
-from step to step (rewriting a file in place keeps its tmpfs pages, where a fresh
-file costs a page fault per 4 KiB)::
+In generation directory ``gen-<id>/``, every rank owns data files reused from
+step to step (rewriting a file in place keeps its tmpfs pages, where a fresh file
+costs a page fault per 4 KiB); see ``StepEngine.data_path`` for when a call needs
+two slots::
 
-    d-<r>-<slot>.in    rank r's whole gradient (header + payload), slot = call % 2
-    d-<r>-<slot>.out   rank r's shard of the mean
+    d-<r>.in, d-<r>-<slot>.in      rank r's whole gradient (header + payload)
+    d-<r>.out, d-<r>-<slot>.out    rank r's shard of the mean
 
 and call number ``seq`` of every rank uses ``s-<seq>/``, whose names are never reused::
 
@@ -16,8 +17,11 @@ and call number ``seq`` of every rank uses ``s-<seq>/``, whose names are never r
 Rank q writes slot ``seq % 2`` only after finishing call seq-1, which needed every
 rank's ``out`` of seq-1, written after that rank had read every input of seq-1 and
 so finished call seq-2: nobody still reads what the slot held. For the same reason,
-when rank 0 starts call seq nobody will look at ``s-<seq-2>`` again and rank 0
-removes it. Disk use: two slots of inputs and shards per rank, a few markers.
+once rank q starts call seq nobody will look at ``s-<seq-2>`` again, so q publishes
+by moving its marker of call seq-2 into ``s-<seq>/`` (a rename: no inode to create
+and later unlink). When rank 0 has every marker of call seq, every rank has moved
+its markers out of ``s-<seq-2>/``, and rank 0 removes it, empty. Disk use: one or
+two slots of inputs and shards per rank, markers of three calls.
 """
 
 from __future__ import annotations
@@ -70,8 +74,8 @@ from ._format import (
 )
 from ._fsio import (
     Backoff,
-    create_marker,
     list_names,
+    place_marker,
     translate_oserror,
     write_atomic,
 )
@@ -193,7 +197,7 @@ class StepEngine:
         self.seq = 0
         self._gen_bytes = bytes.fromhex(gen.gen_id).ljust(16, b"\0")[:16]
         self._plan: Plan | None = None
-        self._data_paths: dict[tuple[int, str, int], Path] = {}
+        self._data_paths: dict[tuple[int, str, int | None], Path] = {}
         self._shared: SharedBuffers | None = None
         self._shared_serial = 0
         self._linked: Path | None = None  # the shared file this rank's input name points at
@@ -253,9 +257,6 @@ class StepEngine:
         fault_point("before_publish", self.rank, self.seq)
         self._publish(step_dir, plan, flats, step, nonfinite, shared if in_place else None)
         fault_point("after_publish", self.rank, self.seq)
-        if self.rank == 0 and self.seq > 2:
-            # Off the critical path: peers are still publishing while this runs.
-            _prune_step_dir(self.gen.path / f"s-{self.seq - 2}", self.world, plan.replicated)
         t1 = time.perf_counter()
         peers: dict[int, _Peer] = {}
         outs: dict[int, _Peer] = {}
@@ -284,6 +285,9 @@ class StepEngine:
                 ranks = [self.rank] if plan.replicated else range(self.world)
                 mapped, read_in = self._pieces(plan, flats, shard, outs, step, ranks)
                 deliver(mapped + read_in)
+            if self.rank == 0 and self.seq > 2:
+                # Emptied by the ranks' renames (module docstring): one rmdir, normally.
+                _prune_step_dir(self.gen.path / f"s-{self.seq - 2}", self.world)
             t5 = time.perf_counter()
         finally:
             for peer in (*peers.values(), *outs.values()):
@@ -375,20 +379,24 @@ class StepEngine:
     def data_path(self, rank: int, kind: str, seq: int | None = None) -> Path:
         """The reused data file holding ``rank``'s ``kind`` ("in"/"out") for call ``seq``.
 
-        One slot per rank suffices when every rank publishes a shard: a rank starts
-        call seq+1 only once every rank has published its shard of seq, which each did
-        after reading every input of seq. Otherwise (every rank reduces everything, or
-        rank 0 does, or some ranks have empty shards) nothing orders the last readers
-        of call seq before the writers of seq+1, but all of them have finished seq
-        before anyone starts seq+2, so two slots alternate.
+        One file per rank (``d-<r>.<kind>``) suffices when every rank publishes a
+        shard: a rank starts call seq+1 only once every rank has published its shard
+        of seq, which each did after reading every input of seq. Otherwise (every rank
+        reduces everything, or rank 0 does, or some ranks have empty shards) nothing
+        orders the last readers of call seq before the writers of seq+1, but all of
+        them have finished seq before anyone starts seq+2, so two slots alternate
+        (``d-<r>-<seq % 2>.<kind>``). The names differ because the layout, and with it
+        the plan, may change between calls: a one-file call right after a two-slot
+        one must not overwrite what that call's last readers may still be reading.
         """
         plan = self._plan
         one_slot = plan is not None and _one_slot(plan)
         call = self.seq if seq is None else seq
-        key = (rank, kind, 0 if one_slot else call % 2)
+        key = (rank, kind, None if one_slot else call % 2)
         path = self._data_paths.get(key)
         if path is None:  # built once: joining paths is a visible share of a small step
-            path = self._data_paths[key] = self.gen.path / f"d-{key[0]}-{key[2]}.{kind}"
+            slot = "" if key[2] is None else f"-{key[2]}"
+            path = self._data_paths[key] = self.gen.path / f"d-{rank}{slot}.{kind}"
         return path
 
     def _write(
@@ -417,8 +425,10 @@ class StepEngine:
             except OSError as exc:
                 raise translate_oserror(exc, "writing", path, step=step) from exc
         marker = step_dir / f"{kind}-{self.rank}"
+        # Nobody looks at this rank's marker of call seq-2 any more (module docstring).
+        reuse = f"{self.gen.path}/s-{self.seq - 2}/{kind}-{self.rank}" if self.seq > 2 else None
         try:
-            create_marker(marker)
+            place_marker(marker, reuse)
         except OSError as exc:
             raise translate_oserror(exc, "publishing", marker, step=step) from exc
 
@@ -522,7 +532,7 @@ class StepEngine:
         previous call's readers all finished before any rank publishes this one)."""
         if self._linked == target:
             return
-        name = self._input_slot0()
+        name = self._input_name()
         temp = name.with_name(name.name + ".link")
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -538,7 +548,7 @@ class StepEngine:
         """Make this rank's input-file name a file of its own again before writing it."""
         if self._linked is None:
             return
-        name = self._input_slot0()
+        name = self._input_name()
         try:
             os.unlink(name)
         except FileNotFoundError:
@@ -548,10 +558,10 @@ class StepEngine:
         self._transport.forget(name)
         self._linked = None
 
-    def _input_slot0(self) -> Path:
-        """This rank's input file of slot 0: the one name of a one-slot plan, and the
-        name that links to shared arrays (a two-slot plan writes it on even calls)."""
-        return self.data_path(self.rank, "in", seq=0)
+    def _input_name(self) -> Path:
+        """This rank's input file of a one-file plan, the name that links to shared
+        arrays."""
+        return self.gen.path / f"d-{self.rank}.in"
 
     def _skip_own(self, plan: Plan) -> bool:
         """Whether this rank's input file leaves out its own shard (mapped, sharded)."""
@@ -1015,16 +1025,22 @@ def _one_slot(plan: Plan) -> bool:
     return not plan.replicated and all(plan.out_lens)
 
 
-def _prune_step_dir(step_dir: Path, world: int, replicated: bool) -> None:
-    """Remove a finished step's directory, which holds markers and maybe abort notes.
+def _prune_step_dir(step_dir: Path, world: int) -> None:
+    """Remove a finished step's directory.
 
-    Unlinking the markers a step of this plan holds (``in-*``, and ``out-*`` unless
-    every rank reduced everything) and then the directory costs a few system calls;
-    ``shutil.rmtree`` lists and reopens it first (3x as many). Whatever else is left
-    inside (an abort note, markers of an earlier plan) falls back to it.
+    It is normally empty: every rank moved its markers on to a later step. What can
+    be left (an abort note, markers that a later plan had no use for) is unlinked by
+    name, or left to ``shutil.rmtree``, which lists and reopens the directory first.
     """
+    try:
+        os.rmdir(step_dir)
+        return
+    except FileNotFoundError:
+        return
+    except OSError:
+        pass
     base = os.fspath(step_dir)
-    for prefix in ("in",) if replicated else ("in", "out"):
+    for prefix in ("in", "out"):
         for q in range(world):
             with contextlib.suppress(OSError):
                 os.unlink(f"{base}/{prefix}-{q}")

@@ -41,11 +41,11 @@ def _steps(gen: Path) -> list[int]:
 def _user_step(gen: Path, rank: int, call: int) -> int | None:
     """The step ``rank`` passed on call ``call``, from its data file's header, if kept.
 
-    Large gradients reuse one file (slot 0) every call, small ones alternate two:
-    the slot whose header is of ``call`` holds it.
+    Large gradients reuse one file every call, small ones alternate two slots: the
+    file whose header is of ``call`` holds it.
     """
-    for slot in (0, 1):
-        path = gen / f"d-{rank}-{slot}.in"
+    for name in (f"d-{rank}.in", f"d-{rank}-0.in", f"d-{rank}-1.in"):
+        path = gen / name
         try:
             with open(path, "rb") as f:
                 header = decode_header(f.read(HEADER_READ_BYTES), str(path))
