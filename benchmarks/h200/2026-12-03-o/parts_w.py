@@ -43,14 +43,17 @@ def rank_main(rank: int, backend: str, q: Any) -> None:
             "_publish _header _write _link_input _plan_for _reduce _await _open _pieces "
             "_reduce_and_publish"
         ),
-        _protocol: "_prune_step_dir create_marker validate_grads list_names",
+        # place_marker since the next session (markers moved, not created); before:
+        # create_marker. Whichever this gradsync has is timed.
+        _protocol: "_prune_step_dir place_marker create_marker validate_grads list_names",
         _wgpu.WgpuBridge: "_check_buffers _upload_pieces download _get_layout",
         _wgpu: "_map_for_reading",
         _api.GradSync: "_device_arrays",
     }
     for owner, names in wrapped.items():
         for name in names.split():
-            setattr(owner, name, _timed(acc, name, getattr(owner, name)))
+            if hasattr(owner, name):
+                setattr(owner, name, _timed(acc, name, getattr(owner, name)))
     os.mkdir = _timed(acc, "os.mkdir", os.mkdir)  # type: ignore[assignment]
     dev = gradsync.request_device_for_rank(local_rank=rank, backend=backend)
     usage = wgpu.BufferUsage
