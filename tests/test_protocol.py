@@ -410,6 +410,24 @@ def test_a_layout_change_never_overwrites_a_file_still_being_read(tmp_path: Path
             assert results[r].value[step] == [w.tobytes() for w in want]
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"strategy": "root"}, {"checksums": True}, {"use_mmap": False}],
+    ids=["sharded", "root", "checksums", "pread"],
+)
+def test_layouts_that_change_at_random_under_random_delays(
+    tmp_path: Path, kw: dict[str, object]
+) -> None:
+    results = run_ranks(workers.shifting_layouts, 3, (3, str(tmp_path), 7, 24, kw))
+    assert_ok(results)
+    plans = results[0].value[0]
+    for call, plan in enumerate(plans):
+        shapes = workers.SHAPES if plan == "small" else workers.SHAPES_BIG
+        want = gradsync.average_host_grads([workers.grads_for(q, call, shapes) for q in range(3)])
+        for r in range(3):
+            assert results[r].value[1][call] == [w.tobytes() for w in want], (call, plan, r)
+
+
 # -- 7. bad environment -----------------------------------------------------------------
 
 

@@ -227,6 +227,51 @@ def late_reader_across_plans(rank: int, world: int, sync_dir: str) -> Any:
     return results
 
 
+def shifting_layouts(
+    rank: int, world: int, sync_dir: str, seed: int, calls: int, kw: dict[str, Any]
+) -> Any:
+    """``calls`` calls whose layout changes at random (small, big, big in
+    ``buffers_like`` arrays; the same choices on every rank, from ``seed``), each rank
+    pausing at random (0-3 ms) before publishing and before opening a peer's file.
+    Returns each call's result as bytes."""
+    from gradsync._protocol import StepEngine  # noqa: PLC0415
+
+    shared = np.random.default_rng(seed)
+    plans = shared.choice(["small", "big", "shared"], size=calls).tolist()
+    local = np.random.default_rng([seed, rank])
+
+    def pause() -> None:
+        if local.random() < 0.5:
+            time.sleep(float(local.uniform(0, 0.003)))
+
+    publish, open_ = StepEngine._publish, StepEngine._open
+
+    def late_publish(self: StepEngine, *args: Any) -> Any:
+        pause()
+        return publish(self, *args)
+
+    def late_open(self: StepEngine, *args: Any) -> Any:
+        pause()
+        return open_(self, *args)
+
+    StepEngine._publish = late_publish  # type: ignore[method-assign]
+    StepEngine._open = late_open  # type: ignore[method-assign]
+    results = []
+    with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
+        shared_arrays: list[np.ndarray] | None = None
+        for call, plan in enumerate(plans):
+            grads = grads_for(rank, call, SHAPES if plan == "small" else SHAPES_BIG)
+            if plan == "shared":
+                if shared_arrays is None:
+                    shared_arrays = gs.buffers_like(grads)
+                for dst, src in zip(shared_arrays, grads, strict=True):
+                    dst[...] = src
+                grads = shared_arrays
+            gs.average(grads, step=call)
+            results.append([g.tobytes() for g in grads])
+    return plans, results
+
+
 def crash_after_publish(rank: int, world: int, sync_dir: str) -> Any:
     """An earlier run: average one step, publish the next inputs, then die hard."""
     gs = gradsync.GradSync(config(rank, world, sync_dir))
