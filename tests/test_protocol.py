@@ -393,10 +393,8 @@ def test_markers_are_moved_from_call_to_call(
         assert names == [n.format(r=r) for n in created]
         assert most_dirs <= 3
     for step, kind in enumerate(plans):
-        shapes = workers.SHAPES_BIG if kind == "b" else workers.SHAPES
-        want = gradsync.average_host_grads([workers.grads_for(q, step, shapes) for q in range(2)])
         for r in range(2):
-            assert per_rank[r][step] == [w.tobytes() for w in want]
+            assert per_rank[r][step] == expected(2, step, big=kind == "b")
 
 
 def test_a_layout_change_never_overwrites_a_file_still_being_read(tmp_path: Path) -> None:
@@ -404,10 +402,9 @@ def test_a_layout_change_never_overwrites_a_file_still_being_read(tmp_path: Path
     # write its input into slot 0 while they read it ("belongs to another run or call").
     results = run_ranks(workers.late_reader_across_plans, 2, (2, str(tmp_path)))
     assert_ok(results)
-    for step, shapes in enumerate((workers.SHAPES_BIG, workers.SHAPES, workers.SHAPES_BIG)):
-        want = gradsync.average_host_grads([workers.grads_for(q, step, shapes) for q in range(2)])
+    for step, big in enumerate((True, False, True)):
         for r in range(2):
-            assert results[r].value[step] == [w.tobytes() for w in want]
+            assert results[r].value[step] == expected(2, step, big=big)
 
 
 @pytest.mark.parametrize(
@@ -422,10 +419,9 @@ def test_layouts_that_change_at_random_under_random_delays(
     assert_ok(results)
     plans = results[0].value[0]
     for call, plan in enumerate(plans):
-        shapes = workers.SHAPES if plan == "small" else workers.SHAPES_BIG
-        want = gradsync.average_host_grads([workers.grads_for(q, call, shapes) for q in range(3)])
+        want = expected(3, call, big=plan != "small")
         for r in range(3):
-            assert results[r].value[1][call] == [w.tobytes() for w in want], (call, plan, r)
+            assert results[r].value[1][call] == want, (call, plan, r)
 
 
 # -- 7. bad environment -----------------------------------------------------------------

@@ -163,6 +163,10 @@ def _tree_bytes(root: Path) -> int:
     return total
 
 
+def _step_dirs(gen: Path) -> int:
+    return sum(p.name.startswith("s-") for p in gen.iterdir())
+
+
 def count_step_dirs(rank: int, world: int, sync_dir: str, steps: int) -> Any:
     """Average ``steps`` times; report the most step dirs and bytes seen on disk."""
     most_dirs = 0
@@ -171,7 +175,7 @@ def count_step_dirs(rank: int, world: int, sync_dir: str, steps: int) -> Any:
     for step in range(steps):
         gs.average(grads_for(rank, step), step=step)
         gen = Path(gs.generation_dir or "")
-        most_dirs = max(most_dirs, sum(p.name.startswith("s-") for p in gen.iterdir()))
+        most_dirs = max(most_dirs, _step_dirs(gen))
         most_bytes = max(most_bytes, _tree_bytes(gen))
     gen_dir = gs.generation_dir
     gs.close()
@@ -199,8 +203,7 @@ def marker_creates(rank: int, world: int, sync_dir: str, plans: str) -> Any:
             grads = grads_for(rank, step, SHAPES_BIG if kind == "b" else SHAPES)
             gs.average(grads, step=step)
             results.append([g.tobytes() for g in grads])
-            gen = Path(gs.generation_dir or "")
-            most_dirs = max(most_dirs, sum(p.name.startswith("s-") for p in gen.iterdir()))
+            most_dirs = max(most_dirs, _step_dirs(Path(gs.generation_dir or "")))
     return created, most_dirs, results
 
 
