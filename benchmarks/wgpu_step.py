@@ -74,7 +74,11 @@ def _rank(
 
         return wrapper
 
-    _wgpu.WgpuBridge.download = timed("download", _wgpu.WgpuBridge.download)  # type: ignore[method-assign]
+    # A step downloads through _download (download() checks its arguments, then calls
+    # it); gradsync trees older than 2026-12-03 18:30 UTC only have download.
+    bridge_cls: Any = _wgpu.WgpuBridge
+    name = "_download" if hasattr(bridge_cls, "_download") else "download"
+    setattr(bridge_cls, name, timed("download", getattr(bridge_cls, name)))
 
     bu = wgpu.BufferUsage
     dev = gradsync.request_device_for_rank(local_rank=rank, backend=os.environ.get("BACKEND"))

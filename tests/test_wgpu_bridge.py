@@ -502,6 +502,42 @@ def test_staging_reused_for_same_set_recreated_for_new_set(device: Any, bridge: 
 
 
 @pytest.mark.wgpu
+def test_resolve_remembers_the_last_buffer_set(device: Any, bridge: WgpuBridge) -> None:
+    a = _buffer(device, np.ones(4, np.float32))
+    b = _buffer(device, np.ones(8, np.float32))
+    f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
+    first = bridge.resolve([a, b], np.float32)
+    assert first == [f32, f32]
+    assert bridge.resolve([a, b], np.float32) is first  # a training loop's every step
+    assert bridge.resolve((a, b), f32) is first  # an equal dtype, a tuple of the same buffers
+    assert bridge.resolve([a, b], first) is first  # download() handed the result back
+    # A list of dtypes is compared by value: changed in place, it is resolved again.
+    spec: list[Any] = [np.float32, np.float32]
+    assert bridge.resolve([a, b], spec) == [f32, f32]
+    spec[1] = np.float16
+    assert bridge.resolve([a, b], spec) == [f32, f16]
+    assert bridge.resolve([b, a], np.float16) == [f16, f16]  # another set
+    with pytest.raises(InvalidGradsError, match=r"^param 1: unsupported dtype int32"):
+        bridge.resolve([a, b], [np.float32, np.int32])
+
+
+@pytest.mark.wgpu
+def test_layout_found_without_a_key_for_the_same_set(device: Any, bridge: WgpuBridge) -> None:
+    a = _buffer(device, np.ones(4, np.float32))
+    b = _buffer(device, np.ones(6, np.float16))
+    dtypes = bridge.resolve([a, b], [np.float32, np.float16])
+    layout = bridge._get_layout([a, b], dtypes)
+    assert layout.host_layout == (("<f4", (4,)), ("<f2", (6,)))
+    assert bridge._get_layout([a, b], dtypes) is layout
+    # Another spelling of the same set finds it by its key, and is remembered instead.
+    again = [np.dtype(np.float32), np.dtype(np.float16)]
+    assert bridge._get_layout((a, b), again) is layout
+    assert layout.dtypes is again
+    bridge.close()
+    assert bridge._resolved is None  # no buffer is kept alive by a closed bridge
+
+
+@pytest.mark.wgpu
 def test_staging_splits_at_max_buffer_size(device: Any) -> None:
     small = device.adapter.request_device_sync(required_limits={"max-buffer-size": 256})
     with WgpuBridge(small) as bridge:

@@ -215,20 +215,20 @@ class GradSync:
         self, buffers: Sequence[Any], device: Any, dtype: Any, step: int
     ) -> StepStats:
         # Imported here: importing gradsync or averaging numpy arrays never loads wgpu.
-        from ._wgpu import WgpuBridge, resolve_dtypes  # noqa: PLC0415
+        from ._wgpu import WgpuBridge  # noqa: PLC0415
 
         if self._bridge is None or self._bridge.device is not device:
             if self._bridge is not None:
                 self._bridge.close()
             self._bridge = WgpuBridge(device)
-        dtypes = resolve_dtypes(buffers, np.float32 if dtype is None else dtype)
+        dtypes = self._bridge.resolve(buffers, np.float32 if dtype is None else dtype)
         if not self.cfg.enabled:
             # One rank: the mean is the input; still check the buffers, copy nothing.
             nbytes = sum(int(b.size) for b in buffers)
             return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
         bridge = self._bridge
         bridge._check_upload_target(buffers)  # before the step, which the peers join
-        host = bridge.download(buffers, dtypes, self._device_arrays(buffers, dtypes))
+        host = bridge._download(buffers, dtypes, self._device_arrays(bridge, buffers, dtypes))
         # The mean goes from the shared files to the GPU (queued, not waited for),
         # without first being copied into the host arrays.
         stats = self._average_host(
@@ -240,7 +240,7 @@ class GradSync:
         return stats
 
     def _device_arrays(
-        self, buffers: Sequence[Any], dtypes: Sequence[Any]
+        self, bridge: WgpuBridge, buffers: Sequence[Any], dtypes: list[np.dtype[Any]]
     ) -> list[np.ndarray] | None:
         """Shared host arrays for these GPU buffers, or None: on the first step (the
         ranks have not met), where sharing saves nothing, or where the caller's own
@@ -248,10 +248,7 @@ class GradSync:
         engine = self._engine
         if engine is None:
             return None
-        layout = tuple(
-            (np.dtype(dt).str, (int(b.size) // np.dtype(dt).itemsize,))
-            for b, dt in zip(buffers, dtypes, strict=True)
-        )
+        layout = bridge._get_layout(buffers, dtypes).host_layout
         if layout != self._device_layout:
             previous, current = self._device_shared, engine.shared
             self._device_layout, self._device_shared = layout, None

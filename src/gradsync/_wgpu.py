@@ -23,7 +23,7 @@ import importlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,10 @@ SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = (
     np.dtype(np.float32),
     np.dtype(np.float64),
 )
+# Common spellings of the supported dtypes, checked without building an error context.
+_NATIVE: dict[object, np.dtype[Any]] = {
+    like: dt for dt in SUPPORTED_DTYPES for like in (dt, dt.type, dt.name, dt.str, dt.char)
+}
 
 # wgpu BufferUsage bits (WebGPU spec values), so validation needs no wgpu import.
 _MAP_READ = 0x0001
@@ -218,13 +222,15 @@ def resolve_dtypes(
         raw = [dtype] * len(buffers)
     out: list[np.dtype[Any]] = []
     for i, (buf, dt_like) in enumerate(zip(buffers, raw, strict=True)):
-        where = _describe(i, buf)
-        dt = _check_dtype(dt_like, where)
+        # The common case without building the param's description (see _check_dtype).
+        dt = _NATIVE.get(dt_like) if isinstance(dt_like, Hashable) else None
+        if dt is None:
+            dt = _check_dtype(dt_like, _describe(i, buf))
         size = int(buf.size)
         if size % dt.itemsize:
             raise InvalidGradsError(
-                f"{where}: buffer size {size} bytes is not a whole number of {dt} "
-                f"elements ({dt.itemsize} bytes each)"
+                f"{_describe(i, buf)}: buffer size {size} bytes is not a whole number of "
+                f"{dt} elements ({dt.itemsize} bytes each)"
             )
         out.append(dt)
     return out
@@ -399,6 +405,14 @@ class _Layout:
     slots: list[tuple[int, int, int]]  # (chunk, byte offset, copy size) per param
     chunks: list[_Chunk]
     views: list[npt.NDArray[Any]]
+    # The buffer objects and the dtype list it was last asked for (see _get_layout).
+    buffers: tuple[Any, ...] = ()
+    dtypes: object = None
+
+    @functools.cached_property
+    def host_layout(self) -> tuple[tuple[str, tuple[int]], ...]:
+        """``(dtype str, (elements,))`` per param, as gradsync's layouts are written."""
+        return tuple((v.dtype.str, (v.size,)) for v in self.views)
 
     def writes(
         self, pieces: Sequence[tuple[int, int, npt.NDArray[Any]]]
@@ -425,6 +439,8 @@ class WgpuBridge:
         self._workers = Workers(1)
         self.threads = threads
         self._layout: _Layout | None = None
+        # The last buffer set, the dtype argument it came with, and its dtypes.
+        self._resolved: tuple[tuple[Any, ...], object, list[np.dtype[Any]]] | None = None
         self._max_buffer_size = int(device.limits.get("max-buffer-size", 1 << 28))
         self._fence_src: Any = None
         self._fence_dst: Any = None
@@ -462,35 +478,35 @@ class WgpuBridge:
         self, buffers: Sequence[Any], usage: int, flag: str, *, probe: bool = True
     ) -> None:
         for i, buf in enumerate(buffers):
-            where = _describe(i, buf)
-            owner = getattr(buf, "_device", self._device)
-            if owner is not self._device:
-                raise InvalidGradsError(
-                    f"{where}: buffer belongs to another GPUDevice than the bridge's"
-                )
-            if not int(buf.usage) & usage:
-                raise InvalidGradsError(
-                    f"{where}: buffer usage lacks {flag}; create it with "
-                    f"usage=... | wgpu.BufferUsage.{flag}"
-                )
-            size = int(buf.size)
-            if size > self._max_buffer_size:
-                raise InvalidGradsError(
-                    f"{where}: buffer size {size} bytes exceeds the device's "
-                    f"max-buffer-size limit {self._max_buffer_size}"
-                )
-            if size % COPY_BUFFER_ALIGNMENT:
-                raise InvalidGradsError(
-                    f"{where}: buffer size {size} bytes is not a multiple of 4; wgpu "
-                    "copies whole 4-byte words, so allocate the buffer with its size "
-                    f"rounded up to {_round_up(size, COPY_BUFFER_ALIGNMENT)} bytes"
-                )
-            if str(buf.map_state) != "unmapped":
-                raise InvalidGradsError(
-                    f"{where}: buffer is {buf.map_state}; unmap it before syncing"
-                )
+            problem = self._problem(buf, usage, flag)
+            if problem is not None:
+                # Named only here: a description per buffer per step is a visible cost
+                # with hundreds of buffers.
+                raise InvalidGradsError(f"{_describe(i, buf)}: {problem}")
             if probe:
                 self._check_alive(i, buf)
+
+    def _problem(self, buf: Any, usage: int, flag: str) -> str | None:
+        """What makes ``buf`` unusable here (short of being destroyed), or None."""
+        if getattr(buf, "_device", self._device) is not self._device:
+            return "buffer belongs to another GPUDevice than the bridge's"
+        if not int(buf.usage) & usage:
+            return f"buffer usage lacks {flag}; create it with usage=... | wgpu.BufferUsage.{flag}"
+        size = int(buf.size)
+        if size > self._max_buffer_size:
+            return (
+                f"buffer size {size} bytes exceeds the device's "
+                f"max-buffer-size limit {self._max_buffer_size}"
+            )
+        if size % COPY_BUFFER_ALIGNMENT:
+            return (
+                f"buffer size {size} bytes is not a multiple of 4; wgpu copies whole 4-byte "
+                "words, so allocate the buffer with its size rounded up to "
+                f"{_round_up(size, COPY_BUFFER_ALIGNMENT)} bytes"
+            )
+        if str(buf.map_state) != "unmapped":
+            return f"buffer is {buf.map_state}; unmap it before syncing"
+        return None
 
     def _check_alive(self, index: int, buf: Any) -> None:
         # Submitting a destroyed buffer aborts the whole process in wgpu-native 0.32
@@ -517,12 +533,44 @@ class WgpuBridge:
 
     # -- layout --------------------------------------------------------------------
 
+    def resolve(
+        self, buffers: Sequence[Any], dtype: npt.DTypeLike | Sequence[npt.DTypeLike]
+    ) -> list[np.dtype[Any]]:
+        """:func:`resolve_dtypes`, remembered for the last buffer set: a training loop
+        passes the same buffers every step, and a buffer's size never changes. The
+        list returned is shared between calls; callers must not modify it.
+
+        Raises:
+            InvalidGradsError: as :func:`resolve_dtypes`.
+        """
+        key = tuple(buffers)
+        # A list of dtypes is compared by value: the caller may have changed it since.
+        spec = tuple(dtype) if isinstance(dtype, list | tuple) else dtype
+        memo = self._resolved
+        if memo is not None and key == memo[0]:
+            if dtype is memo[2]:
+                return memo[2]
+            try:
+                if bool(spec == memo[1]):
+                    return memo[2]
+            except (TypeError, ValueError):
+                pass  # not comparable: resolved again below, and refused there if bad
+        dtypes = resolve_dtypes(buffers, dtype)
+        self._resolved = (key, spec, dtypes)
+        return dtypes
+
     def _get_layout(self, buffers: Sequence[Any], dtypes: Sequence[np.dtype[Any]]) -> _Layout:
+        layout = self._layout
+        # Per step, the same buffers and the list resolve() returned: no key to build
+        # (a few us a buffer with hundreds of them).
+        if layout is not None and dtypes is layout.dtypes and layout.buffers == tuple(buffers):
+            return layout
         key = tuple(
             (int(b.uid), int(b.size), dt.str) for b, dt in zip(buffers, dtypes, strict=True)
         )
-        if self._layout is not None and self._layout.key == key:
-            return self._layout
+        if layout is not None and layout.key == key:
+            layout.buffers, layout.dtypes = tuple(buffers), dtypes
+            return layout
         self._destroy_staging()
         slots: list[tuple[int, int, int]] = []
         sizes: list[int] = []
@@ -540,7 +588,7 @@ class WgpuBridge:
             chunks[c].host[off : off + size].view(dt)
             for (c, off, size), dt in zip(slots, dtypes, strict=True)
         ]
-        self._layout = _Layout(key, slots, chunks, views)
+        self._layout = _Layout(key, slots, chunks, views, tuple(buffers), dtypes)
         return self._layout
 
     def _destroy_staging(self) -> None:
@@ -584,7 +632,7 @@ class WgpuBridge:
         self._check_open()
         if len(dtypes) != len(buffers):
             raise InvalidGradsError(f"got {len(dtypes)} dtypes for {len(buffers)} buffers")
-        dts = resolve_dtypes(buffers, list(dtypes))
+        dts = self.resolve(buffers, dtypes if isinstance(dtypes, list) else list(dtypes))
         if into is not None:
             if len(into) != len(buffers):
                 raise InvalidGradsError(
@@ -600,8 +648,24 @@ class WgpuBridge:
                         f"{_describe(i, buf)}: into[{i}] is {dst.shape} {dst.dtype}, not a "
                         f"writeable, contiguous array of {int(buf.size)} bytes of {dt}"
                     )
+        return self._download(buffers, dts, into)
+
+    def _download(
+        self,
+        buffers: Sequence[wgpu.GPUBuffer],
+        dtypes: list[np.dtype[Any]],
+        into: Sequence[npt.NDArray[Any]] | None,
+    ) -> list[npt.NDArray[Any]]:
+        """:meth:`download` of arguments known to be right: ``dtypes`` from
+        :meth:`resolve`, ``into`` None or arrays made for this layout. The buffers are
+        still checked: their mapping and liveness change between calls.
+
+        Raises:
+            InvalidGradsError, WgpuBridgeError: as :meth:`download`.
+        """
+        self._check_open()
         self._check_buffers(buffers, _COPY_SRC, "COPY_SRC")
-        layout = self._get_layout(buffers, dts)
+        layout = self._get_layout(buffers, dtypes)
         wgpu = _import_wgpu()
 
         with _wgpu_errors("downloading gradients"):
@@ -811,6 +875,7 @@ class WgpuBridge:
             return
         self._closed = True
         self._destroy_staging()
+        self._resolved = None
         self._workers.close()
         for buf in (self._fence_src, self._fence_dst):
             if buf is not None:

@@ -46,7 +46,7 @@ def rank_main(rank: int, backend: str, q: Any) -> None:
         # place_marker since the next session (markers moved, not created); before:
         # create_marker. Whichever this gradsync has is timed.
         _protocol: "_prune_step_dir place_marker create_marker validate_grads list_names",
-        _wgpu.WgpuBridge: "_check_buffers _upload_pieces download _get_layout",
+        _wgpu.WgpuBridge: "_check_buffers _upload_pieces download _download _get_layout",
         _wgpu: "_map_for_reading",
         _api.GradSync: "_device_arrays",
     }
