@@ -506,26 +506,26 @@ def test_resolve_remembers_the_last_buffer_set(device: Any, bridge: WgpuBridge) 
     a = _buffer(device, np.ones(4, np.float32))
     b = _buffer(device, np.ones(8, np.float32))
     f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
-    first = bridge.resolve([a, b], np.float32)
+    first = bridge._resolve([a, b], np.float32)
     assert first == [f32, f32]
-    assert bridge.resolve([a, b], np.float32) is first  # a training loop's every step
-    assert bridge.resolve((a, b), f32) is first  # an equal dtype, a tuple of the same buffers
-    assert bridge.resolve([a, b], first) is first  # download() handed the result back
+    assert bridge._resolve([a, b], np.float32) is first  # a training loop's every step
+    assert bridge._resolve((a, b), f32) is first  # an equal dtype, a tuple of the same buffers
+    assert bridge._resolve([a, b], first) is first  # download() handed the result back
     # A list of dtypes is compared by value: changed in place, it is resolved again.
     spec: list[Any] = [np.float32, np.float32]
-    assert bridge.resolve([a, b], spec) == [f32, f32]
+    assert bridge._resolve([a, b], spec) == [f32, f32]
     spec[1] = np.float16
-    assert bridge.resolve([a, b], spec) == [f32, f16]
-    assert bridge.resolve([b, a], np.float16) == [f16, f16]  # another set
+    assert bridge._resolve([a, b], spec) == [f32, f16]
+    assert bridge._resolve([b, a], np.float16) == [f16, f16]  # another set
     with pytest.raises(InvalidGradsError, match=r"^param 1: unsupported dtype int32"):
-        bridge.resolve([a, b], [np.float32, np.int32])
+        bridge._resolve([a, b], [np.float32, np.int32])
 
 
 @pytest.mark.wgpu
 def test_layout_found_without_a_key_for_the_same_set(device: Any, bridge: WgpuBridge) -> None:
     a = _buffer(device, np.ones(4, np.float32))
     b = _buffer(device, np.ones(6, np.float16))
-    dtypes = bridge.resolve([a, b], [np.float32, np.float16])
+    dtypes = bridge._resolve([a, b], [np.float32, np.float16])
     layout = bridge._get_layout([a, b], dtypes)
     assert layout.host_layout == (("<f4", (4,)), ("<f2", (6,)))
     assert bridge._get_layout([a, b], dtypes) is layout

@@ -221,7 +221,7 @@ class GradSync:
             if self._bridge is not None:
                 self._bridge.close()
             self._bridge = WgpuBridge(device)
-        dtypes = self._bridge.resolve(buffers, np.float32 if dtype is None else dtype)
+        dtypes = self._bridge._resolve(buffers, np.float32 if dtype is None else dtype)
         if not self.cfg.enabled:
             # One rank: the mean is the input; still check the buffers, copy nothing.
             nbytes = sum(int(b.size) for b in buffers)

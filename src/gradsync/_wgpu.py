@@ -533,7 +533,7 @@ class WgpuBridge:
 
     # -- layout --------------------------------------------------------------------
 
-    def resolve(
+    def _resolve(
         self, buffers: Sequence[Any], dtype: npt.DTypeLike | Sequence[npt.DTypeLike]
     ) -> list[np.dtype[Any]]:
         """:func:`resolve_dtypes`, remembered for the last buffer set: a training loop
@@ -561,7 +561,7 @@ class WgpuBridge:
 
     def _get_layout(self, buffers: Sequence[Any], dtypes: Sequence[np.dtype[Any]]) -> _Layout:
         layout = self._layout
-        # Per step, the same buffers and the list resolve() returned: no key to build
+        # Per step, the same buffers and the list _resolve() returned: no key to build
         # (a few us a buffer with hundreds of them).
         if layout is not None and dtypes is layout.dtypes and layout.buffers == tuple(buffers):
             return layout
@@ -632,7 +632,7 @@ class WgpuBridge:
         self._check_open()
         if len(dtypes) != len(buffers):
             raise InvalidGradsError(f"got {len(dtypes)} dtypes for {len(buffers)} buffers")
-        dts = self.resolve(buffers, dtypes if isinstance(dtypes, list) else list(dtypes))
+        dts = self._resolve(buffers, dtypes if isinstance(dtypes, list) else list(dtypes))
         if into is not None:
             if len(into) != len(buffers):
                 raise InvalidGradsError(
@@ -657,7 +657,7 @@ class WgpuBridge:
         into: Sequence[npt.NDArray[Any]] | None,
     ) -> list[npt.NDArray[Any]]:
         """:meth:`download` of arguments known to be right: ``dtypes`` from
-        :meth:`resolve`, ``into`` None or arrays made for this layout. The buffers are
+        :meth:`_resolve`, ``into`` None or arrays made for this layout. The buffers are
         still checked: their mapping and liveness change between calls.
 
         Raises:
