@@ -761,23 +761,31 @@ def test_two_ranks_average_wgpu_buffers_bit_for_bit_like_numpy(tmp_path: Path, m
     if (reason := _core_api_missing() or _adapter_reason()) is not None:
         pytest.skip(reason)
     world = 2
+    outs = _run_rank_scripts(tmp_path, _WORKER, world, [mode])
+    want = b"".join(
+        b"".join(
+            a.tobytes() for a in average_host_grads([_wgpu_inputs(r, step) for r in range(world)])
+        )
+        for step in range(3)
+    )
+    for r in range(world):
+        assert outs[r].read_bytes() == want, f"rank {r} differs from the numpy path"
+
+
+def _run_rank_scripts(tmp_path: Path, script: str, world: int, extra: list[str]) -> list[Path]:
+    """Run ``script`` as ``world`` rank processes (argv: world, rank, sync dir, output
+    file, *extra), wait for all of them (killing any left after a failure), and return
+    the output files by rank."""
     path = os.pathsep.join(
         [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
     )
     env = {**os.environ, "PYTHONPATH": path}
     outs = [tmp_path / f"rank{r}.bin" for r in range(world)]
+    sync = str(tmp_path / "sync")
+    argv = [[str(world), str(r), sync, str(outs[r]), *extra] for r in range(world)]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _WORKER,
-                str(world),
-                str(r),
-                str(tmp_path / "sync"),
-                str(outs[r]),
-                mode,
-            ],
+            [sys.executable, "-c", script, *argv[r]],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -794,13 +802,74 @@ def test_two_ranks_average_wgpu_buffers_bit_for_bit_like_numpy(tmp_path: Path, m
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+    return outs
+
+
+# Buffer sets of a run whose gradients change shape from call to call (under 256 KiB:
+# every rank reduces all; over: in shards; many buffers: the mapped upload).
+_SETS: dict[str, list[tuple[int, str]]] = {
+    "small": [(1000, "float32"), (37, "float16")],
+    "pair": [(333, "float32"), (4001, "float16")],  # as many buffers as "small", other sizes
+    "big": [(70001, "float32"), (5, "float32"), (30001, "float16")],
+    "many": [(int(n), "float32") for n in np.random.default_rng(1).integers(1, 20000, 40)],
+}
+
+
+def _set_inputs(plan: str, rank: int, call: int) -> list[np.ndarray]:
+    rng = np.random.default_rng([rank, call, 3])
+    return [rng.standard_normal(n).astype(dt) for n, dt in _SETS[plan]]
+
+
+_SHIFTING_WORKER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import wgpu
+    import gradsync
+    from test_wgpu_bridge import _SETS, _set_inputs
+
+    world, rank, sync_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    plans = sys.argv[5].split(",")
+    dev = gradsync.request_device_for_rank(local_rank=rank)
+    usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+    rng = np.random.default_rng(rank)
+    bufsets = {}
+    results = []
+    cfg = gradsync.FileGradSyncConfig(world, rank, sync_dir, max_wait_s=60)
+    with gradsync.GradSync(cfg) as gs:
+        for call, plan in enumerate(plans):
+            data = _set_inputs(plan, rank, call)
+            if plan not in bufsets or rng.random() < 0.3:  # now and then new buffers
+                bufsets[plan] = [
+                    dev.create_buffer(size=-(-d.nbytes // 4) * 4, usage=usage) for d in data
+                ]
+            bufs = bufsets[plan]
+            for b, d in zip(bufs, data):
+                dev.queue.write_buffer(b, 0, d.tobytes() + bytes(int(b.size) - d.nbytes))
+            gs.average(bufs, step=call, device=dev, dtype=[dt for _, dt in _SETS[plan]])
+            results.append(
+                b"".join(bytes(dev.queue.read_buffer(b))[: d.nbytes] for b, d in zip(bufs, data))
+            )
+    with open(out, "wb") as f:
+        f.write(b"".join(results))
+    """
+)
+
+
+@pytest.mark.wgpu
+@pytest.mark.slow
+def test_two_ranks_whose_buffer_sets_change_from_call_to_call(tmp_path: Path) -> None:
+    # The bridge remembers the last buffer set's dtypes and staging layout: a new set,
+    # or new buffers of the same shapes, must never be read through the old ones.
+    if (reason := _core_api_missing() or _adapter_reason()) is not None:
+        pytest.skip(reason)
+    plans = np.random.default_rng(5).choice(list(_SETS), size=16).tolist()
+    outs = _run_rank_scripts(tmp_path, _SHIFTING_WORKER, 2, [",".join(plans)])
     want = b"".join(
-        b"".join(
-            a.tobytes() for a in average_host_grads([_wgpu_inputs(r, step) for r in range(world)])
-        )
-        for step in range(3)
+        b"".join(a.tobytes() for a in average_host_grads([_set_inputs(p, r, c) for r in range(2)]))
+        for c, p in enumerate(plans)
     )
-    for r in range(world):
+    for r in range(2):
         assert outs[r].read_bytes() == want, f"rank {r} differs from the numpy path"
 
 
