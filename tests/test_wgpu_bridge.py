@@ -772,14 +772,24 @@ def test_two_ranks_average_wgpu_buffers_bit_for_bit_like_numpy(tmp_path: Path, m
         assert outs[r].read_bytes() == want, f"rank {r} differs from the numpy path"
 
 
-def _run_rank_scripts(tmp_path: Path, script: str, world: int, extra: list[str]) -> list[Path]:
+def _run_rank_scripts(
+    tmp_path: Path,
+    script: str,
+    world: int,
+    extra: list[str],
+    *,
+    fault: str = "",
+    returncodes: dict[int, int] | None = None,
+) -> list[Path]:
     """Run ``script`` as ``world`` rank processes (argv: world, rank, sync dir, output
-    file, *extra), wait for all of them (killing any left after a failure), and return
-    the output files by rank."""
+    file, *extra; ``fault`` as GRADSYNC_TEST_FAULT), wait for all of them (killing any
+    left after a failure), check their exit codes (0 unless ``returncodes`` says
+    otherwise), and return the output files by rank."""
     path = os.pathsep.join(
         [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
     )
-    env = {**os.environ, "PYTHONPATH": path}
+    env = {**os.environ, "PYTHONPATH": path, "GRADSYNC_TEST_FAULT": fault}
+    expected = returncodes or {}
     outs = [tmp_path / f"rank{r}.bin" for r in range(world)]
     sync = str(tmp_path / "sync")
     argv = [[str(world), str(r), sync, str(outs[r]), *extra] for r in range(world)]
@@ -794,9 +804,9 @@ def _run_rank_scripts(tmp_path: Path, script: str, world: int, extra: list[str])
         for r in range(world)
     ]
     try:
-        for p in procs:
+        for r, p in enumerate(procs):
             _, err = p.communicate(timeout=100)
-            assert p.returncode == 0, err
+            assert p.returncode == expected.get(r, 0), err
     finally:
         for p in procs:
             if p.poll() is None:
@@ -871,6 +881,55 @@ def test_two_ranks_whose_buffer_sets_change_from_call_to_call(tmp_path: Path) ->
     )
     for r in range(2):
         assert outs[r].read_bytes() == want, f"rank {r} differs from the numpy path"
+
+
+_FAILING_WORKER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import wgpu
+    import gradsync
+    from test_wgpu_bridge import _set_inputs
+
+    world, rank, sync_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dev = gradsync.request_device_for_rank(local_rank=rank)
+    usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+    data = _set_inputs("big", rank, 0)
+    bufs = [dev.create_buffer(size=-(-d.nbytes // 4) * 4, usage=usage) for d in data]
+    cfg = gradsync.FileGradSyncConfig(world, rank, sync_dir, max_wait_s=60)
+    with gradsync.GradSync(cfg) as gs:
+        for call in range(2):
+            data = _set_inputs("big", rank, call)
+            for b, d in zip(bufs, data):
+                dev.queue.write_buffer(b, 0, d.tobytes() + bytes(int(b.size) - d.nbytes))
+            try:
+                gs.average(bufs, step=call, device=dev, dtype=["float32", "float32", "float16"])
+            except gradsync.PeerLostError as exc:
+                got = [bytes(dev.queue.read_buffer(b))[: d.nbytes] for b, d in zip(bufs, data)]
+                kept = got == [d.tobytes() for d in data]
+                with open(out, "w") as f:
+                    f.write(f"call {call}: {type(exc).__name__}; buffers kept: {kept}")
+                sys.exit(0)
+    with open(out, "w") as f:
+        f.write("no error")
+    """
+)
+
+
+@pytest.mark.wgpu
+@pytest.mark.slow
+# Killed after publishing its input, or half-way through its shard of the mean (after
+# publishing that, it would have left rank 0 all it needs: that step succeeds).
+@pytest.mark.parametrize("phase", ["after_publish", "mid_output"])
+def test_a_failed_step_leaves_the_gpu_buffers_as_they_were(tmp_path: Path, phase: str) -> None:
+    # Rank 1 dies in its second call; rank 0 may have reduced and published its own
+    # shard by then, but nothing of the mean reaches its buffers before every shard is in.
+    if (reason := _core_api_missing() or _adapter_reason()) is not None:
+        pytest.skip(reason)
+    outs = _run_rank_scripts(
+        tmp_path, _FAILING_WORKER, 2, [], fault=f"{phase}@1@2=sigkill", returncodes={1: -9}
+    )
+    assert outs[0].read_text() == "call 1: PeerLostError; buffers kept: True"
 
 
 @pytest.mark.wgpu
