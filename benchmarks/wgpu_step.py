@@ -26,7 +26,8 @@ All ranks start each of the three together (a barrier), so ranks that share a GP
 contend alike in all of them.
 
 Reported per size: medians over steps of the slowest rank, and ratios.
-Run: ``python benchmarks/wgpu_step.py --world-sizes 2 4 --sizes-mib 1 16 256``.
+Run: ``python benchmarks/wgpu_step.py --world-sizes 2 4 --sizes-mib 1 16 256``;
+``--rounds N`` repeats it N times, interleaved, and lists each round's ratios.
 """
 
 from __future__ import annotations
@@ -186,6 +187,25 @@ def _profile_line(per: list[dict[str, Any]]) -> str:
     return "  ".join(f"{k} {v:.3f}" for k, v in parts.items())
 
 
+def _rounds_summary(report: list[dict[str, Any]]) -> str:
+    """Per world size and gradient size: each round's ratios and their median."""
+    lines = ["", "rounds: ratio per round (median)"]
+    keys = sorted({(r["world"], r["bytes"]) for r in report})
+    for world, nbytes in keys:
+        rows = [r for r in report if (r["world"], r["bytes"]) == (world, nbytes)]
+        for name, num, den in (
+            ("gs/queued", "gradsync", "queued"),
+            ("fenced/naive", "fenced", "naive"),
+        ):
+            ratios = [r["median_s"][num] / r["median_s"][den] for r in rows]
+            lines.append(
+                f"W={world} {nbytes / 2**20:g} MiB {name:>13}: "
+                + ", ".join(f"{x:.2f}" for x in ratios)
+                + f"  ({statistics.median(ratios):.2f})"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -201,6 +221,13 @@ def main() -> None:
         default=1,
         help="gradient buffers per rank, of about equal size, totalling each size (default 1)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every world size this many times, interleaved, then summarise the "
+        "ratios per round (hosts drift between runs: compare within a round)",
+    )
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per world size")
     ap.add_argument("--profile", action="store_true", help="also print where gradsync's step goes")
     args = ap.parse_args()
@@ -208,7 +235,9 @@ def main() -> None:
     threads = None if args.threads == "auto" else int(args.threads)
     ctx = mp.get_context("spawn")
     report = []
-    for world in args.world_sizes:
+    for rnd, world in itertools.product(range(1, args.rounds + 1), args.world_sizes):
+        if args.rounds > 1:
+            print(f"\n=== round {rnd} of {args.rounds}")
         q = ctx.Queue()
         barrier = ctx.Barrier(world)
         sync_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -258,6 +287,7 @@ def main() -> None:
                 print(f"{'':>6} profile ms: {_profile_line(per)}")
             report.append(
                 {
+                    "round": rnd,
                     "world": world,
                     "threads": args.threads,
                     "params": args.params,
@@ -267,6 +297,8 @@ def main() -> None:
                     "adapters": infos,
                 }
             )
+    if args.rounds > 1:
+        print(_rounds_summary(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
