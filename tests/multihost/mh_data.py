@@ -36,9 +36,15 @@ def layout(name: str) -> list[tuple[tuple[int, ...], str]]:
 def grads_for(seed: int, rank: int, step: int, layout_name: str = "mixed") -> list[np.ndarray]:
     """Rank- and step-dependent gradients spanning many orders of magnitude.
 
+    ``layout_name`` may be ``cycle:<name>+<name>...``: step k takes the k-th name,
+    round robin, so the layout changes from step to step.
+
     The wide range makes the rounding of the mean depend on the order of the
     additions, so a bit-identical check really checks the reduction order.
     """
+    if layout_name.startswith("cycle:"):
+        names = layout_name[len("cycle:") :].split("+")
+        layout_name = names[step % len(names)]
     rng = np.random.default_rng([seed, rank, step, 4242])
     out = []
     for shape, dtype in layout(layout_name):

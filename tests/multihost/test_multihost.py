@@ -93,9 +93,10 @@ def _json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _expected(seed: int, steps: int) -> list[list[np.ndarray]]:
+def _expected(seed: int, steps: int, layout: str = "mixed") -> list[list[np.ndarray]]:
     return [
-        gradsync.average_host_grads([grads_for(seed, r, s) for r in range(W)]) for s in range(steps)
+        gradsync.average_host_grads([grads_for(seed, r, s, layout) for r in range(W)])
+        for s in range(steps)
     ]
 
 
@@ -104,9 +105,9 @@ def _run(cluster: Cluster, job: Job, timeout_s: float = JOB_TIMEOUT_S) -> None:
     assert all(c == 0 for c in codes.values()), f"exit codes {codes}\n{job.log_text()}"
 
 
-def _check_results(out: Path, seed: int, steps: int, job: Job) -> None:
+def _check_results(out: Path, seed: int, steps: int, job: Job, layout: str = "mixed") -> None:
     """Every rank's every step equals average_host_grads of the inputs, bit for bit."""
-    expected = _expected(seed, steps)
+    expected = _expected(seed, steps, layout)
     for r in range(W):
         got = _steps(out, r)
         assert [g["step"] for g in got] == list(range(steps)), f"rank {r}\n{job.log_text()}"
@@ -183,6 +184,22 @@ def test_one_host_matches_two_hosts(cluster: Cluster, two_host_run: tuple[Path, 
     for r in range(W):
         for s in range(steps):
             assert (out / f"raw-{r}-{s}").read_bytes() == (two_out / f"raw-{r}-{s}").read_bytes()
+
+
+def test_layout_changes_between_steps_across_hosts(cluster: Cluster) -> None:
+    """Big (one file a rank) and small (two alternating slots) steps in turn, one rank
+    late to every step: the files of one never overwrite what a reader of the other
+    still reads, and the markers moved from step to step show up on the other host."""
+    seed, steps = 3, 7
+    layout = "cycle:f32:524288+mixed"
+    out = _out(cluster, "layouts")
+    run_id = _unique("layouts")
+    job = cluster.launch(TWO_HOSTS, 2, f"{MOUNT}/{run_id}", run_id, [
+        "--seed", str(seed), "--steps", str(steps), "--raw", "--layout", layout,
+        "--stall", "3:2:0.3", *HB,
+    ], out)  # fmt: skip
+    _run(cluster, job)
+    _check_results(out, seed, steps, job, layout)
 
 
 # ---------------------------------------------------------------- 2: earlier runs ignored
