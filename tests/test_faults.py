@@ -802,17 +802,50 @@ def test_garbled_roster_entries_are_not_crashes(
         assert isinstance(info.value.__cause__, ValueError)
 
 
-@pytest.fixture(scope="module")
-def lone_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StepEngine]:
+def _engine(sync: Path, max_wait_s: float) -> StepEngine:
     """Rank 0 of a 2-rank generation whose rank 1 (this process too) never publishes."""
-    sync = tmp_path_factory.mktemp("engine")
     gen_path = sync / "gen-00000000000000ab"
     gen_path.mkdir()
     members = (MemberInfo.for_self(0, "00000000000000ab"), MemberInfo.for_self(1, "cd" * 8))
     gen = rdzv.Generation(gen_path, "00000000000000ab", members, 0)
-    engine = StepEngine(gradsync.FileGradSyncConfig(2, 0, sync, max_wait_s=2.0), gen)
+    return StepEngine(gradsync.FileGradSyncConfig(2, 0, sync, max_wait_s=max_wait_s), gen)
+
+
+@pytest.fixture(scope="module")
+def lone_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StepEngine]:
+    engine = _engine(tmp_path_factory.mktemp("engine"), 2.0)
     yield engine
     engine.close()
+
+
+@pytest.mark.parametrize("content", [b'{"calls": 0}', b"{}", b"not json", b'{"calls": true}'])
+def test_a_peer_that_left_before_this_call_is_lost(tmp_path: Path, content: bytes) -> None:
+    engine = _engine(tmp_path, 20.0)
+    _file(engine.gen.path, "left-1", content)
+    start = time.monotonic()
+    try:
+        with pytest.raises(
+            gradsync.PeerLostError,
+            match=r"^step 0: rank 1 \(pid \d+ on \S+\) closed its gradsync session before "
+            r"publishing its gradients in \S+/s-1 \(waited \d+\.\d s\)$",
+        ):
+            engine.step([grads_for(0, 0)[0]], 0)
+    finally:
+        engine.close()
+    assert time.monotonic() - start < 5
+
+
+def test_a_peer_that_left_after_finishing_this_call_is_waited_for(tmp_path: Path) -> None:
+    # Its "left" file says it finished call 1: it published all of it, and a shared
+    # filesystem may show the step's files later than that file. No PeerLostError:
+    # the markers are waited for (here they never come: a timeout).
+    engine = _engine(tmp_path, 1.0)
+    _file(engine.gen.path, "left-1", b'{"calls": 1}')
+    try:
+        with pytest.raises(gradsync.PeerTimeoutError, match=r"^step 0: ranks \[1\] published"):
+            engine.step([grads_for(0, 0)[0]], 0)
+    finally:
+        engine.close()
 
 
 def _step_with_abort_note(engine: StepEngine, note: bytes) -> BaseException:

@@ -275,7 +275,7 @@ class GradSync:
             if self._engine is not None:
                 self._engine.close()
             if self._gen is not None:
-                leave(self._gen)
+                leave(self._gen, 0 if self._engine is None else self._engine.completed)
             if self._bridge is not None:
                 self._bridge.close()
             _registry_forget(self)

@@ -83,7 +83,7 @@ from ._liveness import Heartbeat, HeartbeatWatch
 from ._parallel import SMALL_COPY_BYTES, Workers, auto_threads, split_range
 from ._plan import Group, Plan
 from ._reduce import ACCUMULATOR, CHUNK_ELEMS, Fetch, check_dtype, mean_into
-from ._rendezvous import Generation
+from ._rendezvous import Generation, calls_finished
 from ._stats import StepStats
 from ._transport import ChecksumError, DataReader, Transport, local_filesystem
 
@@ -195,6 +195,7 @@ class StepEngine:
         self.rank = cfg.rank
         self.world = cfg.world_size
         self.seq = 0
+        self.completed = 0  # calls that ended without an error (told to peers on leaving)
         self._gen_bytes = bytes.fromhex(gen.gen_id).ljust(16, b"\0")[:16]
         self._plan: Plan | None = None
         self._data_paths: dict[tuple[int, str, int | None], Path] = {}
@@ -231,10 +232,12 @@ class StepEngine:
         self.seq += 1
         step_dir = self.gen.path / f"s-{self.seq}"
         try:
-            return self._step(validate_grads(grads), step, step_dir, deliver)
+            stats = self._step(validate_grads(grads), step, step_dir, deliver)
         except BaseException as exc:
             self._tell_peers(step_dir, exc)
             raise
+        self.completed = self.seq
+        return stats
 
     def _tell_peers(self, step_dir: Path, exc: BaseException) -> None:
         with contextlib.suppress(OSError):
@@ -717,6 +720,11 @@ class StepEngine:
             member = self.gen.members[q]
             reason: str | None
             if f"left-{q}" in names:
+                finished = calls_finished(self.gen, q)
+                if finished is not None and finished >= self.seq:
+                    # It finished this call, so it published all of it: a shared
+                    # filesystem's listing of the step can lag behind its "left" file.
+                    continue
                 reason = "closed its gradsync session"
             elif member.same_host:
                 reason = member.local_death()

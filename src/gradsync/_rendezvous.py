@@ -46,7 +46,7 @@ from ._errors import (
 from ._fsio import Backoff, list_names, read_small, translate_oserror, write_atomic
 from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo, read_counter
 
-__all__ = ["Generation", "leave", "rendezvous"]
+__all__ = ["Generation", "calls_finished", "leave", "rendezvous"]
 
 _log = logging.getLogger("gradsync")
 RDZV = "rdzv"
@@ -629,10 +629,11 @@ def _accept(
     return Generation(gen_path, gen_path.name[len(GEN_PREFIX) :], members, cfg.rank)
 
 
-def leave(gen: Generation) -> None:
-    """Mark this rank as gone; the last rank to leave removes the generation directory."""
+def leave(gen: Generation, calls: int) -> None:
+    """Mark this rank as gone after finishing ``calls`` averaging calls; the last rank
+    to leave removes the generation directory."""
     try:
-        write_atomic(gen.left_path(gen.rank), [b"{}"])
+        write_atomic(gen.left_path(gen.rank), [json.dumps({"calls": calls}).encode()])
     except OSError:
         return
     names = list_names(gen.path)
@@ -640,3 +641,13 @@ def leave(gen: Generation) -> None:
         shutil.rmtree(gen.path, ignore_errors=True)
         with contextlib.suppress(OSError):
             (gen.path.parent / RDZV / f"leader-{gen.gen_id}.json").unlink()
+
+
+def calls_finished(gen: Generation, rank: int) -> int | None:
+    """How many calls ``rank`` had finished when it left, if it left and said so."""
+    try:
+        raw = read_small(gen.left_path(rank))
+        calls = json.loads(raw)["calls"] if raw is not None else None
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):
+        return None  # unreadable, or written by a gradsync that did not record it
+    return calls if isinstance(calls, int) and not isinstance(calls, bool) else None
