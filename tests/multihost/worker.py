@@ -48,7 +48,7 @@ def main() -> int:
     p.add_argument("--hb-interval", type=float, default=0.5)
     p.add_argument("--hb-timeout", type=float, default=5.0)
     p.add_argument("--expect-loss", action="store_true")
-    p.add_argument("--linger", type=float, default=1.0, help="seconds before closing")
+    p.add_argument("--linger", type=float, default=0.0, help="seconds before closing")
     args = p.parse_args()
 
     cfg = gradsync.FileGradSyncConfig.from_env(
@@ -93,10 +93,10 @@ def main() -> int:
                     )
                     + "\n"
                 )
-                if step == args.steps - 1:
-                    # Work-around for a race in gradsync: a rank that closes right after
-                    # the last step can make a slower peer raise a false PeerLostError
-                    # (test_final_step_race.py); stay a moment before closing.
+                if step == args.steps - 1 and args.linger:
+                    # Once a work-around: a rank closing right after the last step made a
+                    # slower peer raise a false PeerLostError (test_final_step_race.py);
+                    # now its left-<rank> file says it finished the step. Default 0.
                     time.sleep(args.linger)
     except gradsync.GradSyncError as exc:
         _write_json(
