@@ -87,7 +87,7 @@ from ._rendezvous import Generation, calls_finished
 from ._stats import StepStats
 from ._transport import ChecksumError, DataReader, Transport, local_filesystem
 
-__all__ = ["Deliver", "Piece", "StepEngine", "validate_grads"]
+__all__ = ["Deliver", "Piece", "StepEngine", "data_name", "validate_grads"]
 
 _log = logging.getLogger("gradsync")
 _LIVENESS_EVERY_S = 0.1
@@ -398,8 +398,7 @@ class StepEngine:
         key = (rank, kind, None if one_slot else call % 2)
         path = self._data_paths.get(key)
         if path is None:  # built once: joining paths is a visible share of a small step
-            slot = "" if key[2] is None else f"-{key[2]}"
-            path = self._data_paths[key] = self.gen.path / f"d-{rank}{slot}.{kind}"
+            path = self._data_paths[key] = self.gen.path / data_name(rank, kind, key[2])
         return path
 
     def _write(
@@ -564,7 +563,7 @@ class StepEngine:
     def _input_name(self) -> Path:
         """This rank's input file of a one-file plan, the name that links to shared
         arrays."""
-        return self.gen.path / f"d-{self.rank}.in"
+        return self.gen.path / data_name(self.rank, "in", None)
 
     def _skip_own(self, plan: Plan) -> bool:
         """Whether this rank's input file leaves out its own shard (mapped, sharded)."""
@@ -1026,6 +1025,12 @@ class StepEngine:
             _log.error("could not restore the gradients from %s after a failed step", path)
         finally:
             reader.close()
+
+
+def data_name(rank: int, kind: str, slot: int | None) -> str:
+    """The name of ``rank``'s reused ``kind`` ("in"/"out") file: one file a rank
+    (``slot`` None) or one of two alternating slots (see ``StepEngine.data_path``)."""
+    return f"d-{rank}.{kind}" if slot is None else f"d-{rank}-{slot}.{kind}"
 
 
 def _one_slot(plan: Plan) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 from ._errors import CorruptFileError
 from ._format import HEADER_READ_BYTES, decode_header
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
+from ._protocol import data_name
 from ._rendezvous import ABORT, GEN_PREFIX, RDZV, ROSTER, _load, _member
 
 __all__ = ["describe", "status_main"]
@@ -44,8 +45,8 @@ def _user_step(gen: Path, rank: int, call: int) -> int | None:
     Large gradients reuse one file every call, small ones alternate two slots: the
     file whose header is of ``call`` holds it.
     """
-    for name in (f"d-{rank}.in", f"d-{rank}-0.in", f"d-{rank}-1.in"):
-        path = gen / name
+    for slot in (None, 0, 1):
+        path = gen / data_name(rank, "in", slot)
         try:
             with open(path, "rb") as f:
                 header = decode_header(f.read(HEADER_READ_BYTES), str(path))
