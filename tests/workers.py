@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 import gradsync
+from gradsync import _liveness
 from ranks import config
 
 SHAPES: list[tuple[tuple[int, ...], str]] = [
@@ -393,3 +394,22 @@ def torch_grads_in_buffers(rank: int, world: int, sync_dir: str) -> dict[str, An
             out["after"].append([g.tobytes() for g in grads])
             opt.step()
     return out
+
+
+def without_proc(rank: int, world: int, sync_dir: str, late: int, victim: int | None) -> Any:
+    """Ranks on a host without /proc (as on macOS): ``late`` publishes each call 0.3 s
+    after the others, then ``victim`` (if any) exits before its third call (and stays
+    a zombie: the test's process reaps it only at the end)."""
+    _liveness._PROC = Path(sync_dir) / "no-proc-here"
+    cfg = config(
+        rank, world, sync_dir, max_wait_s=60.0, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0
+    )
+    with gradsync.GradSync(cfg) as gs:
+        for step in range(3):
+            if rank == victim and step == 2:
+                os._exit(7)
+            if rank == late:
+                time.sleep(0.3)
+            grads = grads_for(rank, step)
+            gs.average(grads, step=step)
+    return [g.tobytes() for g in grads]

@@ -2,7 +2,10 @@
 
 A peer on this host (same boot, same PID namespace) is checked through
 ``/proc``: gone, a zombie, or a different process under a reused pid all count
-as dead, within milliseconds. A peer on another host cannot be checked that way,
+as dead, within milliseconds. Where there is no ``/proc`` (macOS), ``kill(pid, 0)``
+still tells at once that a process has exited, but not a zombie or a reused pid:
+a waiting rank then also watches the peer's heartbeat, as for another host's. A
+peer on another host cannot be checked through processes,
 and flock does not exclude across NFS clients, so each rank rewrites a small
 heartbeat counter; a peer whose counter has not moved for ``heartbeat_timeout_s``
 of this host's monotonic clock is lost. No wall-clock times are compared
@@ -17,26 +20,46 @@ import socket
 import struct
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Heartbeat", "HeartbeatWatch", "MemberInfo", "process_state"]
+__all__ = [
+    "Heartbeat",
+    "HeartbeatWatch",
+    "MemberInfo",
+    "exact_process_checks",
+    "process_state",
+]
 
 _log = logging.getLogger("gradsync")
 _COUNTER = struct.Struct("<Q")
+# Where process information lives (Linux); tests point it elsewhere to act as macOS.
+_PROC = Path("/proc")
+
+
+def exact_process_checks() -> bool:
+    """Whether a same-host check also tells zombies and reused pids (``/proc``)."""
+    return (_PROC / "self" / "stat").exists()
 
 
 @cache
 def _host_id() -> str:
     """Identifies one kernel and PID namespace: pids are only comparable within one."""
+    if not exact_process_checks():
+        # No boot id to tell hosts of the same name apart: the hardware address does.
+        # Where none is found, uuid.getnode() is random per process, so every peer
+        # then counts as on another host and is watched through its heartbeat: slower
+        # to notice a death, never a live peer taken for dead.
+        return f"{socket.gethostname()}/node-{uuid.getnode():012x}"
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        boot = (_PROC / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
     except OSError:
         boot = "no-boot-id"
     try:
-        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
+        pidns = str(os.stat(_PROC / "self" / "ns" / "pid").st_ino)
     except OSError:
         pidns = "no-pidns"
     return f"{socket.gethostname()}/{boot}/{pidns}"
@@ -48,20 +71,33 @@ def _start_ticks(pid: int) -> int | None:
     return None if state is None else state[1]
 
 
-def process_state(pid: int) -> tuple[str, int] | None:
-    """``(state letter, start ticks)`` of a process on this host, or None if there is none."""
+def process_state(pid: int) -> tuple[str, int | None] | None:
+    """``(state letter, start ticks)`` of a process on this host, or None if there is none.
+
+    Without ``/proc`` the state is ``"?"`` and the start ticks ``None`` (unknown).
+    """
+    if pid <= 0:  # kill(0, 0) would signal this process group: never a member's pid
+        return None
     try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
+        raw = (_PROC / str(pid) / "stat").read_bytes()
     except OSError:
-        return None
+        return None if exact_process_checks() else _signalled_state(pid)
     # The command name may hold spaces or parentheses: parse after the last ')'.
     fields = raw[raw.rfind(b")") + 2 :].split()
     try:
         return fields[0].decode(), int(fields[19])
     except (IndexError, ValueError):
         return None
+
+
+def _signalled_state(pid: int) -> tuple[str, int | None] | None:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return None
+    except OSError:
+        pass  # EPERM: it exists, under another user
+    return "?", None
 
 
 @dataclass(frozen=True)
@@ -126,7 +162,7 @@ class MemberInfo:
         if state is None:
             return "has exited"
         letter, ticks = state
-        if self.start_ticks is not None and ticks != self.start_ticks:
+        if None not in (self.start_ticks, ticks) and ticks != self.start_ticks:
             return "has exited (its pid now belongs to another process)"
         if letter in ("Z", "X", "x"):
             return "has exited"

@@ -79,7 +79,7 @@ from ._fsio import (
     translate_oserror,
     write_atomic,
 )
-from ._liveness import Heartbeat, HeartbeatWatch
+from ._liveness import Heartbeat, HeartbeatWatch, exact_process_checks
 from ._parallel import SMALL_COPY_BYTES, Workers, auto_threads, split_range
 from ._plan import Group, Plan
 from ._reduce import ACCUMULATOR, CHUNK_ELEMS, Fetch, check_dtype, mean_into
@@ -727,9 +727,12 @@ class StepEngine:
                 reason = "closed its gradsync session"
             elif member.same_host:
                 reason = member.local_death()
+                if reason is None and not exact_process_checks():
+                    # kill(pid, 0) takes a zombie or a reused pid for alive: the
+                    # heartbeat tells within heartbeat_timeout_s.
+                    reason = self._heartbeat_stopped(q)
             else:
-                silent = self._watch.is_lost(self.gen.heartbeat_path(q))
-                reason = None if silent is None else f"stopped its heartbeat {silent:.1f} s ago"
+                reason = self._heartbeat_stopped(q)
             if reason is not None:
                 lost[q] = reason
         if not lost:
@@ -751,6 +754,10 @@ class StepEngine:
             ranks=sorted(lost),
             path=step_dir,
         )
+
+    def _heartbeat_stopped(self, rank: int) -> str | None:
+        silent = self._watch.is_lost(self.gen.heartbeat_path(rank))
+        return None if silent is None else f"stopped its heartbeat {silent:.1f} s ago"
 
     def _check_length(self, peer: _Peer, rank: int, expected: int, step: int) -> None:
         if peer.header.payload_len != expected:
