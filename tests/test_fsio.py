@@ -6,6 +6,7 @@ import errno
 import itertools
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,10 +23,13 @@ from gradsync._fsio import (
     place_marker,
     read_exact_into,
     read_small,
+    remove_tree,
     translate_oserror,
     write_atomic,
     write_in_place,
 )
+from gradsync._liveness import MemberInfo
+from gradsync._rendezvous import Generation, leave
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
@@ -605,3 +609,29 @@ def test_place_marker_into_a_missing_directory_fails(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         place_marker(tmp_path / "gone" / "in-0", str(old))
     assert old.exists()  # nothing moved
+
+
+def test_remove_tree_removes_everything_and_tolerates_a_missing_tree(tmp_path: Path) -> None:
+    tree = tmp_path / "gen-1"
+    (tree / "s-1").mkdir(parents=True)
+    (tree / "s-1" / "in-0").write_bytes(b"")
+    (tree / "d-0.in").write_bytes(b"x" * 100)
+    remove_tree(tree)
+    assert not tree.exists()
+    remove_tree(tree)  # another rank was first
+
+
+def test_remove_tree_survives_errors_that_rmtree_does_not_ignore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Python 3.11's rmtree(ignore_errors=True) lets FileNotFoundError out of an fstat of
+    # a directory another host removed meanwhile (JuiceFS): a rank's close() raised it.
+    def racing_rmtree(path: object, ignore_errors: bool = False) -> None:
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(shutil, "rmtree", racing_rmtree)
+    remove_tree(tmp_path)
+    members = (MemberInfo.for_self(0, "ab" * 8),)
+    gen = Generation(tmp_path, "ab" * 8, members, 0)
+    leave(gen, 3)  # the last rank to leave removes the generation: must not raise
+    assert (tmp_path / "left-0").read_bytes() == b'{"calls": 3}'

@@ -211,17 +211,17 @@ def marker_creates(rank: int, world: int, sync_dir: str, plans: str) -> Any:
 def late_reader_across_plans(rank: int, world: int, sync_dir: str) -> Any:
     """Three calls: big (one file a rank), small (two slots), big. Rank 1 opens its
     peers' files of the small call late, after rank 0 has written its next input."""
-    from gradsync._protocol import StepEngine  # noqa: PLC0415
+    from gradsync._peers import PeerFiles  # noqa: PLC0415
 
     if rank == 1:
-        original = StepEngine._open
+        original = PeerFiles._open
 
-        def late_open(self: StepEngine, path: Path, q: int, kind: int, step: int) -> Any:
-            if self.seq == 2 and q != self.rank:
+        def late_open(self: PeerFiles, path: Path, q: int, kind: int, step: int, seq: int) -> Any:
+            if seq == 2 and q != self.rank:
                 time.sleep(0.5)
-            return original(self, path, q, kind, step)
+            return original(self, path, q, kind, step, seq)
 
-        StepEngine._open = late_open  # type: ignore[method-assign]
+        PeerFiles._open = late_open  # type: ignore[method-assign]
     results = []
     with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
         for step, shapes in enumerate((SHAPES_BIG, SHAPES, SHAPES_BIG)):
@@ -238,6 +238,7 @@ def shifting_layouts(
     ``buffers_like`` arrays; the same choices on every rank, from ``seed``), each rank
     pausing at random (0-3 ms) before publishing and before opening a peer's file.
     Returns each call's result as bytes."""
+    from gradsync._peers import PeerFiles  # noqa: PLC0415
     from gradsync._protocol import StepEngine  # noqa: PLC0415
 
     shared = np.random.default_rng(seed)
@@ -248,18 +249,18 @@ def shifting_layouts(
         if local.random() < 0.5:
             time.sleep(float(local.uniform(0, 0.003)))
 
-    publish, open_ = StepEngine._publish, StepEngine._open
+    publish, open_ = StepEngine._publish, PeerFiles._open
 
     def late_publish(self: StepEngine, *args: Any) -> Any:
         pause()
         return publish(self, *args)
 
-    def late_open(self: StepEngine, *args: Any) -> Any:
+    def late_open(self: PeerFiles, *args: Any) -> Any:
         pause()
         return open_(self, *args)
 
     StepEngine._publish = late_publish  # type: ignore[method-assign]
-    StepEngine._open = late_open  # type: ignore[method-assign]
+    PeerFiles._open = late_open  # type: ignore[method-assign]
     results = []
     with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
         shared_arrays: list[np.ndarray] | None = None

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ __all__ = [
     "place_marker",
     "read_exact_into",
     "read_small",
+    "remove_tree",
     "translate_oserror",
     "wait_for_path",
     "write_atomic",
@@ -32,6 +34,18 @@ __all__ = [
 ]
 
 _IOV_BATCH = 512  # well under IOV_MAX (1024 on Linux)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove ``path`` and all it holds, as far as it goes; never raises.
+
+    Ranks may remove the same tree at once. ``shutil.rmtree(ignore_errors=True)``
+    does not ignore every error that causes: on a FUSE filesystem (JuiceFS), Python
+    3.11's rmtree can raise FileNotFoundError from an ``fstat`` of a directory that
+    another host removed meanwhile (seen in a rank's ``close()``).
+    """
+    with contextlib.suppress(OSError):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def translate_oserror(

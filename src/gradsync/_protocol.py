@@ -28,14 +28,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import errno
 import json
 import logging
 import os
-import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +41,9 @@ import numpy as np
 from ._buffers import SharedBuffers
 from ._config import FileGradSyncConfig
 from ._errors import (
-    CorruptFileError,
     GradSyncError,
     InvalidGradsError,
-    MismatchError,
-    NonFiniteGradError,
-    PeerAbortedError,
-    PeerLostError,
-    PeerTimeoutError,
-    SyncDirError,
     error_note,
-    job_wide_error,
-    note_reason,
 )
 from ._faults import fault_point
 from ._format import (
@@ -64,7 +52,6 @@ from ._format import (
     HEADER_READ_BYTES,
     KIND_INPUT,
     KIND_OUTPUT,
-    Header,
     Layout,
     block_crcs,
     crc_placeholder,
@@ -73,28 +60,23 @@ from ._format import (
     encode_meta,
 )
 from ._fsio import (
-    Backoff,
-    list_names,
     place_marker,
+    remove_tree,
     translate_oserror,
     write_atomic,
 )
-from ._liveness import Heartbeat, HeartbeatWatch, exact_process_checks
+from ._liveness import Heartbeat
 from ._parallel import SMALL_COPY_BYTES, Workers, auto_threads, split_range
+from ._peers import Peer, PeerFiles, check_inputs, check_length, reading
 from ._plan import Group, Plan
 from ._reduce import ACCUMULATOR, CHUNK_ELEMS, Fetch, check_dtype, mean_into
-from ._rendezvous import Generation, calls_finished
+from ._rendezvous import Generation
 from ._stats import StepStats
-from ._transport import ChecksumError, DataReader, Transport, local_filesystem
+from ._transport import ChecksumError, Transport, local_filesystem
 
 __all__ = ["Deliver", "Piece", "StepEngine", "data_name", "validate_grads"]
 
 _log = logging.getLogger("gradsync")
-_LIVENESS_EVERY_S = 0.1
-# A peer missing at the first look is nearly always microseconds behind; checking at
-# once whether it died (a listing of the generation directory, /proc) cost 33 us in
-# most steps of a small gradient here. The first check waits this long instead.
-_FIRST_LIVENESS_CHECK_S = 0.01
 # Below this many bytes per rank every rank reduces all of it: reading W small inputs
 # costs less than a second round of files, waiting and gathering.
 REPLICATE_BELOW_BYTES = 256 * 1024
@@ -146,29 +128,6 @@ def validate_grads(grads: object) -> list[np.ndarray]:
     return arrays
 
 
-@contextlib.contextmanager
-def _reading(peer: _Peer, rank: int, step: int) -> Iterator[None]:
-    """Translate a failed read of ``rank``'s file into the error that names it."""
-    try:
-        yield
-    except ChecksumError as exc:
-        raise CorruptFileError(
-            f"step {step}: rank {rank}'s file is unusable: {exc}",
-            step=step,
-            ranks=[rank],
-            path=peer.path,
-        ) from exc
-    except EOFError as exc:
-        raise CorruptFileError(
-            f"step {step}: rank {rank}'s file {peer.path} is truncated: {exc}",
-            step=step,
-            ranks=[rank],
-            path=peer.path,
-        ) from exc
-    except OSError as exc:
-        raise translate_oserror(exc, "reading", peer.path, step=step) from exc
-
-
 def _others(group: Group, rank: int) -> list[tuple[int, int]]:
     """The element ranges of ``group`` outside ``rank``'s shard."""
     lo, hi = group.shards[rank]
@@ -177,13 +136,6 @@ def _others(group: Group, rank: int) -> list[tuple[int, int]]:
 
 def _layout_of(arrays: Sequence[np.ndarray]) -> Layout:
     return tuple((a.dtype.str, a.shape) for a in arrays)
-
-
-@dataclass
-class _Peer:
-    reader: DataReader
-    header: Header
-    path: Path
 
 
 class StepEngine:
@@ -196,15 +148,14 @@ class StepEngine:
         self.world = cfg.world_size
         self.seq = 0
         self.completed = 0  # calls that ended without an error (told to peers on leaving)
-        self._gen_bytes = bytes.fromhex(gen.gen_id).ljust(16, b"\0")[:16]
         self._plan: Plan | None = None
         self._data_paths: dict[tuple[int, str, int | None], Path] = {}
         self._shared: SharedBuffers | None = None
         self._shared_serial = 0
         self._linked: Path | None = None  # the shared file this rank's input name points at
-        self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
         mapped = cfg.use_mmap if cfg.use_mmap is not None else local_filesystem(gen.path)
         self._transport = Transport(mapped=mapped, head_bytes=HEADER_READ_BYTES)
+        self._peers = PeerFiles(cfg, gen, self._transport, self.data_path)
         self._heartbeat = gen.heartbeat or Heartbeat(
             gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s
         )
@@ -261,11 +212,11 @@ class StepEngine:
         self._publish(step_dir, plan, flats, step, nonfinite, shared if in_place else None)
         fault_point("after_publish", self.rank, self.seq)
         t1 = time.perf_counter()
-        peers: dict[int, _Peer] = {}
-        outs: dict[int, _Peer] = {}
+        peers: dict[int, Peer] = {}
+        outs: dict[int, Peer] = {}
         try:
-            last_in = self._await(step_dir, "in", range(self.world), step, peers)
-            self._check_inputs(plan, step, peers, step_dir)
+            last_in = self._peers.wait_for(step_dir, "in", range(self.world), step, self.seq, peers)
+            check_inputs(plan, self.rank, peers, step, step_dir)
             t2 = time.perf_counter()
             # Arrays published in place lie in payload order in one file: the reduce and
             # the gather take one run of elements per dtype group, not a piece per param.
@@ -278,9 +229,9 @@ class StepEngine:
                 for q in range(self.world)
                 if plan.out_lens[q] and q != self.rank and not plan.replicated
             ]
-            self._await(step_dir, "out", publishers, step, outs)
+            self._peers.wait_for(step_dir, "out", publishers, step, self.seq, outs)
             for q, peer in outs.items():
-                self._check_length(peer, q, plan.out_lens[q], step)
+                check_length(peer, q, plan.out_lens[q], step)
             t4 = time.perf_counter()
             if deliver is None:
                 self._gather(work, runs, shard, outs, step, restore=not in_place)
@@ -314,7 +265,7 @@ class StepEngine:
         self,
         plan: Plan,
         flats: list[np.ndarray],
-        peers: dict[int, _Peer],
+        peers: dict[int, Peer],
         step: int,
         step_dir: Path,
     ) -> np.ndarray:
@@ -371,7 +322,7 @@ class StepEngine:
             world_size=self.world,
             seq=self.seq,
             step=step,
-            generation=self._gen_bytes,
+            generation=self.gen.header_id,
             layout_digest=plan.digest,
             meta=meta,
             payload_len=payload_len,
@@ -574,249 +525,6 @@ class StepEngine:
             and self.cfg.strategy == "sharded"
         )
 
-    # -- waiting --------------------------------------------------------------------
-
-    def _await(
-        self,
-        step_dir: Path,
-        prefix: str,
-        ranks: Sequence[int] | range,
-        step: int,
-        found: dict[int, _Peer],
-    ) -> int | None:
-        """Open ``<prefix>-<q>`` for every rank q in ``ranks``; return the last to arrive."""
-        kind = KIND_INPUT if prefix == "in" else KIND_OUTPUT
-        what = "its gradients" if prefix == "in" else "its shard of the mean"
-        missing = [q for q in ranks if q not in found]
-        last: int | None = None
-        first_look = True
-        backoff = Backoff()
-        next_check = _FIRST_LIVENESS_CHECK_S
-        next_warn = self.cfg.warn_after_s
-        while missing:
-            names = list_names(step_dir)
-            for q in [q for q in missing if f"{prefix}-{q}" in names]:
-                found[q] = self._open(self.data_path(q, prefix), q, kind, step)
-                missing.remove(q)
-                if not first_look:
-                    last = q
-            first_look = False
-            # Checked even when nothing is missing any more: a peer that gave up (timed
-            # out, found a mismatch) must not leave this rank averaging without it.
-            aborted = [q for q in range(self.world) if q != self.rank and f"abort-{q}" in names]
-            if aborted:
-                self._raise_abort(step_dir, aborted[0], step)
-            if not missing:
-                break
-            elapsed = backoff.elapsed_s()
-            if elapsed >= next_check:
-                next_check = elapsed + _LIVENESS_EVERY_S
-                if not names and not step_dir.is_dir():
-                    # This rank published into it: only removal explains its absence.
-                    raise SyncDirError(
-                        f"step {step}: {step_dir} disappeared while waiting for ranks {missing} "
-                        "(was the sync directory removed?)",
-                        errno=errno.ENOENT,
-                        step=step,
-                        ranks=missing,
-                        path=step_dir,
-                    )
-                self._check_alive(missing, step, step_dir, what, elapsed)
-            if elapsed >= self.cfg.max_wait_s:
-                raise PeerTimeoutError(
-                    f"step {step}: ranks {missing} published nothing in {step_dir} within "
-                    f"{self.cfg.max_wait_s} s (still alive, but not publishing {what[4:]})",
-                    step=step,
-                    ranks=missing,
-                    path=step_dir,
-                )
-            if elapsed >= next_warn:
-                _log.warning(
-                    "step %d: rank %d has waited %.1f s for ranks %s (alive) to publish %s in %s",
-                    step,
-                    self.rank,
-                    elapsed,
-                    missing,
-                    what[4:],
-                    step_dir,
-                )
-                next_warn += self.cfg.warn_after_s
-            backoff.pause()
-        return last
-
-    def _open(self, path: Path, rank: int, kind: int, step: int) -> _Peer:
-        try:
-            reader = self._transport.open(path)
-        except OSError as exc:
-            raise translate_oserror(exc, "opening", path, step=step) from exc
-        try:
-            header = decode_header(reader.head, str(path), parse_meta=False)
-            if len(reader.head) < header.payload_offset <= reader.size:
-                head = np.empty(header.payload_offset, dtype=np.uint8)
-                reader.read_into(0, head)
-                header = decode_header(head.tobytes(), str(path), parse_meta=False)
-            size = reader.size
-            if header.flags & FLAG_CHECKSUMS and rank != self.rank:  # trusts its own writes
-                crc = header.full_meta(str(path)).get("crc", "")
-                reader.expect_crcs(crc, header.payload_offset, header.payload_len)
-        except CorruptFileError as exc:
-            reader.close()
-            raise CorruptFileError(
-                f"step {step}: rank {rank}'s file is unusable: {exc}",
-                step=step,
-                ranks=[rank],
-                path=path,
-            ) from exc
-        except (OSError, EOFError) as exc:
-            reader.close()
-            raise translate_oserror(OSError(str(exc)), "reading", path, step=step) from exc
-        problem = None
-        if header.kind != kind or header.rank != rank:
-            problem = f"holds kind {header.kind} of rank {header.rank}"
-        elif header.generation != self._gen_bytes or header.seq != self.seq:
-            problem = "belongs to another run or call"
-        elif header.world_size != self.world:
-            problem = f"was written with world_size {header.world_size}"
-        elif size != header.payload_offset + header.payload_len:
-            problem = (
-                f"is {size} bytes, its header promises {header.payload_offset + header.payload_len}"
-            )
-        if problem is not None:
-            reader.close()
-            raise CorruptFileError(
-                f"step {step}: rank {rank}'s file {path} {problem}",
-                step=step,
-                ranks=[rank],
-                path=path,
-            )
-        return _Peer(reader, header, path)
-
-    def _raise_abort(self, step_dir: Path, rank: int, step: int) -> None:
-        path = step_dir / f"abort-{rank}"
-        try:
-            note: object = json.loads(path.read_bytes())
-        except (OSError, ValueError, RecursionError):
-            note = None
-        shared = job_wide_error(note, step=step, path=step_dir)
-        if shared is not None:
-            raise shared
-        member = self.gen.members[rank]
-        raise PeerAbortedError(
-            f"step {step}: rank {rank} ({member.describe()}) gave up on this step: "
-            f"{note_reason(note)}",
-            step=step,
-            ranks=[rank],
-            path=path,
-        )
-
-    def _check_alive(
-        self, missing: Sequence[int], step: int, step_dir: Path, what: str, elapsed: float
-    ) -> None:
-        """Raise PeerLostError naming every missing rank that is gone for good."""
-        names = list_names(self.gen.path)
-        lost: dict[int, str] = {}
-        for q in missing:
-            member = self.gen.members[q]
-            reason: str | None
-            if f"left-{q}" in names:
-                finished = calls_finished(self.gen, q)
-                if finished is not None and finished >= self.seq:
-                    # It finished this call, so it published all of it: a shared
-                    # filesystem's listing of the step can lag behind its "left" file.
-                    continue
-                reason = "closed its gradsync session"
-            elif member.same_host:
-                reason = member.local_death()
-                if reason is None and not exact_process_checks():
-                    # kill(pid, 0) takes a zombie or a reused pid for alive: the
-                    # heartbeat tells within heartbeat_timeout_s.
-                    reason = self._heartbeat_stopped(q)
-            else:
-                reason = self._heartbeat_stopped(q)
-            if reason is not None:
-                lost[q] = reason
-        if not lost:
-            return
-        # A peer may publish, finish the step and exit between our listing and its
-        # liveness check: only a marker still missing now means it never published.
-        prefix = "in" if what == "its gradients" else "out"
-        present = list_names(step_dir)
-        lost = {q: r for q, r in lost.items() if f"{prefix}-{q}" not in present}
-        if not lost:
-            return
-        described = "; ".join(
-            f"rank {q} ({self.gen.members[q].describe()}) {r}" for q, r in sorted(lost.items())
-        )
-        raise PeerLostError(
-            f"step {step}: {described} before publishing {what} in {step_dir} "
-            f"(waited {elapsed:.1f} s)",
-            step=step,
-            ranks=sorted(lost),
-            path=step_dir,
-        )
-
-    def _heartbeat_stopped(self, rank: int) -> str | None:
-        silent = self._watch.is_lost(self.gen.heartbeat_path(rank))
-        return None if silent is None else f"stopped its heartbeat {silent:.1f} s ago"
-
-    def _check_length(self, peer: _Peer, rank: int, expected: int, step: int) -> None:
-        if peer.header.payload_len != expected:
-            raise CorruptFileError(
-                f"step {step}: rank {rank}'s file {peer.path} holds {peer.header.payload_len} "
-                f"bytes of data, its layout needs {expected}",
-                step=step,
-                ranks=[rank],
-                path=peer.path,
-            )
-
-    def _check_inputs(self, plan: Plan, step: int, peers: dict[int, _Peer], step_dir: Path) -> None:
-        steps = {q: p.header.step for q, p in peers.items()}
-        if len(set(steps.values())) > 1:
-            raise MismatchError(
-                f"ranks disagree on the step number in {step_dir}: "
-                + ", ".join(f"rank {q} is at step {s}" for q, s in sorted(steps.items())),
-                step=step,
-                ranks=sorted(steps),
-                path=step_dir,
-            )
-        for q in range(self.world):
-            other = peers[q].header
-            if other.layout_digest != plan.digest:
-                raise self._mismatch(
-                    plan.layout, other.layout(str(peers[q].path)), q, step, step_dir
-                )
-            self._check_length(peers[q], q, plan.in_len, step)
-        bad = [
-            (q, i)
-            for q in range(self.world)
-            if peers[q].header.flags & FLAG_NONFINITE
-            for i in peers[q].header.full_meta(str(peers[q].path)).get("nonfinite", [])
-        ]
-        if bad:
-            ranks = sorted({q for q, _ in bad})
-            listing = ", ".join(f"rank {q} param {i}" for q, i in bad)
-            raise NonFiniteGradError(
-                f"step {step}: non-finite gradients (NaN or Inf) in {listing}",
-                step=step,
-                ranks=ranks,
-                path=step_dir,
-            )
-
-    def _mismatch(
-        self, mine: Layout, theirs: Layout, q: int, step: int, step_dir: Path
-    ) -> MismatchError:
-        lo, hi = sorted((self.rank, q))
-        first, second = (mine, theirs) if self.rank == lo else (theirs, mine)
-        if len(first) != len(second):
-            detail = f"rank {lo} has {len(first)} params but rank {hi} has {len(second)}"
-        else:
-            i = next(i for i, (a, b) in enumerate(zip(first, second, strict=True)) if a != b)
-            detail = (
-                f"param {i}: rank {lo} has shape {first[i][1]} {np.dtype(first[i][0])} but rank "
-                f"{hi} has shape {second[i][1]} {np.dtype(second[i][0])}"
-            )
-        return MismatchError(f"step {step}: {detail}", step=step, ranks=[lo, hi], path=step_dir)
-
     # -- reducing and gathering -------------------------------------------------------
 
     def _reserve(self, path: Path, size: int, step: int | None) -> np.ndarray:
@@ -829,7 +537,7 @@ class StepEngine:
         self,
         plan: Plan,
         flats: list[np.ndarray],
-        peers: dict[int, _Peer],
+        peers: dict[int, Peer],
         step: int,
         into: np.ndarray | None,
     ) -> np.ndarray:
@@ -871,7 +579,7 @@ class StepEngine:
         lo: int,
         hi: int,
         flats: list[np.ndarray],
-        peers: dict[int, _Peer],
+        peers: dict[int, Peer],
         step: int,
         own_from_arrays: bool,
     ) -> Any:
@@ -912,7 +620,7 @@ class StepEngine:
 
         def theirs(start: int, stop: int, buf: np.ndarray) -> np.ndarray:
             out = buf[: stop - start]
-            with _reading(peer, q, step):
+            with reading(peer, q, step):
                 mapped = peer.reader.view(base + start * itemsize, stop - start, group.dtype)
                 if mapped is not None:
                     return mapped
@@ -926,7 +634,7 @@ class StepEngine:
         plan: Plan,
         flats: list[np.ndarray],
         shard: np.ndarray,
-        outs: dict[int, _Peer],
+        outs: dict[int, Peer],
         step: int,
         *,
         restore: bool,
@@ -961,7 +669,7 @@ class StepEngine:
         plan: Plan,
         flats: list[np.ndarray],
         shard: np.ndarray,
-        outs: dict[int, _Peer],
+        outs: dict[int, Peer],
         step: int,
         ranks: Sequence[int],
     ) -> tuple[list[Piece], list[Piece]]:
@@ -981,7 +689,7 @@ class StepEngine:
         q: int,
         flats: list[np.ndarray],
         shard: np.ndarray,
-        outs: dict[int, _Peer],
+        outs: dict[int, Peer],
         step: int,
     ) -> tuple[list[Piece], bool]:
         """Rank q's shard of ``group`` as pieces of params, and whether they had to be
@@ -998,7 +706,7 @@ class StepEngine:
             fault_point("mid_gather", self.rank, self.seq)
             peer = outs[q]
             at = peer.header.payload_offset + start
-            with _reading(peer, q, step):
+            with reading(peer, q, step):
                 # One view of the whole shard (bounds and checksums checked once), sliced
                 # per param: with many small params, views per param cost more than copies.
                 mapped = peer.reader.view(at, hi - lo, group.dtype)
@@ -1050,7 +758,7 @@ def _prune_step_dir(step_dir: Path, world: int) -> None:
 
     It is normally empty: every rank moved its markers on to a later step. What can
     be left (an abort note, markers that a later plan had no use for) is unlinked by
-    name, or left to ``shutil.rmtree``, which lists and reopens the directory first.
+    name, or left to ``remove_tree``, which lists and reopens the directory first.
     """
     try:
         os.rmdir(step_dir)
@@ -1069,7 +777,7 @@ def _prune_step_dir(step_dir: Path, world: int) -> None:
     except FileNotFoundError:
         pass
     except OSError:
-        shutil.rmtree(step_dir, ignore_errors=True)
+        remove_tree(step_dir)
 
 
 def _mean_job(

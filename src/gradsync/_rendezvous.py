@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import secrets
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,7 +42,14 @@ from ._errors import (
     job_wide_error,
     note_reason,
 )
-from ._fsio import Backoff, list_names, read_small, translate_oserror, write_atomic
+from ._fsio import (
+    Backoff,
+    list_names,
+    read_small,
+    remove_tree,
+    translate_oserror,
+    write_atomic,
+)
 from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo, read_counter
 
 __all__ = ["Generation", "calls_finished", "leave", "rendezvous"]
@@ -71,6 +77,11 @@ class Generation:
     @property
     def me(self) -> MemberInfo:
         return self.members[self.rank]
+
+    @property
+    def header_id(self) -> bytes:
+        """The 16 bytes that data file headers of this generation carry."""
+        return bytes.fromhex(self.gen_id).ljust(16, b"\0")[:16]
 
     def heartbeat_path(self, rank: int) -> Path:
         return self.path / f"hb-{self.members[rank].nonce}"
@@ -376,7 +387,7 @@ def _members_of(gen_path: Path) -> list[MemberInfo] | None:
 
 def _remove(gen_path: Path) -> None:
     _log.debug("removing %s: every member of that run is gone", gen_path)
-    shutil.rmtree(gen_path, ignore_errors=True)
+    remove_tree(gen_path)
     with contextlib.suppress(OSError):
         (gen_path.parent / RDZV / f"leader-{gen_path.name[len(GEN_PREFIX) :]}.json").unlink()
 
@@ -638,7 +649,7 @@ def leave(gen: Generation, calls: int) -> None:
         return
     names = list_names(gen.path)
     if all(f"left-{r}" in names for r in range(len(gen.members))):
-        shutil.rmtree(gen.path, ignore_errors=True)
+        remove_tree(gen.path)
         with contextlib.suppress(OSError):
             (gen.path.parent / RDZV / f"leader-{gen.gen_id}.json").unlink()
 

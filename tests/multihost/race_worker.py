@@ -19,19 +19,20 @@ import time
 import numpy as np
 
 import gradsync
-from gradsync import _protocol
+from gradsync import _peers, _protocol
 
 cfg = gradsync.FileGradSyncConfig.from_env()
 engine = _protocol.StepEngine
 if cfg.rank == 0:
-    check_alive = engine._check_alive
+    peer_files = _peers.PeerFiles
+    check_alive = peer_files._check_alive
 
-    def slow_check_alive(self, missing, step, step_dir, what, elapsed):  # type: ignore[no-untyped-def]
+    def slow_check_alive(self, missing, step, seq, step_dir, what, elapsed):  # type: ignore[no-untyped-def]
         if "shard" in what:
             time.sleep(0.5)
-        return check_alive(self, missing, step, step_dir, what, elapsed)
+        return check_alive(self, missing, step, seq, step_dir, what, elapsed)
 
-    engine._check_alive = slow_check_alive  # type: ignore[method-assign]
+    peer_files._check_alive = slow_check_alive  # type: ignore[method-assign]
 else:
     reduce = engine._reduce
 

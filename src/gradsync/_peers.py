@@ -1,0 +1,357 @@
+"""Waiting for the peers' files of a call: finding their markers, opening and checking
+what they published, and telling a slow peer from one that died, gave up or left.
+
+A rank lists the call's step directory for ``<prefix>-<q>`` markers (backing off
+between looks) and opens a peer's reused data file once its marker is there; the
+file's header must name that peer, this generation and this call. A peer still
+missing is checked after ``_FIRST_LIVENESS_CHECK_S`` and then every
+``_LIVENESS_EVERY_S``: on this host through its process, elsewhere through its
+heartbeat; a rank that closed its session is lost unless it finished the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ._config import FileGradSyncConfig
+from ._errors import (
+    CorruptFileError,
+    MismatchError,
+    NonFiniteGradError,
+    PeerAbortedError,
+    PeerLostError,
+    PeerTimeoutError,
+    SyncDirError,
+    job_wide_error,
+    note_reason,
+)
+from ._format import (
+    FLAG_CHECKSUMS,
+    FLAG_NONFINITE,
+    KIND_INPUT,
+    KIND_OUTPUT,
+    Header,
+    Layout,
+    decode_header,
+)
+from ._fsio import Backoff, list_names, translate_oserror
+from ._liveness import HeartbeatWatch, exact_process_checks
+from ._plan import Plan
+from ._rendezvous import Generation, calls_finished
+from ._transport import ChecksumError, DataReader, Transport
+
+__all__ = ["Peer", "PeerFiles", "check_inputs", "check_length", "reading"]
+
+_log = logging.getLogger("gradsync")
+_LIVENESS_EVERY_S = 0.1
+# A peer missing at the first look is nearly always microseconds behind; checking at
+# once whether it died (a listing of the generation directory, /proc) cost 33 us in
+# most steps of a small gradient here. The first check waits this long instead.
+_FIRST_LIVENESS_CHECK_S = 0.01
+
+
+@dataclass
+class Peer:
+    """A peer's published file of one call, open, and its decoded header."""
+
+    reader: DataReader
+    header: Header
+    path: Path
+
+
+@contextlib.contextmanager
+def reading(peer: Peer, rank: int, step: int) -> Iterator[None]:
+    """Translate a failed read of ``rank``'s file into the error that names it."""
+    try:
+        yield
+    except (ChecksumError, EOFError) as exc:
+        # A checksum error names the path and the bytes; an EOFError only the lengths.
+        problem = "is unusable" if isinstance(exc, ChecksumError) else f"{peer.path} is truncated"
+        raise _unusable(step, rank, peer.path, f"{problem}: {exc}") from exc
+    except OSError as exc:
+        raise translate_oserror(exc, "reading", peer.path, step=step) from exc
+
+
+def _unusable(step: int, rank: int, path: Path, problem: str) -> CorruptFileError:
+    return CorruptFileError(
+        f"step {step}: rank {rank}'s file {problem}", step=step, ranks=[rank], path=path
+    )
+
+
+class PeerFiles:
+    """Finds, opens and checks the peers' files of this rank's calls."""
+
+    def __init__(
+        self,
+        cfg: FileGradSyncConfig,
+        gen: Generation,
+        transport: Transport,
+        path_of: Callable[[int, str], Path],
+    ) -> None:
+        self.cfg = cfg
+        self.gen = gen
+        self.rank = cfg.rank
+        self.world = cfg.world_size
+        self._transport = transport
+        self._path_of = path_of  # (rank, "in" or "out") -> its data file for this call
+        self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
+
+    def wait_for(
+        self,
+        step_dir: Path,
+        prefix: str,
+        ranks: Sequence[int] | range,
+        step: int,
+        seq: int,
+        found: dict[int, Peer],
+    ) -> int | None:
+        """Open ``<prefix>-<q>`` of call ``seq`` for every rank q in ``ranks`` into
+        ``found``; return the last to arrive (None if all were there at the first look).
+
+        Raises:
+            PeerLostError, PeerTimeoutError, SyncDirError, CorruptFileError, or the
+            error a peer gave up with (PeerAbortedError, or a job-wide one it shared).
+        """
+        kind = KIND_INPUT if prefix == "in" else KIND_OUTPUT
+        what = "its gradients" if prefix == "in" else "its shard of the mean"
+        missing = [q for q in ranks if q not in found]
+        last: int | None = None
+        first_look = True
+        backoff = Backoff()
+        next_check = _FIRST_LIVENESS_CHECK_S
+        next_warn = self.cfg.warn_after_s
+        while missing:
+            names = list_names(step_dir)
+            for q in [q for q in missing if f"{prefix}-{q}" in names]:
+                found[q] = self._open(self._path_of(q, prefix), q, kind, step, seq)
+                missing.remove(q)
+                if not first_look:
+                    last = q
+            first_look = False
+            # Checked even when nothing is missing any more: a peer that gave up (timed
+            # out, found a mismatch) must not leave this rank averaging without it.
+            aborted = [q for q in range(self.world) if q != self.rank and f"abort-{q}" in names]
+            if aborted:
+                self._raise_abort(step_dir, aborted[0], step)
+            if not missing:
+                break
+            elapsed = backoff.elapsed_s()
+            if elapsed >= next_check:
+                next_check = elapsed + _LIVENESS_EVERY_S
+                if not names and not step_dir.is_dir():
+                    # This rank published into it: only removal explains its absence.
+                    raise SyncDirError(
+                        f"step {step}: {step_dir} disappeared while waiting for ranks {missing} "
+                        "(was the sync directory removed?)",
+                        errno=errno.ENOENT,
+                        step=step,
+                        ranks=missing,
+                        path=step_dir,
+                    )
+                self._check_alive(missing, step, seq, step_dir, what, elapsed)
+            if elapsed >= self.cfg.max_wait_s:
+                raise PeerTimeoutError(
+                    f"step {step}: ranks {missing} published nothing in {step_dir} within "
+                    f"{self.cfg.max_wait_s} s (still alive, but not publishing {what[4:]})",
+                    step=step,
+                    ranks=missing,
+                    path=step_dir,
+                )
+            if elapsed >= next_warn:
+                _log.warning(
+                    "step %d: rank %d has waited %.1f s for ranks %s (alive) to publish %s in %s",
+                    step,
+                    self.rank,
+                    elapsed,
+                    missing,
+                    what[4:],
+                    step_dir,
+                )
+                next_warn += self.cfg.warn_after_s
+            backoff.pause()
+        return last
+
+    def _open(self, path: Path, rank: int, kind: int, step: int, seq: int) -> Peer:
+        try:
+            reader = self._transport.open(path)
+        except OSError as exc:
+            raise translate_oserror(exc, "opening", path, step=step) from exc
+        try:
+            header = decode_header(reader.head, str(path), parse_meta=False)
+            if len(reader.head) < header.payload_offset <= reader.size:
+                head = np.empty(header.payload_offset, dtype=np.uint8)
+                reader.read_into(0, head)
+                header = decode_header(head.tobytes(), str(path), parse_meta=False)
+            size = reader.size
+            if header.flags & FLAG_CHECKSUMS and rank != self.rank:  # trusts its own writes
+                crc = header.full_meta(str(path)).get("crc", "")
+                reader.expect_crcs(crc, header.payload_offset, header.payload_len)
+        except CorruptFileError as exc:
+            reader.close()
+            raise _unusable(step, rank, path, f"is unusable: {exc}") from exc
+        except (OSError, EOFError) as exc:
+            reader.close()
+            raise translate_oserror(OSError(str(exc)), "reading", path, step=step) from exc
+        problem = None
+        if header.kind != kind or header.rank != rank:
+            problem = f"holds kind {header.kind} of rank {header.rank}"
+        elif header.generation != self.gen.header_id or header.seq != seq:
+            problem = "belongs to another run or call"
+        elif header.world_size != self.world:
+            problem = f"was written with world_size {header.world_size}"
+        elif size != header.payload_offset + header.payload_len:
+            problem = (
+                f"is {size} bytes, its header promises {header.payload_offset + header.payload_len}"
+            )
+        if problem is not None:
+            reader.close()
+            raise _unusable(step, rank, path, f"{path} {problem}")
+        return Peer(reader, header, path)
+
+    def _raise_abort(self, step_dir: Path, rank: int, step: int) -> None:
+        path = step_dir / f"abort-{rank}"
+        try:
+            note: object = json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError):
+            note = None
+        shared = job_wide_error(note, step=step, path=step_dir)
+        if shared is not None:
+            raise shared
+        member = self.gen.members[rank]
+        raise PeerAbortedError(
+            f"step {step}: rank {rank} ({member.describe()}) gave up on this step: "
+            f"{note_reason(note)}",
+            step=step,
+            ranks=[rank],
+            path=path,
+        )
+
+    def _check_alive(
+        self,
+        missing: Sequence[int],
+        step: int,
+        seq: int,
+        step_dir: Path,
+        what: str,
+        elapsed: float,
+    ) -> None:
+        """Raise PeerLostError naming every missing rank that is gone for good."""
+        names = list_names(self.gen.path)
+        lost: dict[int, str] = {}
+        for q in missing:
+            member = self.gen.members[q]
+            reason: str | None
+            if f"left-{q}" in names:
+                finished = calls_finished(self.gen, q)
+                if finished is not None and finished >= seq:
+                    # It finished this call, so it published all of it: a shared
+                    # filesystem's listing of the step can lag behind its "left" file.
+                    continue
+                reason = "closed its gradsync session"
+            elif member.same_host:
+                reason = member.local_death()
+                if reason is None and not exact_process_checks():
+                    # kill(pid, 0) takes a zombie or a reused pid for alive: the
+                    # heartbeat tells within heartbeat_timeout_s.
+                    reason = self._heartbeat_stopped(q)
+            else:
+                reason = self._heartbeat_stopped(q)
+            if reason is not None:
+                lost[q] = reason
+        if not lost:
+            return
+        # A peer may publish, finish the step and exit between our listing and its
+        # liveness check: only a marker still missing now means it never published.
+        prefix = "in" if what == "its gradients" else "out"
+        present = list_names(step_dir)
+        lost = {q: r for q, r in lost.items() if f"{prefix}-{q}" not in present}
+        if not lost:
+            return
+        described = "; ".join(
+            f"rank {q} ({self.gen.members[q].describe()}) {r}" for q, r in sorted(lost.items())
+        )
+        raise PeerLostError(
+            f"step {step}: {described} before publishing {what} in {step_dir} "
+            f"(waited {elapsed:.1f} s)",
+            step=step,
+            ranks=sorted(lost),
+            path=step_dir,
+        )
+
+    def _heartbeat_stopped(self, rank: int) -> str | None:
+        silent = self._watch.is_lost(self.gen.heartbeat_path(rank))
+        return None if silent is None else f"stopped its heartbeat {silent:.1f} s ago"
+
+
+def check_length(peer: Peer, rank: int, expected: int, step: int) -> None:
+    """Raise CorruptFileError unless ``peer`` holds ``expected`` payload bytes."""
+    if peer.header.payload_len != expected:
+        raise CorruptFileError(
+            f"step {step}: rank {rank}'s file {peer.path} holds {peer.header.payload_len} "
+            f"bytes of data, its layout needs {expected}",
+            step=step,
+            ranks=[rank],
+            path=peer.path,
+        )
+
+
+def check_inputs(plan: Plan, rank: int, peers: dict[int, Peer], step: int, step_dir: Path) -> None:
+    """Check every rank's input against this rank's ``plan``: one step number, one
+    layout and length, and no non-finite values reported.
+
+    Raises:
+        MismatchError, CorruptFileError, NonFiniteGradError.
+    """
+    steps = {q: p.header.step for q, p in peers.items()}
+    if len(set(steps.values())) > 1:
+        raise MismatchError(
+            f"ranks disagree on the step number in {step_dir}: "
+            + ", ".join(f"rank {q} is at step {s}" for q, s in sorted(steps.items())),
+            step=step,
+            ranks=sorted(steps),
+            path=step_dir,
+        )
+    for q in range(len(peers)):
+        other = peers[q].header
+        if other.layout_digest != plan.digest:
+            raise _mismatch(plan.layout, other.layout(str(peers[q].path)), rank, q, step, step_dir)
+        check_length(peers[q], q, plan.in_len, step)
+    bad = [
+        (q, i)
+        for q in range(len(peers))
+        if peers[q].header.flags & FLAG_NONFINITE
+        for i in peers[q].header.full_meta(str(peers[q].path)).get("nonfinite", [])
+    ]
+    if bad:
+        ranks = sorted({q for q, _ in bad})
+        listing = ", ".join(f"rank {q} param {i}" for q, i in bad)
+        raise NonFiniteGradError(
+            f"step {step}: non-finite gradients (NaN or Inf) in {listing}",
+            step=step,
+            ranks=ranks,
+            path=step_dir,
+        )
+
+
+def _mismatch(
+    mine: Layout, theirs: Layout, rank: int, q: int, step: int, step_dir: Path
+) -> MismatchError:
+    lo, hi = sorted((rank, q))
+    first, second = (mine, theirs) if rank == lo else (theirs, mine)
+    if len(first) != len(second):
+        detail = f"rank {lo} has {len(first)} params but rank {hi} has {len(second)}"
+    else:
+        i = next(i for i, (a, b) in enumerate(zip(first, second, strict=True)) if a != b)
+        detail = (
+            f"param {i}: rank {lo} has shape {first[i][1]} {np.dtype(first[i][0])} but rank "
+            f"{hi} has shape {second[i][1]} {np.dtype(second[i][0])}"
+        )
+    return MismatchError(f"step {step}: {detail}", step=step, ranks=[lo, hi], path=step_dir)
