@@ -25,7 +25,6 @@ import numpy as np
 import wgpu
 
 import gradsync
-from gradsync._wgpu import request_device_for_rank
 
 BU = wgpu.BufferUsage
 
@@ -95,7 +94,7 @@ def main() -> None:
     else:
         tmp = tempfile.mkdtemp(prefix="gradsync-logreg-")
         cfg = gradsync.FileGradSyncConfig(world_size=1, rank=0, sync_dir=tmp)
-    dev = request_device_for_rank()  # LOCAL_RANK picks the adapter on multi-GPU hosts
+    dev = gradsync.request_device_for_rank()  # LOCAL_RANK picks the adapter on multi-GPU hosts
     info = dev.adapter.info
     print(
         f"rank {cfg.rank} of {cfg.world_size}: adapter {info.get('device')!r} "

@@ -16,15 +16,9 @@ import pytest
 
 import gradsync
 from gradsync import average_host_grads
+from gradsync._adapters import choose_adapter_index, request_device_for_rank, select_adapter
 from gradsync._errors import ConfigError, GradSyncError, InvalidGradsError
-from gradsync._wgpu import (
-    WgpuBridge,
-    WgpuBridgeError,
-    choose_adapter_index,
-    request_device_for_rank,
-    resolve_dtypes,
-    select_adapter,
-)
+from gradsync._wgpu import WgpuBridge, WgpuBridgeError, resolve_dtypes
 
 wgpu = pytest.importorskip("wgpu")
 

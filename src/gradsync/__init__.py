@@ -6,6 +6,7 @@ once per optimizer step and gets back the same element-wise mean, bit for bit.
 
 from __future__ import annotations
 
+from ._adapters import request_device_for_rank, select_adapter
 from ._api import GradSync, average_grads_file_sync
 from ._config import FileGradSyncConfig
 from ._errors import (
@@ -25,7 +26,7 @@ from ._errors import (
 from ._fsio import atomic_write_bytes, wait_for_path
 from ._reduce import average_host_grads, shard_indices
 from ._stats import StepStats
-from ._wgpu import WgpuBridge, request_device_for_rank, select_adapter
+from ._wgpu import WgpuBridge
 
 __version__ = "0.1.0"
 

@@ -21,9 +21,8 @@ import contextlib
 import functools
 import importlib
 import logging
-import os
 import time
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,10 +39,9 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "WgpuBridge",
     "WgpuBridgeError",
-    "choose_adapter_index",
-    "request_device_for_rank",
+    "import_wgpu",
     "resolve_dtypes",
-    "select_adapter",
+    "wgpu_errors",
 ]
 
 _log = logging.getLogger("gradsync")
@@ -82,12 +80,6 @@ _COPY_DST = 0x0008
 DIRECT_MAX_PIECES = 16
 DIRECT_MAX_BYTES = 32 << 20
 
-_BACKEND_ORDER = ("Vulkan", "Metal", "D3D12", "OpenGL")
-_TYPE_ORDER = {
-    "high-performance": ("DiscreteGPU", "IntegratedGPU", "VirtualGPU", "Unknown", "CPU"),
-    "low-power": ("IntegratedGPU", "DiscreteGPU", "VirtualGPU", "Unknown", "CPU"),
-}
-
 
 def _writable_mapping(buf: Any, nbytes: int) -> npt.NDArray[np.uint8] | None:
     """A writable uint8 view of the first ``nbytes`` of mapped ``buf``, or None.
@@ -106,7 +98,7 @@ def _writable_mapping(buf: Any, nbytes: int) -> npt.NDArray[np.uint8] | None:
 
 
 @functools.cache
-def _import_wgpu() -> Any:
+def import_wgpu() -> Any:
     # Deferred so that ``import gradsync`` works (and stays fast) without wgpu; cached
     # because the liveness probe asks once per buffer per step.
     return importlib.import_module("wgpu")
@@ -134,7 +126,7 @@ def _map_for_reading(buffer: Any, device: Any, spin_s: float) -> None:
         else:
             _wait(promise, device, spin_s)
             return
-    buffer.map_sync(_import_wgpu().MapMode.READ)
+    buffer.map_sync(import_wgpu().MapMode.READ)
 
 
 def _wait(promise: Any, device: Any, spin_s: float) -> None:
@@ -236,146 +228,13 @@ def resolve_dtypes(
     return out
 
 
-# -- adapter choice -----------------------------------------------------------------
-
-
-def choose_adapter_index(
-    infos: Sequence[Mapping[str, Any]],
-    *,
-    local_rank: int,
-    power_preference: str | None = "high-performance",
-    backend: str | None = None,
-) -> int:
-    """Pick the adapter for ``local_rank`` from adapter-info dicts; return its index.
-
-    ``infos`` are ``GPUAdapter.info`` mappings in enumeration order (keys used:
-    ``backend_type``, ``adapter_type``, ``vendor_id``, ``device_id``, ``device``).
-    With ``backend`` (case-insensitive, e.g. ``"Vulkan"``) only that backend is
-    kept; without it, only the first of Vulkan, Metal, D3D12, OpenGL present, so a
-    GPU seen through two backends counts once. CPU (software) adapters are dropped
-    when any other adapter remains. ``power_preference`` (``"high-performance"``,
-    ``"low-power"`` or ``None``) orders adapter types; the sort is stable, so equal
-    GPUs keep the driver's order. The result is ``candidates[local_rank % n]``.
-
-    Raises:
-        ConfigError: ``local_rank`` is negative, or an option is unknown.
-        WgpuBridgeError: no adapter matches.
-    """
-    if local_rank < 0:
-        raise ConfigError(f"local_rank must be >= 0, got {local_rank!r}")
-    if power_preference is not None and power_preference not in _TYPE_ORDER:
-        raise ConfigError(
-            "power_preference must be 'high-performance', 'low-power' or None, got "
-            f"{power_preference!r}"
-        )
-    idx = list(range(len(infos)))
-    if not idx:
-        raise WgpuBridgeError("no wgpu adapter found (no GPU driver and no software one)")
-    present = [str(infos[i].get("backend_type", "")) for i in idx]
-    if backend is not None:
-        want = backend.lower()
-        idx = [i for i in idx if present[i].lower() == want]
-        if not idx:
-            raise WgpuBridgeError(
-                f"no wgpu adapter with backend {backend!r}; available backends: "
-                f"{sorted(set(present))}"
-            )
-    else:
-        ranked = sorted(
-            set(present),
-            key=lambda b: _BACKEND_ORDER.index(b) if b in _BACKEND_ORDER else len(_BACKEND_ORDER),
-        )
-        idx = [i for i in idx if present[i] == ranked[0]]
-    real = [i for i in idx if infos[i].get("adapter_type") != "CPU"]
-    if real:
-        idx = real
-    order = _TYPE_ORDER[power_preference or "high-performance"]
-
-    def key(i: int) -> tuple[int, int, int, str, int]:
-        info = infos[i]
-        typ = str(info.get("adapter_type", "Unknown"))
-        type_rank = order.index(typ) if power_preference and typ in order else 0
-        vendor = int(info.get("vendor_id", 0) or 0)
-        dev = int(info.get("device_id", 0) or 0)
-        return (type_rank, vendor, dev, str(info.get("device", "")), i)
-
-    idx.sort(key=key)
-    return idx[local_rank % len(idx)]
-
-
-def _local_rank_from_env() -> int:
-    raw = os.environ.get("LOCAL_RANK", "").strip()
-    if not raw:
-        return 0
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"LOCAL_RANK must be an integer, got {raw!r}") from None
-
-
-def select_adapter(
-    *,
-    local_rank: int | None = None,
-    power_preference: str | None = "high-performance",
-    backend: str | None = None,
-) -> wgpu.GPUAdapter:
-    """Return this rank's wgpu adapter (see :func:`choose_adapter_index` for the rule).
-
-    ``local_rank`` defaults to the ``LOCAL_RANK`` environment variable, then 0.
-    Logs the chosen adapter's info at INFO on the ``gradsync`` logger.
-
-    Raises:
-        ConfigError: ``LOCAL_RANK`` is not an integer, or an option is invalid.
-        WgpuBridgeError: no adapter matches.
-    """
-    wgpu = _import_wgpu()
-
-    rank = _local_rank_from_env() if local_rank is None else int(local_rank)
-    adapters = wgpu.gpu.enumerate_adapters_sync()
-    infos = [dict(a.info) for a in adapters]
-    i = choose_adapter_index(
-        infos, local_rank=rank, power_preference=power_preference, backend=backend
-    )
-    _log.info("local_rank %d uses wgpu adapter %d of %d: %s", rank, i, len(infos), infos[i])
-    return adapters[i]
-
-
-def request_device_for_rank(
-    *,
-    local_rank: int | None = None,
-    power_preference: str | None = "high-performance",
-    backend: str | None = None,
-    required_limits: Mapping[str, int] | None = None,
-    label: str = "gradsync",
-) -> wgpu.GPUDevice:
-    """Select this rank's adapter (:func:`select_adapter`) and request a device on it.
-
-    ``max-buffer-size`` and ``max-storage-buffer-binding-size`` are raised to the
-    adapter's maxima unless ``required_limits`` sets them.
-
-    Raises:
-        ConfigError, WgpuBridgeError: as :func:`select_adapter`; WgpuBridgeError also
-            when the device request fails.
-    """
-    adapter = select_adapter(
-        local_rank=local_rank, power_preference=power_preference, backend=backend
-    )
-    limits: dict[str, int] = {}
-    for name in ("max-buffer-size", "max-storage-buffer-binding-size"):
-        if name in adapter.limits:
-            limits[name] = int(adapter.limits[name])
-    limits.update(required_limits or {})
-    with _wgpu_errors("requesting a wgpu device"):
-        return adapter.request_device_sync(label=label, required_limits=limits)
-
-
 # -- error translation ------------------------------------------------------------
 
 
 @contextlib.contextmanager
-def _wgpu_errors(what: str) -> Iterator[None]:
+def wgpu_errors(what: str) -> Iterator[None]:
     """The one place where wgpu exceptions become gradsync errors."""
-    wgpu = _import_wgpu()
+    wgpu = import_wgpu()
 
     try:
         yield
@@ -513,7 +372,7 @@ class WgpuBridge:
         # (a Rust panic in wgpuQueueSubmit), and wgpu-py keeps no "destroyed" flag.
         # A 1-byte write_buffer is checked for destruction and device before its
         # alignment, and is always rejected for alignment, so it never writes.
-        wgpu = _import_wgpu()
+        wgpu = import_wgpu()
 
         try:
             self._device.queue.write_buffer(buf, 0, _PROBE)
@@ -666,9 +525,9 @@ class WgpuBridge:
         self._check_open()
         self._check_buffers(buffers, _COPY_SRC, "COPY_SRC")
         layout = self._get_layout(buffers, dtypes)
-        wgpu = _import_wgpu()
+        wgpu = import_wgpu()
 
-        with _wgpu_errors("downloading gradients"):
+        with wgpu_errors("downloading gradients"):
             for ch in layout.chunks:
                 if ch.read is None:
                     ch.read = self._device.create_buffer(
@@ -726,7 +585,7 @@ class WgpuBridge:
                 )
             host.append(np.ascontiguousarray(a).reshape(-1))
         self._check_buffers(buffers, _COPY_DST, "COPY_DST")
-        with _wgpu_errors("uploading gradients"):
+        with wgpu_errors("uploading gradients"):
             if self.upload_mode == "mapped":
                 layout = self._get_layout(buffers, [a.dtype for a in host])
                 writes = layout.writes([(i, 0, a) for i, a in enumerate(host)])
@@ -761,7 +620,7 @@ class WgpuBridge:
         """
         self._check_open()
         layout = self._get_layout(buffers, dtypes)
-        with _wgpu_errors("uploading gradients"):
+        with wgpu_errors("uploading gradients"):
             nbytes = sum(src.nbytes for _, _, src in pieces)
             offsets = [start * src.itemsize for _, start, src in pieces]
             if (
@@ -788,7 +647,7 @@ class WgpuBridge:
         offset, array)`` of ``writes`` is copied there, then every buffer from its slot.
         Without ``wait``, return once the copies are submitted; the staging buffers
         are mapped again in the background and waited for at their next use."""
-        wgpu = _import_wgpu()
+        wgpu = import_wgpu()
 
         for ch in layout.chunks:
             if ch.write is None:
@@ -848,7 +707,7 @@ class WgpuBridge:
     def _fence(self) -> None:
         # queue.on_submitted_work_done_sync() raises a cffi TypeError in wgpu-py 0.32;
         # mapping a buffer written by a later submit waits for all earlier work.
-        wgpu = _import_wgpu()
+        wgpu = import_wgpu()
 
         if self._fence_src is None:
             self._fence_src = self._device.create_buffer(
