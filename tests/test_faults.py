@@ -818,6 +818,28 @@ def lone_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StepEngine
     engine.close()
 
 
+def test_a_step_directory_that_cannot_be_listed_is_a_sync_dir_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(tmp_path, 20.0)
+    listdir = os.listdir
+
+    def failing(path: Any) -> list[str]:
+        if os.path.basename(path).startswith("s-"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", failing)
+    try:
+        with pytest.raises(
+            gradsync.SyncDirError,
+            match=rf"^step 0: listing \S+/s-1 failed: {os.strerror(errno.EIO)}$",
+        ):
+            engine.step([grads_for(0, 0)[0]], 0)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("content", [b'{"calls": 0}', b"{}", b"not json", b'{"calls": true}'])
 def test_a_peer_that_left_before_this_call_is_lost(tmp_path: Path, content: bytes) -> None:
     engine = _engine(tmp_path, 20.0)

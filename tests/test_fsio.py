@@ -243,8 +243,26 @@ def test_translate_oserror(code: int, hint: str) -> None:
     assert str(err) == f"step 5: publishing /gs/in-0 failed: {os.strerror(code)}{hint}"
     assert (err.errno, err.step, err.path) == (code, 5, "/gs/in-0")
     plain = translate_oserror(exc, "reading", "/gs/x")
-    assert str(plain) == f"reading /gs/x failed: {os.strerror(code)}{hint}"
+    read_hint = hint.replace("not writable", "not readable")
+    assert str(plain) == f"reading /gs/x failed: {os.strerror(code)}{read_hint}"
     assert plain.step is None
+
+
+def test_a_directory_that_cannot_be_listed_is_a_sync_dir_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert list_names(tmp_path / "not-yet") == set()
+
+    def stale(path: object) -> list[str]:
+        raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+
+    monkeypatch.setattr(os, "listdir", stale)
+    with pytest.raises(
+        SyncDirError,
+        match=exact(f"step 7: listing {tmp_path} failed: {os.strerror(errno.ESTALE)}"),
+    ) as info:
+        list_names(tmp_path, step=7)
+    assert (info.value.errno, info.value.step) == (errno.ESTALE, 7)
 
 
 def test_translate_oserror_without_strerror() -> None:
@@ -635,3 +653,15 @@ def test_remove_tree_survives_errors_that_rmtree_does_not_ignore(
     gen = Generation(tmp_path, "ab" * 8, members, 0)
     leave(gen, 3)  # the last rank to leave removes the generation: must not raise
     assert (tmp_path / "left-0").read_bytes() == b'{"calls": 3}'
+
+
+def test_leaving_a_directory_that_cannot_be_listed_does_not_raise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def denied(path: object) -> list[str]:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(os, "listdir", denied)
+    gen = Generation(tmp_path, "ab" * 8, (MemberInfo.for_self(0, "ab" * 8),), 0)
+    leave(gen, 1)  # cannot tell whether it is the last: leaves the directory in place
+    assert (tmp_path / "left-0").read_bytes() == b'{"calls": 1}'

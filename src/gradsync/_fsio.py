@@ -48,6 +48,9 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+_READS = frozenset({"listing", "opening", "reading"})
+
+
 def translate_oserror(
     exc: OSError, what: str, path: str | Path, *, step: int | None = None
 ) -> SyncDirError:
@@ -57,7 +60,8 @@ def translate_oserror(
     if exc.errno == errno.ENOSPC:
         hint = " (the sync directory's filesystem is full)"
     elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        hint = " (the sync directory is not writable by this process)"
+        access = "readable" if what in _READS else "writable"
+        hint = f" (the sync directory is not {access} by this process)"
     prefix = "" if step is None else f"step {step}: "
     return SyncDirError(
         f"{prefix}{what} {path} failed: {reason}{hint}", errno=exc.errno, step=step, path=path
@@ -203,12 +207,18 @@ def read_small(path: Path, limit: int = 1 << 20) -> bytes | None:
         os.close(fd)
 
 
-def list_names(directory: Path) -> set[str]:
-    """Names in ``directory``; empty if it does not exist (yet, or any more)."""
+def list_names(directory: Path, *, step: int | None = None) -> set[str]:
+    """Names in ``directory``; empty if it does not exist (yet, or any more).
+
+    Raises:
+        SyncDirError: it cannot be listed (no permission, a stale NFS handle...).
+    """
     try:
         return set(os.listdir(directory))
     except FileNotFoundError:
         return set()
+    except OSError as exc:
+        raise translate_oserror(exc, "listing", directory, step=step) from exc
 
 
 class Backoff:

@@ -129,7 +129,7 @@ class PeerFiles:
         next_check = _FIRST_LIVENESS_CHECK_S
         next_warn = self.cfg.warn_after_s
         while missing:
-            names = list_names(step_dir)
+            names = list_names(step_dir, step=step)
             for q in [q for q in missing if f"{prefix}-{q}" in names]:
                 found[q] = self._open(self._path_of(q, prefix), q, kind, step, seq)
                 missing.remove(q)
@@ -244,7 +244,7 @@ class PeerFiles:
         elapsed: float,
     ) -> None:
         """Raise PeerLostError naming every missing rank that is gone for good."""
-        names = list_names(self.gen.path)
+        names = list_names(self.gen.path, step=step)
         lost: dict[int, str] = {}
         for q in missing:
             member = self.gen.members[q]
@@ -271,7 +271,7 @@ class PeerFiles:
         # A peer may publish, finish the step and exit between our listing and its
         # liveness check: only a marker still missing now means it never published.
         prefix = "in" if what == "its gradients" else "out"
-        present = list_names(step_dir)
+        present = list_names(step_dir, step=step)
         lost = {q: r for q, r in lost.items() if f"{prefix}-{q}" not in present}
         if not lost:
             return

@@ -647,7 +647,10 @@ def leave(gen: Generation, calls: int) -> None:
         write_atomic(gen.left_path(gen.rank), [json.dumps({"calls": calls}).encode()])
     except OSError:
         return
-    names = list_names(gen.path)
+    try:
+        names = list_names(gen.path)
+    except OSError:
+        return  # not knowing who is left, leave the directory to the last rank
     if all(f"left-{r}" in names for r in range(len(gen.members))):
         remove_tree(gen.path)
         with contextlib.suppress(OSError):
