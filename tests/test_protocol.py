@@ -178,6 +178,20 @@ def test_finished_run_same_world_size_then_new_run(tmp_path: Path) -> None:
 # -- 3. a dead peer is reported in seconds ------------------------------------------------
 
 
+def test_a_forked_child_neither_uses_nor_closes_the_parents_session(tmp_path: Path) -> None:
+    # Closing the child's copy used to write left-0 and stop nothing else: rank 1 then
+    # took rank 0, late for step 1, for a rank that had closed its session.
+    res = run_ranks(workers.fork_after_a_step, 2, (2, str(tmp_path)), timeout_s=60)
+    assert_ok(res)
+    assert res[0].value[0] == res[1].value[0] == expected(2, 1)
+    assert re.fullmatch(
+        r"GradSyncError: this GradSync \(rank 0\) belongs to process \d+; process \d+ is a "
+        r"fork of it and cannot average with it \(create a GradSync in the child, as a rank "
+        r"of its own\)",
+        res[0].value[1],
+    ), res[0].value[1]
+
+
 @pytest.mark.parametrize("how", ["sigkill", "exit"])
 def test_dead_peer_is_named_within_5_seconds(tmp_path: Path, how: str) -> None:
     results = run_ranks(

@@ -414,3 +414,36 @@ def without_proc(rank: int, world: int, sync_dir: str, late: int, victim: int | 
             grads = grads_for(rank, step)
             gs.average(grads, step=step)
     return [g.tobytes() for g in grads]
+
+
+def fork_after_a_step(rank: int, world: int, sync_dir: str) -> Any:
+    """After step 0, rank 0 forks a child that tries to average and then closes the
+    session (explicitly and as at exit); rank 0 then arrives late at step 1, so that
+    rank 1 checks whether it is still there. Returns step 1's result and, on rank 0,
+    what the child saw."""
+    from gradsync import _api  # noqa: PLC0415
+
+    child_saw = None
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        gs.average(grads_for(rank, 0), step=0)
+        if rank == 0:
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: report, clean up as at exit, never return
+                try:
+                    gs.average(grads_for(rank, 1), step=1)
+                    saw = "averaged"
+                except gradsync.GradSyncError as exc:
+                    saw = f"{type(exc).__name__}: {exc}"
+                gs.close()
+                _api._close_all()
+                os.write(write, saw.encode())
+                os._exit(0)
+            os.close(write)
+            with os.fdopen(read, "rb") as f:
+                child_saw = f.read().decode()
+            os.waitpid(pid, 0)
+            time.sleep(0.3)
+        grads = grads_for(rank, 1)
+        gs.average(grads, step=1)
+    return [g.tobytes() for g in grads], child_saw

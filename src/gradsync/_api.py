@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from types import TracebackType
@@ -37,7 +38,9 @@ class GradSync:
     :meth:`close`, so that the run's files are removed when every rank is done.
 
     After any failed step the instance is unusable (its peers have given up on the
-    step too): every rank must create a new one.
+    step too): every rank must create a new one. It belongs to the process that
+    created it: a forked child can neither use nor close it (closing it there, even
+    at exit, leaves the parent's session alone).
     """
 
     def __init__(self, cfg: FileGradSyncConfig) -> None:
@@ -56,6 +59,7 @@ class GradSync:
         self._closed = False
         self._next_step = 0
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def __enter__(self) -> GradSync:
         return self
@@ -115,6 +119,7 @@ class GradSync:
             SyncDirError: the sync directory could not be read or written.
             GradSyncError: this instance is closed or an earlier step failed.
         """
+        self._check_process()
         with self._lock:
             self._check_usable()
             if step is None:
@@ -161,6 +166,7 @@ class GradSync:
             GradSyncError: this instance is closed or an earlier step failed; or the
                 rendezvous failed (see :meth:`average`).
         """
+        self._check_process()
         with self._lock:
             self._check_usable()
             value: object = like  # checked at run time: callers are not type-checked
@@ -182,6 +188,17 @@ class GradSync:
                 if self._engine is not None or isinstance(exc, GradSyncError):
                     self._failure = exc
                 raise
+
+    def _check_process(self) -> None:
+        # Checked before taking the lock: a fork copies it held if a thread of the
+        # parent was inside a call at that moment.
+        if os.getpid() != self._pid:
+            raise GradSyncError(
+                f"this GradSync (rank {self.cfg.rank}) belongs to process {self._pid}; "
+                f"process {os.getpid()} is a fork of it and cannot average with it "
+                "(create a GradSync in the child, as a rank of its own)",
+                ranks=[self.cfg.rank],
+            )
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -267,7 +284,14 @@ class GradSync:
         return list(shared.arrays)
 
     def close(self) -> None:
-        """Leave the job. The last rank to close removes the job's directory. Idempotent."""
+        """Leave the job. The last rank to close removes the job's directory. Idempotent.
+
+        In a forked child (at exit too) this only marks the child's copy closed: the
+        session, its files and its peers belong to the parent process.
+        """
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
         with self._lock:
             if self._closed:
                 return
