@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
 # Final-code run: wgpu tests, the example on 2 and 4 ranks, the step table, 1 MiB rounds.
 set -uo pipefail
-for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 BACKEND=Vulkan
-if ! python3 -c "import wgpu,sys; sys.exit(not any(a.info['backend_type']=='Vulkan' for a in wgpu.gpu.enumerate_adapters_sync()))"; then
-  export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-  export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
-fi
+source benchmarks/h200_env.sh  # loaders, wgpu wheels, Vulkan driver
 R=/tmp/r; mkdir -p $R
 { date -u; nvidia-smi -L; nproc; python3 --version
   python3 -c "import wgpu, numpy; print('wgpu', wgpu.__version__, 'numpy', numpy.__version__); [print(a.info) for a in wgpu.gpu.enumerate_adapters_sync()]"; } > $R/env.txt 2>&1
