@@ -20,6 +20,7 @@ so that every rank raises the same error.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -78,7 +79,7 @@ class Generation:
     def me(self) -> MemberInfo:
         return self.members[self.rank]
 
-    @property
+    @functools.cached_property
     def header_id(self) -> bytes:
         """The 16 bytes that data file headers of this generation carry."""
         return bytes.fromhex(self.gen_id).ljust(16, b"\0")[:16]
