@@ -30,6 +30,20 @@ __all__ = ["GradSync", "average_grads_file_sync"]
 _log = logging.getLogger("gradsync")
 
 
+# Forks this process's line has been through: a GradSync made before the last one
+# belongs to an ancestor. Counted by a hook rather than compared by pid, which would
+# be a system call in every step.
+_forks_seen = 0
+
+
+def _count_fork() -> None:
+    global _forks_seen
+    _forks_seen += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
 class GradSync:
     """Averages gradients with the other ranks of a job, once per optimizer step.
 
@@ -60,6 +74,7 @@ class GradSync:
         self._next_step = 0
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._forks = _forks_seen
 
     def __enter__(self) -> GradSync:
         return self
@@ -192,7 +207,7 @@ class GradSync:
     def _check_process(self) -> None:
         # Checked before taking the lock: a fork copies it held if a thread of the
         # parent was inside a call at that moment.
-        if os.getpid() != self._pid:
+        if _forks_seen != self._forks:
             raise GradSyncError(
                 f"this GradSync (rank {self.cfg.rank}) belongs to process {self._pid}; "
                 f"process {os.getpid()} is a fork of it and cannot average with it "
@@ -289,7 +304,7 @@ class GradSync:
         In a forked child (at exit too) this only marks the child's copy closed: the
         session, its files and its peers belong to the parent process.
         """
-        if os.getpid() != self._pid:
+        if _forks_seen != self._forks:
             self._closed = True
             return
         with self._lock:

@@ -145,6 +145,9 @@ class Transport:
         self.mapped = mapped
         self._head_bytes = head_bytes
         self._maps: dict[Path, tuple[int, int, mmap.mmap, np.ndarray]] = {}
+        # Files this rank maps for writing: only it writes them, so reading one back
+        # needs no stat to tell whether its mapping is still the file's.
+        self._own: set[Path] = set()
 
     def write(
         self,
@@ -208,6 +211,7 @@ class Transport:
         )
         if mm is not None:
             self._maps[path] = (ino, size, mm, buf)
+            self._own.add(path)
         return buf
 
     def open(self, path: Path) -> DataReader:
@@ -216,6 +220,9 @@ class Transport:
         Raises:
             OSError: as the system reported it.
         """
+        if path in self._own:
+            _, size, _, buf = self._maps[path]
+            return DataReader(path, bytes(buf[: self._head_bytes]), size, None, buf)
         if self.mapped:
             # A kept mapping is reused when the name still leads to the same inode of
             # the same size: one stat instead of open, fstat and close every step.
@@ -246,6 +253,7 @@ class Transport:
 
     def forget(self, path: Path) -> None:
         """Drop the mapping kept for ``path`` (it stays valid while views of it live)."""
+        self._own.discard(path)
         cached = self._maps.pop(path, None)
         if cached is not None:
             with contextlib.suppress(BufferError):
