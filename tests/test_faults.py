@@ -818,6 +818,30 @@ def lone_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StepEngine
     engine.close()
 
 
+def test_an_abort_note_there_at_the_first_look_is_raised_without_a_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With two ranks the first look stats the peer's marker and abort note (2 system
+    # calls) instead of listing the step (5); it must still find the note.
+    engine = _engine(tmp_path, 20.0)
+    step_dir = engine.gen.path / "s-1"
+    step_dir.mkdir()
+    _file(step_dir, "abort-1", json.dumps({"type": "", "message": "out of memory"}).encode())
+
+    def no_listing(path: Any) -> list[str]:
+        raise AssertionError(f"listed {path}")
+
+    monkeypatch.setattr(os, "listdir", no_listing)
+    try:
+        with pytest.raises(
+            gradsync.PeerAbortedError,
+            match=r"^step 0: rank 1 \(pid \d+ on \S+\) gave up on this step: out of memory$",
+        ):
+            engine.step([grads_for(0, 0)[0]], 0)
+    finally:
+        engine.close()
+
+
 def test_a_step_directory_that_cannot_be_listed_is_a_sync_dir_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
