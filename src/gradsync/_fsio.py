@@ -48,7 +48,7 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-_READS = frozenset({"listing", "opening", "reading"})
+_READS = frozenset({"listing", "looking up", "opening", "reading"})
 
 
 def translate_oserror(

@@ -58,7 +58,7 @@ _LIVENESS_EVERY_S = 0.1
 # most steps of a small gradient here. The first check waits this long instead.
 _FIRST_LIVENESS_CHECK_S = 0.01
 # System calls of one directory listing (os.listdir: openat, fstat, getdents64 until
-# empty, close): with two ranks, the first look's two stats cost fewer.
+# empty, close): with two or three ranks, the first look's two or four stats cost fewer.
 _LISTING_CALLS = 5
 
 
