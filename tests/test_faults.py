@@ -811,6 +811,15 @@ def _engine(sync: Path, max_wait_s: float) -> StepEngine:
     return StepEngine(gradsync.FileGradSyncConfig(2, 0, sync, max_wait_s=max_wait_s), gen)
 
 
+def _first_call_raises(engine: StepEngine, error: type[BaseException], match: str) -> None:
+    """Rank 0's first call raises ``error`` matching ``match``; the engine is closed after."""
+    try:
+        with pytest.raises(error, match=match):
+            engine.step([grads_for(0, 0)[0]], 0)
+    finally:
+        engine.close()
+
+
 @pytest.fixture(scope="module")
 def lone_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StepEngine]:
     engine = _engine(tmp_path_factory.mktemp("engine"), 2.0)
@@ -832,14 +841,11 @@ def test_an_abort_note_there_at_the_first_look_is_raised_without_a_listing(
         raise AssertionError(f"listed {path}")
 
     monkeypatch.setattr(os, "listdir", no_listing)
-    try:
-        with pytest.raises(
-            gradsync.PeerAbortedError,
-            match=r"^step 0: rank 1 \(pid \d+ on \S+\) gave up on this step: out of memory$",
-        ):
-            engine.step([grads_for(0, 0)[0]], 0)
-    finally:
-        engine.close()
+    _first_call_raises(
+        engine,
+        gradsync.PeerAbortedError,
+        match=r"^step 0: rank 1 \(pid \d+ on \S+\) gave up on this step: out of memory$",
+    )
 
 
 def test_a_step_directory_that_cannot_be_listed_is_a_sync_dir_error(
@@ -854,14 +860,11 @@ def test_a_step_directory_that_cannot_be_listed_is_a_sync_dir_error(
         return listdir(path)
 
     monkeypatch.setattr(os, "listdir", failing)
-    try:
-        with pytest.raises(
-            gradsync.SyncDirError,
-            match=rf"^step 0: listing \S+/s-1 failed: {os.strerror(errno.EIO)}$",
-        ):
-            engine.step([grads_for(0, 0)[0]], 0)
-    finally:
-        engine.close()
+    _first_call_raises(
+        engine,
+        gradsync.SyncDirError,
+        match=rf"^step 0: listing \S+/s-1 failed: {os.strerror(errno.EIO)}$",
+    )
 
 
 @pytest.mark.parametrize("content", [b'{"calls": 0}', b"{}", b"not json", b'{"calls": true}'])
@@ -869,15 +872,12 @@ def test_a_peer_that_left_before_this_call_is_lost(tmp_path: Path, content: byte
     engine = _engine(tmp_path, 20.0)
     _file(engine.gen.path, "left-1", content)
     start = time.monotonic()
-    try:
-        with pytest.raises(
-            gradsync.PeerLostError,
-            match=r"^step 0: rank 1 \(pid \d+ on \S+\) closed its gradsync session before "
-            r"publishing its gradients in \S+/s-1 \(waited \d+\.\d s\)$",
-        ):
-            engine.step([grads_for(0, 0)[0]], 0)
-    finally:
-        engine.close()
+    _first_call_raises(
+        engine,
+        gradsync.PeerLostError,
+        match=r"^step 0: rank 1 \(pid \d+ on \S+\) closed its gradsync session before "
+        r"publishing its gradients in \S+/s-1 \(waited \d+\.\d s\)$",
+    )
     assert time.monotonic() - start < 5
 
 
@@ -887,11 +887,7 @@ def test_a_peer_that_left_after_finishing_this_call_is_waited_for(tmp_path: Path
     # the markers are waited for (here they never come: a timeout).
     engine = _engine(tmp_path, 1.0)
     _file(engine.gen.path, "left-1", b'{"calls": 1}')
-    try:
-        with pytest.raises(gradsync.PeerTimeoutError, match=r"^step 0: ranks \[1\] published"):
-            engine.step([grads_for(0, 0)[0]], 0)
-    finally:
-        engine.close()
+    _first_call_raises(engine, gradsync.PeerTimeoutError, match=r"^step 0: ranks \[1\] published")
 
 
 def _step_with_abort_note(engine: StepEngine, note: bytes) -> BaseException:
