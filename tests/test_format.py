@@ -28,6 +28,7 @@ from gradsync._format import (
     decode_header,
     encode_header,
     encode_meta,
+    header_length,
     layout_hash,
     layout_json,
 )
@@ -207,6 +208,37 @@ def test_round_trip(fields: dict[str, Any]) -> None:
     assert decode_header(encoded + b"\xff" * 100, PATH) == header
     assert decode_header(bytearray(encoded), PATH) == header
     assert decode_header(memoryview(encoded), PATH) == header
+
+
+@FUZZ
+@given(header_fields(), st.integers(0, 120))
+def test_header_length_says_how_much_to_read(fields: dict[str, Any], cut: int) -> None:
+    encoded = encode_header(**fields)
+    meta_len = len(json.dumps(fields["meta"], separators=(",", ":")).encode())
+    # Any first read that holds the fixed fields tells the whole header's length.
+    assert header_length(encoded[: _FIXED.size + cut]) == FIXED_SIZE + meta_len
+    assert header_length(encoded[: _FIXED.size - 1]) == 0
+
+
+def test_a_header_longer_than_the_first_read_is_read_again() -> None:
+    layout = tuple(("<f4", (16, 16)) for _ in range(1100))
+    encoded = encode_header(
+        kind=KIND_INPUT,
+        rank=0,
+        world_size=2,
+        seq=1,
+        step=0,
+        generation=b"g" * 16,
+        layout_digest=layout_hash(layout),
+        meta=encode_meta(layout_json(layout)),
+        payload_len=0,
+    )
+    first = encoded[:HEADER_READ_BYTES]
+    assert len(encoded) > HEADER_READ_BYTES
+    truncated = r"^/sync/gen-1/step-3/in-2 is truncated: 16384 bytes, its header needs "
+    with pytest.raises(CorruptFileError, match=truncated):
+        decode_header(first, PATH)
+    assert decode_header(encoded[: header_length(first)], PATH).layout() == layout
 
 
 @FUZZ

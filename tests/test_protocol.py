@@ -371,6 +371,27 @@ def test_bad_input_on_one_rank_fails_the_peers_fast(tmp_path: Path) -> None:
     assert results[0].elapsed_s < 20
 
 
+@pytest.mark.parametrize("use_mmap", [True, False], ids=["mmap", "pread"])
+def test_a_thousand_params_whose_header_outgrows_the_first_read(
+    tmp_path: Path, use_mmap: bool
+) -> None:
+    # 1100 params: the layout in each input file's header takes ~20 KiB, more than a
+    # reader's first read of a peer's file, and the NaN list of step 1 more still.
+    results = run_ranks(
+        workers.many_params, 2, (2, str(tmp_path), {"use_mmap": use_mmap, "check_finite": True})
+    )
+    assert_ok(results)
+    per_rank = [workers.grads_for(r, 0, workers.SHAPES_MANY) for r in range(2)]
+    want = b"".join(a.tobytes() for a in gradsync.average_host_grads(per_rank))
+    for r in range(2):
+        mean, error = results[r].value
+        assert mean == want, f"rank {r}"
+        assert error == (
+            "step 1: non-finite gradients (NaN or Inf) in rank 1 params 0, 1, 2, 3, 4, 5, 6, "
+            "7, 8, 9 and 1090 more"
+        )
+
+
 # -- 5. disk use is bounded ------------------------------------------------------------
 
 

@@ -447,3 +447,26 @@ def fork_after_a_step(rank: int, world: int, sync_dir: str) -> Any:
         grads = grads_for(rank, 1)
         gs.average(grads, step=1)
     return [g.tobytes() for g in grads], child_saw
+
+
+# A thousand small params: the input files' header (the layout) is longer than the
+# first read of a peer's file (HEADER_READ_BYTES).
+SHAPES_MANY: list[tuple[tuple[int, ...], str]] = [((16, 16), "float32")] * 1100
+
+
+def many_params(rank: int, world: int, sync_dir: str, kw: dict[str, Any]) -> Any:
+    """Two steps of SHAPES_MANY, the second with every param of the last rank NaN."""
+    out = []
+    with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
+        grads = grads_for(rank, 0, SHAPES_MANY)
+        gs.average(grads, step=0)
+        out.append(b"".join(g.tobytes() for g in grads))
+        grads = grads_for(rank, 1, SHAPES_MANY)
+        if rank == world - 1:
+            for g in grads:
+                g[0, 0] = np.nan
+        try:
+            gs.average(grads, step=1)
+        except gradsync.NonFiniteGradError as exc:
+            out.append(str(exc))
+    return out

@@ -33,6 +33,7 @@ __all__ = [
     "decode_header",
     "encode_header",
     "encode_meta",
+    "header_length",
     "layout_hash",
     "layout_json",
     "layout_text_hash",
@@ -179,6 +180,17 @@ def encode_header(
     crc = zlib.crc32(meta_bytes, zlib.crc32(fixed))
     head = fixed + _CRC.pack(crc) + meta_bytes
     return head + bytes(offset - len(head))
+
+
+def header_length(data: bytes) -> int:
+    """How many bytes the header starting ``data`` spans up to the end of its meta, as
+    its fixed fields say (unchecked: :func:`decode_header` checks them); 0 when ``data``
+    is too short to say. A reader whose first read was shorter reads that much again:
+    the meta of a job with a thousand params is longer than ``HEADER_READ_BYTES``."""
+    if len(data) < _FIXED.size:
+        return 0
+    meta_len: int = _FIXED.unpack_from(data)[10]
+    return FIXED_SIZE + min(meta_len, _MAX_META + 1)
 
 
 def decode_header(data: bytes, path: str, *, parse_meta: bool = True) -> Header:

@@ -42,6 +42,7 @@ from ._format import (
     Header,
     Layout,
     decode_header,
+    header_length,
 )
 from ._fsio import Backoff, list_names, translate_oserror
 from ._liveness import HeartbeatWatch, exact_process_checks
@@ -218,11 +219,8 @@ class PeerFiles:
         except OSError as exc:
             raise translate_oserror(exc, "opening", path, step=step) from exc
         try:
-            header = decode_header(reader.head, str(path), parse_meta=False)
-            if len(reader.head) < header.payload_offset <= reader.size:
-                head = np.empty(header.payload_offset, dtype=np.uint8)
-                reader.read_into(0, head)
-                header = decode_header(head.tobytes(), str(path), parse_meta=False)
+            head = reader.head_of(header_length(reader.head))
+            header = decode_header(head, str(path), parse_meta=False)
             size = reader.size
             if header.flags & FLAG_CHECKSUMS and rank != self.rank:  # trusts its own writes
                 crc = header.full_meta(str(path)).get("crc", "")
@@ -365,7 +363,7 @@ def check_inputs(plan: Plan, rank: int, peers: dict[int, Peer], step: int, step_
     ]
     if bad:
         ranks = sorted({q for q, _ in bad})
-        listing = ", ".join(f"rank {q} param {i}" for q, i in bad)
+        listing = "; ".join(_param_list(q, [i for p, i in bad if p == q]) for q in ranks)
         raise NonFiniteGradError(
             f"step {step}: non-finite gradients (NaN or Inf) in {listing}",
             step=step,
@@ -388,3 +386,15 @@ def _mismatch(
             f"{hi} has shape {second[i][1]} {np.dtype(second[i][0])}"
         )
     return MismatchError(f"step {step}: {detail}", step=step, ranks=[lo, hi], path=step_dir)
+
+
+# A non-finite step of a big model names this many params a rank, then counts the rest.
+_LISTED_PARAMS = 10
+
+
+def _param_list(rank: int, params: list[int]) -> str:
+    if len(params) == 1:
+        return f"rank {rank} param {params[0]}"
+    shown = ", ".join(str(i) for i in params[:_LISTED_PARAMS])
+    more = len(params) - _LISTED_PARAMS
+    return f"rank {rank} params {shown}" + (f" and {more} more" if more > 0 else "")

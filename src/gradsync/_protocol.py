@@ -58,6 +58,7 @@ from ._format import (
     decode_header,
     encode_header,
     encode_meta,
+    header_length,
 )
 from ._fsio import (
     place_marker,
@@ -729,7 +730,8 @@ class StepEngine:
             _log.error("could not restore the gradients from %s after a failed step", path)
             return
         try:
-            offset = decode_header(reader.head, str(path)).payload_offset
+            head = reader.head_of(header_length(reader.head))
+            offset = decode_header(head, str(path)).payload_offset
             for group in plan.groups:
                 ranges = _others(group, self.rank) if self._skip_own(plan) else [(0, group.size)]
                 for lo, hi in ranges:

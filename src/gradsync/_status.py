@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import CorruptFileError
-from ._format import HEADER_READ_BYTES, decode_header
+from ._format import HEADER_READ_BYTES, decode_header, header_length
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
 from ._protocol import data_name
 from ._rendezvous import ABORT, GEN_PREFIX, RDZV, ROSTER, _load, _member
@@ -49,7 +49,10 @@ def _user_step(gen: Path, rank: int, call: int) -> int | None:
         path = gen / data_name(rank, "in", slot)
         try:
             with open(path, "rb") as f:
-                header = decode_header(f.read(HEADER_READ_BYTES), str(path))
+                head = f.read(HEADER_READ_BYTES)
+                if header_length(head) > len(head):
+                    head += f.read(header_length(head) - len(head))
+                header = decode_header(head, str(path))
         except (OSError, CorruptFileError):
             continue
         if header.seq == call:

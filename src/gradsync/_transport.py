@@ -98,6 +98,19 @@ class DataReader:
                 )
             self._verified.add(block)
 
+    def head_of(self, nbytes: int) -> bytes:
+        """The file's first ``nbytes`` bytes (fewer if the file is shorter): :attr:`head`
+        when it holds them, otherwise read now.
+
+        Raises:
+            OSError: reading failed.
+        """
+        if nbytes <= len(self.head) or len(self.head) >= self.size:
+            return self.head
+        buf = np.empty(min(nbytes, self.size), dtype=np.uint8)
+        self.read_into(0, buf)
+        return buf.tobytes()
+
     def _check_mapped_end(self, offset: int, nbytes: int) -> None:
         # A read past the end of a mapping would be SIGBUS, not an error: check first.
         if offset + nbytes > self.size:
