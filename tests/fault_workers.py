@@ -179,3 +179,20 @@ def two_jobs(rank: int, sync_dir: str, run_ids: list[str | None], steps: int) ->
     job, local = divmod(rank, 2)
     kw = {"max_wait_s": 4.0, "run_id": run_ids[job]}
     return steps_until_error(local, 2, sync_dir, steps, kw, offset=50 * job)
+
+
+def interrupted_step(rank: int, world: int, sync_dir: str, kw: dict[str, Any]) -> dict[str, Any]:
+    """A call on SHAPES_BIG: what it raised (a KeyboardInterrupt too) and the arrays; a
+    rank that got through it makes another call, and reports what that one raised."""
+    grads = grads_for(rank, 0, SHAPES_BIG)
+    raised = ""
+    with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
+        try:
+            gs.average(grads, step=0)
+        except KeyboardInterrupt:
+            return {"raised": "KeyboardInterrupt", "after": [g.tobytes() for g in grads]}
+        try:
+            gs.average(grads_for(rank, 1, SHAPES_BIG), step=1)
+        except gradsync.GradSyncError as exc:
+            raised = f"{type(exc).__name__}: {exc}"
+    return {"raised": "", "after": [g.tobytes() for g in grads], "next": raised}

@@ -224,6 +224,30 @@ def test_sigkill_at_each_phase(
         assert rec["elapsed_s"] < 5.0
 
 
+@pytest.mark.parametrize("use_mmap", [True, False], ids=["mmap", "pread"])
+def test_ctrl_c_during_the_gather_leaves_the_whole_mean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, use_mmap: bool
+) -> None:
+    # Rank 2 of 3 is interrupted once its first peer shard is in its arrays (pread) or
+    # just before the copies (mmap). Every shard is in by then: it finishes the copies,
+    # then lets the KeyboardInterrupt through, instead of leaving a mix. Its peers had
+    # all they needed of it: they finish the call, and fail the next one at once.
+    with fault("mid_gather@2=sigint", monkeypatch):
+        results = run_ranks(
+            fault_workers.interrupted_step, 3, (3, str(tmp_path), {"use_mmap": use_mmap})
+        )
+    want = mean_of(3, 0, big=True)
+    for r in range(3):
+        assert results[r].ok, results[r].message
+        assert results[r].value["raised"] == ("KeyboardInterrupt" if r == 2 else "")
+        assert results[r].value["after"] == want, f"rank {r}"
+    for r in (0, 1):
+        assert re.fullmatch(
+            rf"PeerAbortedError: step 1: rank 2 \({PID}\) gave up on this step: KeyboardInterrupt: ",
+            results[r].value["next"],
+        ), results[r].value["next"]
+
+
 def test_sigkill_of_rank_0_mid_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Rank 0 also removes old step directories; its death is reported like any other.
     with fault("mid_output@0@2=sigkill", monkeypatch):

@@ -3,7 +3,8 @@
 ``GRADSYNC_TEST_FAULT="PHASE@RANK[@CALL]=ACTION"`` (several separated by ``,``)
 makes rank RANK perform ACTION when it reaches PHASE (on call number CALL, 1-based,
 or on every call). ACTION is ``sigkill``, ``sigstop`` (the process stops itself;
-a test resumes it with SIGCONT) or ``exit`` (``os._exit(17)``). Phases, in order:
+a test resumes it with SIGCONT), ``exit`` (``os._exit(17)``) or ``sigint`` (the
+process interrupts itself, as Ctrl-C does, the first time only). Phases, in order:
 
     before_publish   nothing of this step written yet
     mid_publish      half of this rank's input file written (to its temporary name)
@@ -31,7 +32,7 @@ PHASES = (
     "after_output",
     "mid_gather",
 )
-_ACTIONS = ("sigkill", "sigstop", "exit")
+_ACTIONS = ("sigkill", "sigstop", "exit", "sigint")
 
 
 def _parse(spec: str) -> dict[tuple[str, int], list[tuple[int | None, str]]]:
@@ -50,6 +51,7 @@ def _parse(spec: str) -> dict[tuple[str, int], list[tuple[int | None, str]]]:
 
 
 _PLAN = _parse(os.environ.get("GRADSYNC_TEST_FAULT", ""))
+_interrupted: set[tuple[str, int, int | None]] = set()
 
 
 def fault_point(phase: str, rank: int, call: int) -> None:
@@ -63,5 +65,9 @@ def fault_point(phase: str, rank: int, call: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif action == "sigint":
+            if (phase, rank, when) not in _interrupted:
+                _interrupted.add((phase, rank, when))
+                os.kill(os.getpid(), signal.SIGINT)
         else:
             os._exit(17)

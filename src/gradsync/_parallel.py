@@ -88,7 +88,12 @@ class Workers:
         except BaseException as exc:  # re-raised below, once the others have stopped
             first = exc
         for fut in futures:
-            failed = fut.exception()
+            while True:
+                try:
+                    failed = fut.exception()
+                    break
+                except BaseException as exc:  # an interrupt while waiting: the job runs on
+                    first = first or exc
             if first is None and failed is not None:
                 first = failed
         if first is not None:

@@ -149,6 +149,7 @@ class StepEngine:
         self.world = cfg.world_size
         self.seq = 0
         self.completed = 0  # calls that ended without an error (told to peers on leaving)
+        self._has_mean = False  # this call's mean is all in this rank's arrays or buffers
         self._plan: Plan | None = None
         self._data_paths: dict[tuple[int, str, int | None], Path] = {}
         self._shared: SharedBuffers | None = None
@@ -183,10 +184,15 @@ class StepEngine:
         """
         self.seq += 1
         step_dir = self.gen.path / f"s-{self.seq}"
+        self._has_mean = False
         try:
             stats = self._step(validate_grads(grads), step, step_dir, deliver)
         except BaseException as exc:
-            self._tell_peers(step_dir, exc)
+            # A rank interrupted once it has the whole mean lets its peers, which had all
+            # they needed of it, finish the call too (whether they would see a note now
+            # is a race): they hear of it at the next call. Otherwise nobody may finish.
+            note_dir = self.gen.path / f"s-{self.seq + 1}" if self._has_mean else step_dir
+            self._tell_peers(note_dir, exc)
             raise
         self.completed = self.seq
         return stats
@@ -239,7 +245,7 @@ class StepEngine:
             else:
                 ranks = [self.rank] if plan.replicated else range(self.world)
                 mapped, read_in = self._pieces(plan, flats, shard, outs, step, ranks)
-                deliver(mapped + read_in)
+                _to_the_end(lambda: self._delivered(deliver, mapped + read_in))
             if self.rank == 0 and self.seq > 2:
                 # Emptied by the ranks' renames (module docstring): one rmdir, normally.
                 _prune_step_dir(self.gen.path / f"s-{self.seq - 2}", self.world)
@@ -650,7 +656,10 @@ class StepEngine:
         # Peers' shards first, this rank's own last: a failure then leaves the own range
         # untouched, and the rest is restored from the published input.
         others = [q for q in range(self.world) if q != self.rank and not plan.replicated]
-        try:
+        done = False
+
+        def copy_all() -> None:
+            nonlocal done
             for batch in (others, [self.rank]):
                 # Mapped shards are copied by the workers, a batch at a time: the own
                 # range is only written once every peer's range is in.
@@ -658,12 +667,20 @@ class StepEngine:
                 self.workers.copy(
                     [(flats[param][start : start + len(src)], src) for param, start, src in mapped]
                 )
-        except GradSyncError:
+            done = self._has_mean = True
+
+        try:
+            _to_the_end(copy_all)
+        except BaseException:
             # Arrays published in place hold no copy to restore from; a mapped gather
             # checks every source before copying, so a failure leaves them untouched.
-            if restore:
+            if restore and not done:
                 self._restore(plan, flats)
             raise
+
+    def _delivered(self, deliver: Deliver, pieces: list[Piece]) -> None:
+        deliver(pieces)
+        self._has_mean = True
 
     def _pieces(
         self,
@@ -780,6 +797,21 @@ def _prune_step_dir(step_dir: Path, world: int) -> None:
         pass
     except OSError:
         remove_tree(step_dir)
+
+
+def _to_the_end(copy: Callable[[], None]) -> None:
+    """Run ``copy``, which copies the mean out and may be repeated, to its end.
+
+    An interrupt (Ctrl-C) half-way would leave a mix of gradient and mean; every shard
+    is in by then, so the copy is made once more before the interrupt goes on.
+    """
+    try:
+        copy()
+    except GradSyncError:
+        raise
+    except BaseException:
+        copy()
+        raise
 
 
 def _mean_job(
