@@ -243,7 +243,8 @@ def test_ctrl_c_during_the_gather_leaves_the_whole_mean(
         assert results[r].value["after"] == want, f"rank {r}"
     for r in (0, 1):
         assert re.fullmatch(
-            rf"PeerAbortedError: step 1: rank 2 \({PID}\) gave up on this step: KeyboardInterrupt: ",
+            rf"PeerAbortedError: step 1: rank 2 \({PID}\) gave up on this step: "
+            r"KeyboardInterrupt: ",
             results[r].value["next"],
         ), results[r].value["next"]
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,12 +60,14 @@ def _usage(src: bool = True, dst: bool = True) -> int:
 
 def _buffer(device: Any, data: np.ndarray, label: str = "", **kw: bool) -> Any:
     buf = device.create_buffer(size=data.nbytes, usage=_usage(**kw), label=label)
-    if kw.get("dst", True):
+    if kw.get("dst", True) and data.nbytes:
         device.queue.write_buffer(buf, 0, data)
     return buf
 
 
 def _read(device: Any, buf: Any, dtype: Any) -> np.ndarray:
+    if not buf.size:
+        return np.empty(0, dtype)
     return np.frombuffer(device.queue.read_buffer(buf), dtype).copy()
 
 
@@ -254,7 +257,8 @@ def test_threads_share_large_downloads(device: Any) -> None:
 @pytest.mark.parametrize("mode", ["write_buffer", "mapped"])
 def test_upload_modes_with_foreign_arrays(device: Any, bridge: WgpuBridge, mode: str) -> None:
     bridge.upload_mode = mode
-    data = [np.arange(7, dtype=np.float32), np.arange(4, dtype=np.float16)]
+    # An empty buffer too: nothing to copy in either mode.
+    data = [np.arange(7, dtype=np.float32), np.arange(4, dtype=np.float16), np.ones(0, np.float32)]
     bufs = [_buffer(device, np.zeros_like(d)) for d in data]
     for _ in range(2):
         bridge.upload(bufs, data)
@@ -547,6 +551,80 @@ def test_staging_splits_at_max_buffer_size(device: Any) -> None:
         assert len(bridge._layout.chunks) == 3
         for h, d in zip(host, data, strict=True):
             np.testing.assert_array_equal(h, d)
+
+
+def test_staging_chunks_end_at_a_limit_that_is_not_a_multiple_of_8(device: Any) -> None:
+    # Two buffers that fill the limit exactly: the second starts at an 8-byte boundary
+    # and ends at the limit, so the staging buffer must not be rounded up past it.
+    small = device.adapter.request_device_sync(required_limits={"max-buffer-size": 65540})
+    with WgpuBridge(small) as bridge:
+        data = [np.full(8192, 1.0, np.float32), np.full(8193, 2.0, np.float32)]
+        bufs = [
+            small.create_buffer_with_data(
+                data=d, usage=wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+            )
+            for d in data
+        ]
+        host = bridge.download(bufs, [np.dtype(np.float32)] * 2)
+        for h, d in zip(host, data, strict=True):
+            np.testing.assert_array_equal(h, d)
+
+
+@pytest.mark.wgpu
+def test_closing_after_the_device_was_lost_neither_hangs_nor_raises(device: Any) -> None:
+    # 20 buffers go up through the mapped upload buffer, whose next mapping is left
+    # pending; a lost device never resolves it.
+    lost = device.adapter.request_device_sync()
+    bufs = [_buffer(lost, np.full(16, i, np.float32)) for i in range(20)]
+    bridge = WgpuBridge(lost)
+    host = bridge.download(bufs, [np.dtype(np.float32)] * 20)
+    bridge._upload_pieces(
+        bufs, [np.dtype(np.float32)] * 20, [(i, 0, h) for i, h in enumerate(host)]
+    )
+    lost.destroy()
+    failed: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            bridge.close()
+        except BaseException as exc:
+            failed.append(exc)
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(20)
+    assert not closer.is_alive(), "close() hung on the lost device"
+    assert failed == []
+
+
+@pytest.mark.wgpu
+def test_a_destroyed_empty_buffer_does_not_abort_the_process(tmp_path: Path) -> None:
+    # Submitting a destroyed buffer aborts the process in wgpu-native; an empty one
+    # cannot be probed, and has nothing to copy: it is left out of the commands.
+    script = tmp_path / "empty.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import numpy as np, wgpu
+            from gradsync._adapters import request_device_for_rank
+            from gradsync._wgpu import WgpuBridge
+            device = request_device_for_rank(local_rank=0)
+            usage = wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+            full = device.create_buffer_with_data(data=np.ones(4, np.float32), usage=usage)
+            empty = device.create_buffer(size=0, usage=usage, label="empty")
+            empty.destroy()
+            with WgpuBridge(device) as bridge:
+                host = bridge.download([full, empty], [np.dtype(np.float32)] * 2)
+                bridge.upload([full, empty], host)
+            print("ok", host[0].tolist(), host[1].size)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok [1.0, 1.0, 1.0, 1.0] 0"
 
 
 # -- error cases --------------------------------------------------------------------

@@ -388,7 +388,9 @@ class WgpuBridge:
                     "than the bridge's"
                 ) from exc
         except ValueError:
-            pass  # wgpu-py's own range check; the buffer is then too small to matter
+            # wgpu-py's own range check: an empty buffer, which is never submitted (a
+            # destroyed one would abort the process) as it has nothing to copy.
+            pass
 
     # -- layout --------------------------------------------------------------------
 
@@ -433,15 +435,16 @@ class WgpuBridge:
         self._destroy_staging()
         slots: list[tuple[int, int, int]] = []
         sizes: list[int] = []
-        offset = 0
+        offset = end = 0
         for b in buffers:
             size = int(b.size)
             if offset and offset + size > self._max_buffer_size:
-                sizes.append(offset)
+                sizes.append(end)  # not rounded up: a chunk may end at the limit itself
                 offset = 0
             slots.append((len(sizes), offset, size))
-            offset = _round_up(offset + size, _SLOT_ALIGNMENT)
-        sizes.append(max(offset, _SLOT_ALIGNMENT))
+            end = offset + size
+            offset = _round_up(end, _SLOT_ALIGNMENT)
+        sizes.append(max(end, _SLOT_ALIGNMENT))
         chunks = [_Chunk(n, np.empty(n, np.uint8)) for n in sizes]
         views = [
             chunks[c].host[off : off + size].view(dt)
@@ -451,18 +454,16 @@ class WgpuBridge:
         return self._layout
 
     def _destroy_staging(self) -> None:
+        """Destroy the staging buffers. Never raises and never waits: a pending mapping
+        is cancelled by the destruction (a lost device would never resolve it), and on
+        a lost device there is nothing left to release."""
         if self._layout is None:
             return
         for ch in self._layout.chunks:
-            if ch.remap is not None:
-                with contextlib.suppress(Exception):  # a lost device: destroyed below anyway
-                    ch.remap.sync_wait()
-                ch.remap = None
+            ch.remap = None
             for buf in (ch.read, ch.write):
                 if buf is not None:
-                    if str(buf.map_state) == "mapped":
-                        buf.unmap()
-                    buf.destroy()
+                    _release(buf)
         self._layout = None
 
     # -- public API ----------------------------------------------------------------
@@ -537,7 +538,8 @@ class WgpuBridge:
                     )
             enc = self._device.create_command_encoder(label="gradsync-download")
             for buf, (c, off, size) in zip(buffers, layout.slots, strict=True):
-                enc.copy_buffer_to_buffer(buf, 0, layout.chunks[c].read, off, size)
+                if size:  # an empty buffer has nothing to copy (and cannot be probed)
+                    enc.copy_buffer_to_buffer(buf, 0, layout.chunks[c].read, off, size)
             self._device.queue.submit([enc.finish()])
             for c, ch in enumerate(layout.chunks):
                 _map_for_reading(ch.read, self._device, self._spin_s)
@@ -592,7 +594,8 @@ class WgpuBridge:
                 self._upload_mapped(buffers, layout, writes)
             else:
                 for buf, a in zip(buffers, host, strict=True):
-                    self._device.queue.write_buffer(buf, 0, a)
+                    if a.nbytes:
+                        self._device.queue.write_buffer(buf, 0, a)
                 self._fence()
 
     def _check_upload_target(self, buffers: Sequence[wgpu.GPUBuffer]) -> None:
@@ -667,7 +670,8 @@ class WgpuBridge:
             ch.write.unmap()
         enc = self._device.create_command_encoder(label="gradsync-upload")
         for buf, (c, off, size) in zip(buffers, layout.slots, strict=True):
-            enc.copy_buffer_to_buffer(layout.chunks[c].write, off, buf, 0, size)
+            if size:
+                enc.copy_buffer_to_buffer(layout.chunks[c].write, off, buf, 0, size)
         self._device.queue.submit([enc.finish()])
         # Mapping again waits for the copies (no separate fence needed) and leaves the
         # buffer ready for the next upload. Asked for now and waited for at the next
@@ -738,7 +742,7 @@ class WgpuBridge:
         self._workers.close()
         for buf in (self._fence_src, self._fence_dst):
             if buf is not None:
-                buf.destroy()
+                _release(buf)
         self._fence_src = self._fence_dst = None
 
     def __enter__(self) -> WgpuBridge:
@@ -749,3 +753,12 @@ class WgpuBridge:
 
 
 _PROBE = np.zeros(1, np.uint8)
+
+
+def _release(buf: Any) -> None:
+    """Unmap and destroy a buffer of the bridge's own, on a lost device too."""
+    with contextlib.suppress(Exception):  # a lost device: wgpu errors, nothing to free
+        if str(buf.map_state) == "mapped":
+            buf.unmap()
+    with contextlib.suppress(Exception):
+        buf.destroy()
