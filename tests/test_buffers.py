@@ -81,10 +81,13 @@ def test_one_rank_gets_plain_zeros(tmp_path: Path) -> None:
     ],
 )
 def test_bad_like_is_refused(tmp_path: Path, like: object, message: str) -> None:
-    with gradsync.GradSync(gradsync.FileGradSyncConfig(2, 0, tmp_path)) as gs:
+    # A first call: the rank tries to meet its peer to tell it (for max_wait_s here),
+    # then raises its own error, not the rendezvous's.
+    cfg = gradsync.FileGradSyncConfig(2, 0, tmp_path, max_wait_s=0.5)
+    with gradsync.GradSync(cfg) as gs:
         with pytest.raises(gradsync.InvalidGradsError, match=f"^{re.escape(message)}$"):
             gs.buffers_like(like)  # type: ignore[arg-type]
-        assert gs.generation_dir is None  # refused before meeting the peers
+        assert gs.generation_dir is None  # the peer never came
 
 
 def test_closed_instance_refuses(tmp_path: Path) -> None:

@@ -211,6 +211,24 @@ def test_dead_peer_is_named_within_5_seconds(tmp_path: Path, how: str) -> None:
         assert out.elapsed_s < 30  # includes spawn and 3 steps; detection itself is sub-second
 
 
+def test_a_rank_that_never_starts_is_named_by_every_rank_that_waited(tmp_path: Path) -> None:
+    # Rank 2 of 3 never starts. Rank 1, admitted by rank 0 (which starts 1.5 s later),
+    # waits for the roster and runs out of time first: it names rank 2 too, not rank 0,
+    # which is alive and waiting as well.
+    results = run_ranks(workers.first_call, 3, (3, str(tmp_path), 3.0, 0), ranks=[0, 1])
+    tail = "are they running, with the same sync_dir and run_id None?)"
+    assert results[0].message == (
+        f"rendezvous: ranks [2] did not join within 3.0 s in {tmp_path} (" + tail
+    )
+    assert results[1].message == (
+        f"rendezvous: ranks [2] did not join within 3.0 s in {tmp_path} (rank 0 admitted "
+        "rank 1 and waits for them; " + tail
+    )
+    for r in (0, 1):
+        assert results[r].error_type == "PeerTimeoutError"
+        assert results[r].attrs["ranks"] == (2,)
+
+
 def test_live_straggler_times_out_naming_exactly_the_missing_rank(tmp_path: Path) -> None:
     results = run_ranks(workers.stall, 3, (3, str(tmp_path), 1, 1.5), expect=[0, 2], timeout_s=60)
     for r in (0, 2):
@@ -392,6 +410,33 @@ def test_a_thousand_params_whose_header_outgrows_the_first_read(
         )
 
 
+@pytest.mark.parametrize("how", ["average", "buffers_like"])
+def test_bad_input_in_a_first_call_fails_the_peers_fast(tmp_path: Path, how: str) -> None:
+    # The bad rank has not met its peers yet: it meets them to tell them, then raises.
+    results = run_ranks(workers.bad_first_call, 2, (2, str(tmp_path), how))
+    assert results[1].error_type == "InvalidGradsError"
+    assert results[1].message == (
+        "param 0 has dtype int64; gradsync averages only float16, float32, float64"
+    )
+    assert results[0].error_type == "PeerAbortedError", results[0].message
+    assert re.fullmatch(
+        r"step 0: rank 1 \(pid \d+ on \S+\) gave up on this step: "
+        r"param 0 has dtype int64; gradsync averages only float16, float32, float64",
+        results[0].message,
+    ), results[0].message
+    assert results[0].elapsed_s < 10
+
+
+@pytest.mark.parametrize("how", ["close late", "drop", "function"])
+def test_a_new_session_of_the_same_job_after_a_failed_step(tmp_path: Path, how: str) -> None:
+    # The README's recovery: after a failed step every rank starts a new session. The
+    # failed one has left the job by then, even where it is closed late or never.
+    results = run_ranks(workers.recover_after_failure, 2, (2, str(tmp_path), how))
+    assert_ok(results)
+    for r in range(2):
+        assert results[r].value == expected(2, 5), f"rank {r}"
+
+
 # -- 5. disk use is bounded ------------------------------------------------------------
 
 
@@ -548,6 +593,27 @@ def _read_only() -> np.ndarray:
 def test_unusable_grads_are_named(grads: object, message: str) -> None:
     with pytest.raises(gradsync.InvalidGradsError, match=f"^{re.escape(message)}$"):
         validate_grads(grads)
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+def test_array_subclasses_are_averaged_as_their_memory() -> None:
+    # np.matrix reshapes to (1, n): the step must see a plain 1-D view of its memory.
+    m = np.asmatrix(np.arange(12, dtype=np.float32).reshape(3, 4))
+    (g,) = validate_grads([m])
+    assert type(g) is np.ndarray
+    assert np.shares_memory(g, m)
+    assert g.reshape(-1).shape == (12,)
+
+
+@pytest.mark.parametrize("step", [2**63, -(2**63) - 1])
+def test_a_step_beyond_64_bits_is_refused(tmp_path: Path, step: int) -> None:
+    with (
+        gradsync.GradSync(gradsync.FileGradSyncConfig(1, 0, tmp_path)) as gs,
+        pytest.raises(
+            gradsync.ConfigError, match=rf"^step must fit in a signed 64-bit integer, got {step}$"
+        ),
+    ):
+        gs.average([np.zeros(2)], step=step)
 
 
 def test_float_dtypes_with_metadata_are_accepted() -> None:

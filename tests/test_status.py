@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 import gradsync
+import gradsync._liveness
+import gradsync._status
 import workers
 from ranks import run_ranks
 
@@ -71,10 +74,47 @@ def test_status_names_the_rank_everyone_waits_for(tmp_path: Path, big: bool) -> 
         assert [r["alive"] for r in job["ranks"]] == [True, True, True]
     finally:
         thread.join(60)
-    assert {r: o.value for r, o in box.items()} == {0: "timed out", 1: "timed out", 2: None}  # type: ignore[attr-defined]
+    assert {r: o.value for r, o in box.items()} == {0: "timed out", 1: "timed out", 2: None}
 
 
 def test_status_of_a_missing_directory(tmp_path: Path) -> None:
     result = _status(tmp_path / "nope")
     assert result.returncode == 1
     assert result.stderr == f"gradsync status: {tmp_path / 'nope'} is not a directory\n"
+
+
+def test_status_while_the_job_removes_what_it_lists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A running job removes its old step directories (and, at its end, everything)
+    # between status's listing of a directory and its look inside.
+    gen = tmp_path / "gen-0123456789abcdef"
+    for seq in (1, 2, 3):
+        (gen / f"s-{seq}").mkdir(parents=True)
+    (gen / "s-3" / "in-0").touch()
+    me = gradsync._liveness.MemberInfo.for_self(0, "0123456789abcdef")
+    (gen / "roster.json").write_text(json.dumps({"members": [me.to_json()], "run_id": None}))
+    real = os.listdir
+
+    def racing(path: object) -> list[str]:
+        if str(path).endswith(("s-1", "s-2")):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gradsync._status.os, "listdir", racing)
+    report = gradsync._status.describe(tmp_path, sample_s=0.0)
+    (job,) = report["jobs"]
+    assert job["ranks"][0]["last_call"] == 3
+
+
+def test_status_of_an_unreadable_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def denied(path: object) -> list[str]:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(gradsync._status.os, "listdir", denied)
+    assert gradsync._status.status_main(tmp_path, as_json=False) == 1
+    assert capsys.readouterr().err == (
+        f"gradsync status: cannot read {tmp_path}: Permission denied\n"
+    )

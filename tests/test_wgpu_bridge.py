@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -456,9 +457,11 @@ def test_unaligned_piece_goes_through_the_staging_buffer(device: Any, bridge: Wg
 
 
 @pytest.mark.wgpu
-def test_average_checks_copy_dst_before_meeting_peers(device: Any, tmp_path: Path) -> None:
+def test_average_checks_copy_dst_before_its_step(device: Any, tmp_path: Path) -> None:
     no_dst = device.create_buffer(size=16, usage=_usage(dst=False), label="g")
-    cfg = gradsync.FileGradSyncConfig(2, 0, tmp_path, max_wait_s=5)
+    # Checked before the step: the rank tries to meet its peer to tell it (for
+    # max_wait_s here), then raises its own error, not the rendezvous's.
+    cfg = gradsync.FileGradSyncConfig(2, 0, tmp_path, max_wait_s=0.5)
     with gradsync.GradSync(cfg) as gs:
         with pytest.raises(
             InvalidGradsError,
@@ -466,7 +469,7 @@ def test_average_checks_copy_dst_before_meeting_peers(device: Any, tmp_path: Pat
             r"usage=\.\.\. \| wgpu\.BufferUsage\.COPY_DST$",
         ):
             gs.average([no_dst], device=device)
-        assert gs.generation_dir is None  # no rendezvous: the peer was never waited for
+        assert gs.generation_dir is None  # the peer never came
 
 
 @pytest.mark.wgpu
@@ -663,6 +666,46 @@ def test_destroyed_buffer(device: Any, bridge: WgpuBridge) -> None:
         bridge.upload([a, dead], [np.ones(4, np.float32)] * 2)
     # The bridge stays usable afterwards.
     np.testing.assert_array_equal(bridge.download([a], [f32])[0], np.ones(4, np.float32))
+
+
+@pytest.mark.wgpu
+@pytest.mark.parametrize(
+    ("grads", "where", "message"),
+    [
+        ("array", "grads", r"^param 0 is a ndarray, not a wgpu GPUBuffer \(numpy arrays are "),
+        ("none", "grads", r"^param 1 is a NoneType, not a wgpu GPUBuffer "),
+        (
+            "generator",
+            "grads",
+            r"^grads must be a list or tuple of wgpu GPUBuffers, got generator$",
+        ),
+        (
+            "one buffer",
+            "grads",
+            r"^grads must be a list or tuple of wgpu GPUBuffers, got GPUBuffer$",
+        ),
+        (
+            "list",
+            "device",
+            r"^device must be a wgpu GPUDevice \(or None for numpy arrays\), got str$",
+        ),
+    ],
+)
+def test_what_is_not_a_gpu_buffer_or_device_is_named(
+    device: Any, tmp_path: Path, grads: str, where: str, message: str
+) -> None:
+    # One rank (nothing to meet): the arguments are checked all the same.
+    buf = _buffer(device, np.ones(4, np.float32))
+    given: Any = {
+        "array": [np.ones(4, np.float32)],
+        "none": [buf, None],
+        "generator": (b for b in [buf]),
+        "one buffer": buf,
+        "list": [buf],
+    }[grads]
+    cfg = gradsync.FileGradSyncConfig(1, 0, tmp_path)
+    with gradsync.GradSync(cfg) as gs, pytest.raises(InvalidGradsError, match=message):
+        gs.average(given, device="gpu" if where == "device" else device)
 
 
 @pytest.mark.wgpu
@@ -1002,6 +1045,56 @@ def test_a_failed_step_leaves_the_gpu_buffers_as_they_were(tmp_path: Path, phase
         tmp_path, _FAILING_WORKER, 2, [], fault=f"{phase}@1@2=sigkill", returncodes={1: -9}
     )
     assert outs[0].read_text() == "call 1: PeerLostError; buffers kept: True"
+
+
+_BAD_BUFFER_WORKER = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    import wgpu
+    import gradsync
+
+    world, rank, sync_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dev = gradsync.request_device_for_rank(local_rank=rank)
+    usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+    bufs = [dev.create_buffer(size=64, usage=usage, label=f"w{i}") for i in range(2)]
+    cfg = gradsync.FileGradSyncConfig(world, rank, sync_dir, max_wait_s=30)
+    with gradsync.GradSync(cfg) as gs:
+        gs.average(bufs, device=dev)
+        if rank == 1:
+            bufs[1].destroy()
+        start = time.monotonic()
+        try:
+            gs.average(bufs, device=dev)
+            result = "no error"
+        except gradsync.GradSyncError as exc:
+            result = f"{type(exc).__name__}: {exc}"
+        result += f" ({time.monotonic() - start:.0f} s)"
+        if rank == 1:
+            time.sleep(3)  # alive: its peer must learn of the failure from its note
+    with open(out, "w") as f:
+        f.write(result)
+    """
+)
+
+
+@pytest.mark.wgpu
+@pytest.mark.slow
+def test_a_bad_buffer_after_the_first_call_fails_the_peers_fast(tmp_path: Path) -> None:
+    # Rank 1's buffers are checked before its step begins: the failure must still reach
+    # rank 0, which would otherwise wait max_wait_s for a rank that stays alive.
+    if (reason := _core_api_missing() or _adapter_reason()) is not None:
+        pytest.skip(reason)
+    outs = _run_rank_scripts(tmp_path, _BAD_BUFFER_WORKER, 2, [])
+    assert outs[1].read_text() == (
+        "InvalidGradsError: param 1 (label 'w1'): buffer has been destroyed (0 s)"
+    )
+    assert re.fullmatch(
+        r"PeerAbortedError: step 1: rank 1 \(pid \d+ on \S+\) gave up on this step: "
+        r"param 1 \(label 'w1'\): buffer has been destroyed \(\d s\)",
+        outs[0].read_text(),
+    ), outs[0].read_text()
+    assert int(outs[0].read_text().split("(")[-1].split()[0]) < 10
 
 
 @pytest.mark.wgpu

@@ -470,3 +470,52 @@ def many_params(rank: int, world: int, sync_dir: str, kw: dict[str, Any]) -> Any
         except gradsync.NonFiniteGradError as exc:
             out.append(str(exc))
     return out
+
+
+def bad_first_call(rank: int, world: int, sync_dir: str, how: str) -> Any:
+    """The last rank's first call has int64 gradients (``how``: in ``average`` or in
+    ``buffers_like``); the others' are fine."""
+    bad = rank == world - 1
+    like = [np.zeros(3, np.int64 if bad else np.float32)]
+    with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=30.0)) as gs:
+        if how == "buffers_like":
+            like = gs.buffers_like(like)
+        gs.average(like, step=0)
+
+
+def recover_after_failure(rank: int, world: int, sync_dir: str, how: str) -> Any:
+    """A call that fails on every rank (a shape mismatch), then a new session of the same
+    job (same run_id). ``how``: "close late" (the last rank closes its failed session
+    0.5 s after the others), "drop" (it never closes it), or "function" (the function
+    form, called again with the same config)."""
+    cfg = config(rank, world, sync_dir, run_id="job", max_wait_s=10.0)
+    odd = [np.zeros(4 + (rank == world - 1), np.float32)]
+    if how == "function":
+        gradsync.average_grads_file_sync(grads_for(rank, 0), None, cfg, 0)
+        with contextlib.suppress(gradsync.MismatchError):
+            gradsync.average_grads_file_sync(odd, None, cfg, 1)
+        grads = grads_for(rank, 5)
+        gradsync.average_grads_file_sync(grads, None, cfg, 5)
+        return [g.tobytes() for g in grads]
+    gs = gradsync.GradSync(cfg)
+    gs.average(grads_for(rank, 0), step=0)
+    with contextlib.suppress(gradsync.MismatchError):
+        gs.average(odd, step=1)
+    if rank == world - 1:
+        if how == "close late":
+            time.sleep(0.5)
+            gs.close()
+    else:
+        gs.close()
+    with gradsync.GradSync(cfg) as again:
+        grads = grads_for(rank, 5)
+        again.average(grads, step=5)
+    return [g.tobytes() for g in grads]
+
+
+def first_call(rank: int, world: int, sync_dir: str, max_wait_s: float, late: int) -> Any:
+    """One call; rank ``late`` starts 1.5 s after the others."""
+    if rank == late:
+        time.sleep(1.5)
+    with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=max_wait_s)) as gs:
+        gs.average(grads_for(rank, 0), step=0)

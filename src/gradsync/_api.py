@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,10 @@ __all__ = ["GradSync", "average_grads_file_sync"]
 _log = logging.getLogger("gradsync")
 
 
+# How long a rank whose first call has bad input waits to meet its peers and tell
+# them, before it raises anyway: started together, they are there within seconds.
+TELL_WAIT_S = 10.0
+
 # Forks this process's line has been through: a GradSync made before the last one
 # belongs to an ancestor. Counted by a hook rather than compared by pid, which would
 # be a system call in every step.
@@ -52,7 +58,7 @@ class GradSync:
     :meth:`close`, so that the run's files are removed when every rank is done.
 
     After any failed step the instance is unusable (its peers have given up on the
-    step too): every rank must create a new one. It belongs to the process that
+    step too) and has left the job: every rank must create a new one. It belongs to the process that
     created it: a forked child can neither use nor close it (closing it there, even
     at exit, leaves the parent's session alone).
     """
@@ -71,6 +77,7 @@ class GradSync:
         self._device_shared: SharedBuffers | None = None
         self._failure: BaseException | None = None
         self._closed = False
+        self._left = False
         self._next_step = 0
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -142,6 +149,8 @@ class GradSync:
             elif isinstance(step, bool) or not isinstance(step, (int, np.integer)):
                 raise ConfigError(f"step must be an int, got {step!r}")
             step = int(step)
+            if not -(2**63) <= step < 2**63:  # headers keep it as a signed 64-bit integer
+                raise ConfigError(f"step must fit in a signed 64-bit integer, got {step}")
             self._next_step = step + 1
             try:
                 if device is None:
@@ -150,7 +159,7 @@ class GradSync:
                     stats = self._average_device(grads, device, dtype, step)
             except BaseException as exc:
                 if self._engine is not None or isinstance(exc, GradSyncError):
-                    self._failure = exc
+                    self._fail(exc)
                 raise
             self.last_stats = stats
             return stats
@@ -184,24 +193,27 @@ class GradSync:
         self._check_process()
         with self._lock:
             self._check_usable()
-            value: object = like  # checked at run time: callers are not type-checked
-            if isinstance(value, np.ndarray) or not isinstance(value, Sequence):
-                raise InvalidGradsError(
-                    f"like must be a sequence (list or tuple) of arrays, got {type(value).__name__}"
+            # Only a first call is collective: a later one with bad input fails alone.
+            with self._before_step() if self._engine is None else contextlib.nullcontext():
+                value: object = like  # checked at run time: callers are not type-checked
+                if isinstance(value, np.ndarray) or not isinstance(value, Sequence):
+                    raise InvalidGradsError(
+                        "like must be a sequence (list or tuple) of arrays, got "
+                        f"{type(value).__name__}"
+                    )
+                if not like:
+                    raise InvalidGradsError("like is empty: pass at least one array")
+                layout = tuple(
+                    (check_dtype(a.dtype, f"param {i}").str, a.shape)  # as the step's layout
+                    for i, a in enumerate(np.asarray(x) for x in like)
                 )
-            if not like:
-                raise InvalidGradsError("like is empty: pass at least one array")
-            layout = tuple(
-                (check_dtype(a.dtype, f"param {i}").str, a.shape)  # as the step's layout
-                for i, a in enumerate(np.asarray(x) for x in like)
-            )
             if not self.cfg.enabled:
                 return [np.zeros(shape, dtype=np.dtype(dtype)) for dtype, shape in layout]
             try:
                 return self._started().buffers_like(layout)
             except BaseException as exc:
                 if self._engine is not None or isinstance(exc, GradSyncError):
-                    self._failure = exc
+                    self._fail(exc)
                 raise
 
     def _check_process(self) -> None:
@@ -225,10 +237,14 @@ class GradSync:
                 ranks=[self.cfg.rank],
             ) from self._failure
 
-    def _started(self) -> StepEngine:
-        """The step engine, meeting the other ranks first if this is the first call."""
+    def _started(self, max_wait_s: float | None = None) -> StepEngine:
+        """The step engine, meeting the other ranks first if this is the first call
+        (waiting ``max_wait_s`` for them, default ``cfg.max_wait_s``)."""
         if self._engine is None:
-            self._gen = rendezvous(self.cfg)
+            cfg = self.cfg
+            if max_wait_s is not None and max_wait_s < cfg.max_wait_s:
+                cfg = dataclasses.replace(cfg, max_wait_s=max_wait_s)
+            self._gen = rendezvous(cfg)
             self._engine = StepEngine(self.cfg, self._gen)
         return self._engine
 
@@ -236,12 +252,31 @@ class GradSync:
         self, grads: Sequence[Any], step: int, deliver: Deliver | None = None
     ) -> StepStats:
         if self._engine is None:
-            # Checked before meeting the peers too: no rendezvous for unusable input.
-            arrays = validate_grads(grads)
+            # Checked before the session starts: one rank has nothing to meet.
+            with self._before_step():
+                arrays = validate_grads(grads)
             if not self.cfg.enabled:
                 nbytes = sum(a.nbytes for a in arrays)
                 return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
         return self._started().step(grads, step, deliver)
+
+    @contextlib.contextmanager
+    def _before_step(self) -> Iterator[None]:
+        """Work of a call before its step: a failure tells the peers, which would wait
+        ``max_wait_s`` for this rank otherwise. In a first call, bad input still meets
+        them (for up to ``TELL_WAIT_S``), to tell them; an interrupt there does not."""
+        try:
+            yield
+        except BaseException as exc:
+            if self.cfg.enabled and (self._engine is not None or isinstance(exc, GradSyncError)):
+                try:
+                    self._started(max_wait_s=TELL_WAIT_S).give_up(exc)
+                    self._fail(exc)
+                except GradSyncError as unmet:
+                    _log.warning(
+                        "rank %d could not tell its peers why it failed: %s", self.cfg.rank, unmet
+                    )
+            raise
 
     def _average_device(
         self, buffers: Sequence[Any], device: Any, dtype: Any, step: int
@@ -249,18 +284,20 @@ class GradSync:
         # Imported here: importing gradsync or averaging numpy arrays never loads wgpu.
         from ._wgpu import WgpuBridge  # noqa: PLC0415
 
-        if self._bridge is None or self._bridge.device is not device:
-            if self._bridge is not None:
-                self._bridge.close()
-            self._bridge = WgpuBridge(device)
-        dtypes = self._bridge._resolve(buffers, np.float32 if dtype is None else dtype)
-        if not self.cfg.enabled:
-            # One rank: the mean is the input; still check the buffers, copy nothing.
-            nbytes = sum(int(b.size) for b in buffers)
-            return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
-        bridge = self._bridge
-        bridge._check_upload_target(buffers)  # before the step, which the peers join
-        host = bridge._download(buffers, dtypes, self._device_arrays(bridge, buffers, dtypes))
+        with self._before_step():
+            if self._bridge is None or self._bridge.device is not device:
+                if self._bridge is not None:
+                    self._bridge.close()
+                self._bridge = WgpuBridge(device)
+            dtypes = self._bridge._resolve(buffers, np.float32 if dtype is None else dtype)
+            if not self.cfg.enabled:
+                # One rank: the mean is the input; still check the buffers, copy nothing.
+                nbytes = sum(int(b.size) for b in buffers)
+                return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
+            bridge = self._bridge
+            bridge._check_upload_target(buffers)  # before the step, which the peers join
+            shared = self._device_arrays(bridge, buffers, dtypes)
+            host = bridge._download(buffers, dtypes, shared)
         # The mean goes from the shared files to the GPU (queued, not waited for),
         # without first being copied into the host arrays.
         stats = self._average_host(
@@ -311,13 +348,27 @@ class GradSync:
             if self._closed:
                 return
             self._closed = True
-            if self._engine is not None:
-                self._engine.close()
-            if self._gen is not None:
-                leave(self._gen, 0 if self._engine is None else self._engine.completed)
-            if self._bridge is not None:
-                self._bridge.close()
+            self._leave()
             _registry_forget(self)
+
+    def _fail(self, exc: BaseException) -> None:
+        """End the session after a failed call (its peers give up on it too). It leaves
+        the job at once: a new session of the same job may start before this instance
+        is closed, or even if it never is."""
+        self._failure = exc
+        self._leave()
+
+    def _leave(self) -> None:
+        """Leave the job and free what the session holds; only once."""
+        if self._left:
+            return
+        self._left = True
+        if self._engine is not None:
+            self._engine.close()
+        if self._gen is not None:
+            leave(self._gen, 0 if self._engine is None else self._engine.completed)
+        if self._bridge is not None:
+            self._bridge.close()
 
 
 _registry: dict[FileGradSyncConfig, GradSync] = {}
@@ -352,12 +403,19 @@ def average_grads_file_sync(
     """Average ``grads`` in place over all ranks of ``cfg``'s job; call once per step.
 
     The first call for a given ``cfg`` meets the other ranks; later calls reuse
-    that session, which is closed at interpreter exit. ``device`` is None for
-    numpy arrays, or the wgpu ``GPUDevice`` that owns the ``GPUBuffer``s in
-    ``grads``. See :meth:`GradSync.average` for arguments, return value and errors.
+    that session, which is closed at interpreter exit. After a call that failed, the
+    next call for ``cfg`` meets the other ranks anew (each of them must call again).
+    ``device`` is None for numpy arrays, or the wgpu ``GPUDevice`` that owns the
+    ``GPUBuffer``s in ``grads``. See :meth:`GradSync.average` for arguments, return
+    value and errors.
     """
     with _registry_lock:
         sync = _registry.get(cfg)
         if sync is None:
             sync = _registry[cfg] = GradSync(cfg)
-    return sync.average(grads, step=step, device=device, dtype=dtype)
+    try:
+        return sync.average(grads, step=step, device=device, dtype=dtype)
+    except BaseException:
+        if sync._failure is not None:
+            _registry_forget(sync)  # ended: the next call starts a new session
+        raise

@@ -125,7 +125,9 @@ def validate_grads(grads: object) -> list[np.ndarray]:
             )
         if not flags.writeable:
             raise InvalidGradsError(f"param {i} (shape {g.shape}) is read-only")
-        arrays.append(g)
+        # A subclass (np.matrix, say) may reshape in its own way: its memory, as a plain
+        # array, is what is averaged.
+        arrays.append(g if type(g) is np.ndarray else g.view(np.ndarray))
     return arrays
 
 
@@ -196,6 +198,11 @@ class StepEngine:
             raise
         self.completed = self.seq
         return stats
+
+    def give_up(self, exc: BaseException) -> None:
+        """Tell the peers that this rank's next call will not take place (it failed
+        before publishing anything): they raise ``exc``'s reason at once."""
+        self._tell_peers(self.gen.path / f"s-{self.seq + 1}", exc)
 
     def _tell_peers(self, step_dir: Path, exc: BaseException) -> None:
         with contextlib.suppress(OSError):

@@ -201,8 +201,10 @@ class _Leader:
             # Requesters that already confirmed learn the reason instead of timing out.
             with contextlib.suppress(OSError):
                 write_atomic(self.gen_path / ABORT, [_dump(error_note(exc))])
+            # Rank 0 has left: nobody's rival now, and the next rank 0 on this host
+            # removes the directory at once (as a generation whose members are gone).
             with contextlib.suppress(OSError):
-                self.leader_file.unlink()
+                write_atomic(self.gen_path / "left-0", [b"{}"])
             raise
 
     def _admit_ranks(self) -> Generation:
@@ -275,6 +277,17 @@ class _Leader:
             known = self.confirmed.get(member.rank)
             if known is not None and known.nonce == member.nonce:
                 continue
+            if member.local_death() is not None:
+                # Confirmed, then died before the roster (same host): a new process may
+                # claim its rank.
+                with contextlib.suppress(OSError):
+                    (self.gen_path / name).unlink()
+                continue
+            if known is not None and known.local_death() is not None:
+                del self.confirmed[member.rank]
+                with contextlib.suppress(OSError):
+                    (self.gen_path / f"member-{known.rank}-{known.nonce}.json").unlink()
+                known = None
             self._check_agreement(member, data)
             if not 0 < member.rank < cfg.world_size:
                 raise RendezvousError(
@@ -335,7 +348,7 @@ class _Leader:
             member = _member(data)
             if data is None or member is None:
                 continue
-            if data.get("run_id") != self.cfg.run_id:
+            if data.get("run_id") != self.cfg.run_id or _left(self.cfg.sync_dir, data):
                 continue
             if member.same_host:
                 if member.local_death() is not None:
@@ -362,12 +375,21 @@ class _Leader:
             for name in (f"join-{member.rank}-{member.nonce}.json", f"offer-{member.nonce}.json"):
                 with contextlib.suppress(OSError):
                     (self.rdzv / name).unlink()
-        for name in list_names(self.rdzv):
-            if name.startswith(("join-", "offer-")):
+        names = list_names(self.rdzv)
+        waiting = set()  # nonces of joins whose process may still read its offer
+        for name in names:
+            if name.startswith("join-") and name.endswith(".json"):
                 stale = _member(_load(self.rdzv / name))
                 if stale is not None and stale.local_death() is not None:
                     with contextlib.suppress(OSError):
                         (self.rdzv / name).unlink()
+                else:
+                    waiting.add(name[:-5].rsplit("-", 1)[-1])
+        for name in names:
+            # An offer names rank 0, not the joiner: it is stale once its join is gone.
+            if name.startswith("offer-") and name[6:-5] not in waiting:
+                with contextlib.suppress(OSError):
+                    (self.rdzv / name).unlink()
 
 
 def _members_of(gen_path: Path) -> list[MemberInfo] | None:
@@ -388,9 +410,9 @@ def _members_of(gen_path: Path) -> list[MemberInfo] | None:
 
 def _remove(gen_path: Path) -> None:
     _log.debug("removing %s: every member of that run is gone", gen_path)
-    remove_tree(gen_path)
     with contextlib.suppress(OSError):
         (gen_path.parent / RDZV / f"leader-{gen_path.name[len(GEN_PREFIX) :]}.json").unlink()
+    remove_tree(gen_path)
 
 
 def _silent_since_last_look(gen_path: Path, beats: list[Path], timeout_s: float) -> bool:
@@ -514,14 +536,7 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
                     next_check = elapsed + _CHECK_EVERY_S
                     _check_leader(cfg, leader, gen_path, watch)
             if elapsed >= cfg.max_wait_s:
-                what = "admit" if gen_path is None else "complete the roster for"
-                raise PeerTimeoutError(
-                    f"rendezvous: rank 0 did not {what} rank {cfg.rank} within "
-                    f"{cfg.max_wait_s} s in {cfg.sync_dir} (is rank 0 running, with the same "
-                    f"sync_dir and run_id {cfg.run_id!r}?)",
-                    ranks=[0],
-                    path=cfg.sync_dir,
-                )
+                raise _join_timeout(cfg, gen_path)
             if elapsed >= next_warn:
                 _log.warning(
                     "rendezvous: rank %d has waited %.1f s for rank 0 in %s",
@@ -539,6 +554,33 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
         for path in (join, offer_path):
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+def _join_timeout(cfg: FileGradSyncConfig, gen_path: Path | None) -> PeerTimeoutError:
+    """The error of a rank > 0 whose rendezvous ran out of time: the ranks that have
+    not joined, where rank 0 has admitted this one (and waits for them), else rank 0."""
+    if gen_path is not None:
+        try:
+            names = list_names(gen_path)
+        except OSError:
+            names = set()
+        joined = {n.split("-")[1] for n in names if n.startswith("member-")}
+        missing = [r for r in range(1, cfg.world_size) if str(r) not in joined]
+        if missing:
+            return PeerTimeoutError(
+                f"rendezvous: ranks {missing} did not join within {cfg.max_wait_s} s in "
+                f"{cfg.sync_dir} (rank 0 admitted rank {cfg.rank} and waits for them; are they "
+                f"running, with the same sync_dir and run_id {cfg.run_id!r}?)",
+                ranks=missing,
+                path=cfg.sync_dir,
+            )
+    what = "admit" if gen_path is None else "complete the roster for"
+    return PeerTimeoutError(
+        f"rendezvous: rank 0 did not {what} rank {cfg.rank} within {cfg.max_wait_s} s in "
+        f"{cfg.sync_dir} (is rank 0 running, with the same sync_dir and run_id {cfg.run_id!r}?)",
+        ranks=[0],
+        path=cfg.sync_dir,
+    )
 
 
 def _raise_abort(note: dict[str, Any], gen_path: Path) -> None:
@@ -573,10 +615,22 @@ def _check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWa
             )
         except (KeyError, TypeError, ValueError):
             continue
-        if (gen_path / f"left-{cfg.rank}").exists():
-            continue
-        if all(_is_alive(m, gen_path, watch) for m in (leader, holder)):
+        if (gen_path / f"left-{cfg.rank}").exists() or (gen_path / "left-0").exists():
+            continue  # the rank, or the job's rank 0, has left (after a failure, say)
+        # The last rank to leave a job unlinks its leader file before the rest: a job
+        # without one is being removed (its "left" files may be gone already).
+        leader_file = cfg.sync_dir / RDZV / f"leader-{name[len(GEN_PREFIX) :]}.json"
+        if all(_is_alive(m, gen_path, watch) for m in (leader, holder)) and leader_file.exists():
             raise _taken(cfg.rank, holder, me, gen_path)
+
+
+def _left(sync_dir: Path, leader_data: dict[str, Any]) -> bool:
+    """Whether the rank 0 of a ``leader-*.json`` has left its job (a session closed, or
+    ended by a failure), or the job is being removed: it is nobody's rival. (A rank 0
+    makes its directory before this file, and the last rank to leave removes the file
+    first.)"""
+    gen = sync_dir / f"{GEN_PREFIX}{leader_data.get('gen')}"
+    return (gen / "left-0").exists() or not gen.is_dir()
 
 
 def _taken(rank: int, holder: MemberInfo, me: MemberInfo, gen_path: Path) -> RendezvousError:
@@ -653,9 +707,9 @@ def leave(gen: Generation, calls: int) -> None:
     except OSError:
         return  # not knowing who is left, leave the directory to the last rank
     if all(f"left-{r}" in names for r in range(len(gen.members))):
-        remove_tree(gen.path)
         with contextlib.suppress(OSError):
             (gen.path.parent / RDZV / f"leader-{gen.gen_id}.json").unlink()
+        remove_tree(gen.path)
 
 
 def calls_finished(gen: Generation, rank: int) -> int | None:

@@ -31,12 +31,17 @@ def _disk_bytes(path: Path) -> int:
     return total
 
 
+def _names(folder: Path) -> list[str]:
+    """The entries of ``folder``; none if it is gone: a running job removes its old
+    step directories, and a finished one its whole directory, while this looks."""
+    try:
+        return os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def _steps(gen: Path) -> list[int]:
-    seqs = []
-    for name in os.listdir(gen) if gen.is_dir() else []:
-        if name.startswith("s-") and name[2:].isdigit():
-            seqs.append(int(name[2:]))
-    return sorted(seqs)
+    return sorted(int(n[2:]) for n in _names(gen) if n.startswith("s-") and n[2:].isdigit())
 
 
 def _user_step(gen: Path, rank: int, call: int) -> int | None:
@@ -73,7 +78,7 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
         info["state"] = "running"
     else:
         info["state"] = "rendezvous"
-        for name in sorted(os.listdir(gen)):
+        for name in sorted(_names(gen)):
             if name.startswith("member-"):
                 member = _member(_load(gen / name))
                 if member is not None:
@@ -86,7 +91,7 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
         info["state"] = "failed"
         info["error"] = abort.get("message")
     seqs = _steps(gen)
-    names = {seq: set(os.listdir(gen / f"s-{seq}")) for seq in seqs if (gen / f"s-{seq}").is_dir()}
+    names = {seq: set(_names(gen / f"s-{seq}")) for seq in seqs}
     ranks = []
     for m in members:
         entry: dict[str, Any] = {
@@ -140,7 +145,11 @@ def describe(sync_dir: Path, *, sample_s: float = _SAMPLE_S) -> dict[str, Any]:
     whether their heartbeat still moves.
     """
     watch = HeartbeatWatch(timeout_s=3600.0)
-    gens = sorted(p for p in sync_dir.iterdir() if p.name.startswith(GEN_PREFIX) and p.is_dir())
+    gens = sorted(
+        sync_dir / n
+        for n in os.listdir(sync_dir)
+        if n.startswith(GEN_PREFIX) and (sync_dir / n).is_dir()
+    )
     jobs = [_generation(g, watch) for g in gens]
     remote = [r for job in jobs for r in job["ranks"] if not r["same_host"]]
     if remote:
@@ -183,10 +192,15 @@ def _text(report: dict[str, Any]) -> str:
 
 
 def status_main(sync_dir: Path, *, as_json: bool) -> int:
-    """Print the state of ``sync_dir``; 0 if readable, 1 if it does not exist."""
+    """Print the state of ``sync_dir``; 0 if readable, 1 if it does not exist or
+    cannot be read."""
     if not sync_dir.is_dir():
         print(f"gradsync status: {sync_dir} is not a directory", file=sys.stderr)
         return 1
-    report = describe(sync_dir)
+    try:
+        report = describe(sync_dir)
+    except OSError as exc:
+        print(f"gradsync status: cannot read {sync_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(json.dumps(report, indent=2) if as_json else _text(report))
     return 0

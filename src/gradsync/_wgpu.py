@@ -199,10 +199,18 @@ def resolve_dtypes(
             also supported) or a sequence with one dtype per buffer.
 
     Raises:
-        InvalidGradsError: naming the param index (and label) for an unsupported
-            dtype, a dtype count that differs from the buffer count, or a buffer size
-            in bytes that is not a whole number of elements.
+        InvalidGradsError: naming the param index (and label) for something other than
+            a GPUBuffer, an unsupported dtype, a dtype count that differs from the
+            buffer count, or a buffer size in bytes that is not a whole number of
+            elements.
     """
+    gpu_buffer = import_wgpu().GPUBuffer
+    for i, buf in enumerate(buffers):
+        if not isinstance(buf, gpu_buffer):
+            raise InvalidGradsError(
+                f"param {i} is a {type(buf).__name__}, not a wgpu GPUBuffer (numpy arrays "
+                "are averaged with device=None)"
+            )
     if isinstance(dtype, Sequence) and not isinstance(dtype, (str, bytes)):
         if len(dtype) != len(buffers):
             raise InvalidGradsError(
@@ -294,6 +302,11 @@ class WgpuBridge:
     """
 
     def __init__(self, device: wgpu.GPUDevice, *, threads: int = 1) -> None:
+        if not isinstance(device, import_wgpu().GPUDevice):
+            raise InvalidGradsError(
+                f"device must be a wgpu GPUDevice (or None for numpy arrays), got "
+                f"{type(device).__name__}"
+            )
         self._device = device
         self._workers = Workers(1)
         self.threads = threads
@@ -404,6 +417,10 @@ class WgpuBridge:
         Raises:
             InvalidGradsError: as :func:`resolve_dtypes`.
         """
+        if not isinstance(buffers, list | tuple):
+            raise InvalidGradsError(
+                f"grads must be a list or tuple of wgpu GPUBuffers, got {type(buffers).__name__}"
+            )
         key = tuple(buffers)
         # A list of dtypes is compared by value: the caller may have changed it since.
         spec = tuple(dtype) if isinstance(dtype, list | tuple) else dtype
