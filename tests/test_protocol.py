@@ -175,6 +175,17 @@ def test_finished_run_same_world_size_then_new_run(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("gen-")] == []
 
 
+def test_a_failed_rendezvous_is_removed_by_the_next_job(tmp_path: Path) -> None:
+    # Rank 0 alone runs out of time; the next job on this host removes what it left at
+    # once (its rank 0 has left), and leaves nothing behind itself.
+    alone = run_ranks(workers.first_call, 2, (2, str(tmp_path), 0.5, -1), ranks=[0])
+    assert alone[0].error_type == "PeerTimeoutError"
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("gen-")]) == 1
+    assert_ok(run_ranks(workers.average_steps, 2, (2, str(tmp_path), 1, {})))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rdzv"]
+    assert list((tmp_path / "rdzv").iterdir()) == []
+
+
 # -- 3. a dead peer is reported in seconds ------------------------------------------------
 
 
@@ -227,6 +238,17 @@ def test_a_rank_that_never_starts_is_named_by_every_rank_that_waited(tmp_path: P
     for r in (0, 1):
         assert results[r].error_type == "PeerTimeoutError"
         assert results[r].attrs["ranks"] == (2,)
+
+
+def test_a_rank_that_died_in_the_rendezvous_can_be_replaced(tmp_path: Path) -> None:
+    # Rank 1 confirms its membership and dies before rank 2 arrives; a new process for
+    # rank 1 takes its place instead of being refused as a second claimant.
+    results = run_ranks(
+        workers.replaced_member, 4, (3, str(tmp_path)), expect=[0, 2, 3], timeout_s=60
+    )
+    assert_ok({r: results[r] for r in (0, 2, 3)})
+    for r in (0, 2, 3):
+        assert results[r].value == expected(3, 0), f"process {r}"
 
 
 def test_live_straggler_times_out_naming_exactly_the_missing_rank(tmp_path: Path) -> None:

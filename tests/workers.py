@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -519,3 +520,33 @@ def first_call(rank: int, world: int, sync_dir: str, max_wait_s: float, late: in
         time.sleep(1.5)
     with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=max_wait_s)) as gs:
         gs.average(grads_for(rank, 0), step=0)
+
+
+def replaced_member(index: int, world: int, sync_dir: str) -> Any:
+    """A job of 3 whose rank 1 dies in the rendezvous, after confirming, and is replaced.
+
+    Process 0 is rank 0; process 1 is rank 1 and kills itself once its member file is
+    written; process 2 is the new rank 1, started once that happened; process 3 is rank
+    2, started after it. Returns the mean of the one call.
+    """
+    pattern = "gen-*/member-1-*.json"
+
+    def member_written() -> None:
+        while not list(Path(sync_dir).glob(pattern)):
+            time.sleep(0.005)
+
+    if index == 1:
+
+        def die() -> None:
+            member_written()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=die, daemon=True).start()
+    elif index >= 2:
+        member_written()
+        time.sleep(0.5 * index)
+    rank = {0: 0, 1: 1, 2: 1, 3: 2}[index]
+    grads = grads_for(rank, 0)
+    with gradsync.GradSync(config(rank, 3, sync_dir, max_wait_s=20.0)) as gs:
+        gs.average(grads, step=0)
+    return [g.tobytes() for g in grads]
