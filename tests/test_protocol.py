@@ -298,6 +298,23 @@ def test_mismatch_fails_every_rank(tmp_path: Path, kind: str, pattern: str) -> N
     assert all(results[r].error_type == "MismatchError" for r in range(3))
 
 
+@pytest.mark.parametrize(("world", "call", "use_mmap"), [(2, 0, True), (3, 3, True), (2, 2, False)])
+def test_a_mismatch_across_the_small_payload_threshold(
+    tmp_path: Path, world: int, call: int, use_mmap: bool
+) -> None:
+    # Below 256 KiB every rank reduces all, and inputs alternate two files; above, one
+    # file a rank: the ranks look for each other's inputs under different names.
+    results = run_ranks(workers.across_the_switch, world, (world, str(tmp_path), call, use_mmap))
+    last = world - 1
+    for r in range(world):
+        assert results[r].error_type == "MismatchError", results[r].message
+        assert re.fullmatch(
+            rf"step {call}: param 0: rank [01] has shape \(80000,\) float32 but rank {last} "
+            r"has shape \(20000,\) float32",
+            results[r].message,
+        ), results[r].message
+
+
 def test_world_size_mismatch_at_rendezvous(tmp_path: Path) -> None:
     results = run_ranks(workers.rendezvous_world, 2, (2, str(tmp_path), [2, 3]))
     assert results[0].error_type == "MismatchError"

@@ -550,3 +550,16 @@ def replaced_member(index: int, world: int, sync_dir: str) -> Any:
     with gradsync.GradSync(config(rank, 3, sync_dir, max_wait_s=20.0)) as gs:
         gs.average(grads, step=0)
     return [g.tobytes() for g in grads]
+
+
+def across_the_switch(rank: int, world: int, sync_dir: str, call: int, use_mmap: bool) -> Any:
+    """``call`` calls of 320 kB (reduced in shards), then one where the last rank passes
+    80 kB (which ranks reduce whole): a mismatch whose files have different names."""
+    with gradsync.GradSync(config(rank, world, sync_dir, use_mmap=use_mmap)) as gs:
+        for step in range(call):
+            gs.average([np.ones(80_000, np.float32)], step=step)
+        grads = [np.full(20_000 if rank == world - 1 else 80_000, rank, np.float32)]
+        try:
+            gs.average(grads, step=call)
+        finally:
+            assert (grads[0] == rank).all()

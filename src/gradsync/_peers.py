@@ -100,6 +100,7 @@ class PeerFiles:
         gen: Generation,
         transport: Transport,
         path_of: Callable[[int, str], Path],
+        input_names: Callable[[int, int], Sequence[Path]],
     ) -> None:
         self.cfg = cfg
         self.gen = gen
@@ -107,6 +108,7 @@ class PeerFiles:
         self.world = cfg.world_size
         self._transport = transport
         self._path_of = path_of  # (rank, "in" or "out") -> its data file for this call
+        self._input_names = input_names  # (rank, call) -> every name its input may have
         self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
 
     def wait_for(
@@ -137,7 +139,7 @@ class PeerFiles:
             looked_up = self._look_up(step_dir, prefix, missing, step) if first_look else None
             names = looked_up if looked_up is not None else list_names(step_dir, step=step)
             for q in [q for q in missing if f"{prefix}-{q}" in names]:
-                found[q] = self._open(self._path_of(q, prefix), q, kind, step, seq)
+                found[q] = self._open_published(q, prefix, kind, step, seq)
                 missing.remove(q)
                 if not first_look:
                     last = q
@@ -212,6 +214,25 @@ class PeerFiles:
                 raise translate_oserror(exc, "looking up", f"{base}/{name}", step=step) from exc
             names.add(name)
         return names
+
+    def _open_published(self, rank: int, prefix: str, kind: int, step: int, seq: int) -> Peer:
+        """Open the data file that ``rank``'s marker of call ``seq`` announces.
+
+        A peer whose layout differs from this rank's may have put its input under the
+        other name (one file, or two alternating slots: StepEngine.data_path): found
+        there, its header shows the mismatch (check_inputs), not a missing file.
+        """
+        path = self._path_of(rank, prefix)
+        try:
+            return self._open(path, rank, kind, step, seq)
+        except (SyncDirError, CorruptFileError):
+            if kind != KIND_INPUT:
+                raise
+            for other in self._input_names(rank, seq):
+                if other != path:
+                    with contextlib.suppress(SyncDirError, CorruptFileError):
+                        return self._open(other, rank, kind, step, seq)
+            raise
 
     def _open(self, path: Path, rank: int, kind: int, step: int, seq: int) -> Peer:
         try:

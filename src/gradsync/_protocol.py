@@ -159,7 +159,7 @@ class StepEngine:
         self._linked: Path | None = None  # the shared file this rank's input name points at
         mapped = cfg.use_mmap if cfg.use_mmap is not None else local_filesystem(gen.path)
         self._transport = Transport(mapped=mapped, head_bytes=HEADER_READ_BYTES)
-        self._peers = PeerFiles(cfg, gen, self._transport, self.data_path)
+        self._peers = PeerFiles(cfg, gen, self._transport, self.data_path, self._input_names)
         self._heartbeat = gen.heartbeat or Heartbeat(
             gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s
         )
@@ -365,6 +365,13 @@ class StepEngine:
         if path is None:  # built once: joining paths is a visible share of a small step
             path = self._data_paths[key] = self.gen.path / data_name(rank, kind, key[2])
         return path
+
+    def _input_names(self, rank: int, seq: int) -> tuple[Path, Path]:
+        """Both names ``rank``'s input of call ``seq`` may have, whatever its plan."""
+        return (
+            self.gen.path / data_name(rank, "in", None),
+            self.gen.path / data_name(rank, "in", seq % 2),
+        )
 
     def _write(
         self,
