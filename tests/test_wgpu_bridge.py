@@ -102,6 +102,9 @@ def test_resolve_dtypes_default_and_per_buffer() -> None:
         np.dtype(np.float16),
     ]
     assert resolve_dtypes(bufs, np.float16) == [np.dtype(np.float16)] * 2
+    # None is the default, float32, in a list too (numpy would take it for float64).
+    assert resolve_dtypes(bufs[:1], None) == [np.dtype(np.float32)]
+    assert resolve_dtypes(bufs, [None, "float16"]) == [np.dtype(np.float32), np.dtype(np.float16)]
 
 
 def test_resolve_dtypes_errors() -> None:
@@ -180,6 +183,27 @@ def test_select_adapter_uses_local_rank_env(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(ConfigError, match=r"^LOCAL_RANK must be an integer, got 'x'$"):
         select_adapter()
+
+
+@pytest.mark.parametrize("bad", ["x", 1.5, True, -1])
+def test_select_adapter_refuses_a_local_rank_that_is_not_one(bad: object) -> None:
+    with pytest.raises(
+        ConfigError, match=rf"^local_rank must be an int >= 0 or None, got {re.escape(repr(bad))}$"
+    ):
+        select_adapter(local_rank=bad)  # type: ignore[arg-type]
+
+
+def test_request_device_names_an_unknown_limit() -> None:
+    if (reason := _adapter_reason()) is not None:
+        pytest.skip(reason)
+    with pytest.raises(
+        ConfigError,
+        match=r"^required_limits: Unknown limit name 'max-bogus'; this adapter's limits are \[",
+    ):
+        request_device_for_rank(local_rank=0, required_limits={"max-bogus": 1})
+    # Underscores name the same limits as hyphens, and override the defaults.
+    small = request_device_for_rank(local_rank=0, required_limits={"max_buffer_size": 1 << 20})
+    assert small.limits["max-buffer-size"] == 1 << 20
 
 
 @pytest.mark.wgpu

@@ -120,7 +120,12 @@ def select_adapter(
     """
     wgpu = import_wgpu()
 
-    rank = _local_rank_from_env() if local_rank is None else int(local_rank)
+    if local_rank is None:
+        rank = _local_rank_from_env()
+    elif isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
+        raise ConfigError(f"local_rank must be an int >= 0 or None, got {local_rank!r}")
+    else:
+        rank = local_rank
     adapters = wgpu.gpu.enumerate_adapters_sync()
     infos = [dict(a.info) for a in adapters]
     i = choose_adapter_index(
@@ -154,6 +159,12 @@ def request_device_for_rank(
     for name in ("max-buffer-size", "max-storage-buffer-binding-size"):
         if name in adapter.limits:
             limits[name] = int(adapter.limits[name])
-    limits.update(required_limits or {})
-    with wgpu_errors("requesting a wgpu device"):
-        return adapter.request_device_sync(label=label, required_limits=limits)
+    # wgpu spells limits with hyphens, and also takes them with underscores.
+    limits.update({k.replace("_", "-"): v for k, v in (required_limits or {}).items()})
+    try:
+        with wgpu_errors("requesting a wgpu device"):
+            return adapter.request_device_sync(label=label, required_limits=limits)
+    except KeyError as exc:  # wgpu-py's word for an unknown limit name
+        raise ConfigError(
+            f"required_limits: {exc.args[0]}; this adapter's limits are {sorted(adapter.limits)}"
+        ) from exc

@@ -196,21 +196,13 @@ def resolve_dtypes(
     Args:
         buffers: The gradient buffers.
         dtype: One dtype for all buffers (float32 by default; float16 and float64 are
-            also supported) or a sequence with one dtype per buffer.
+            also supported) or a sequence with one dtype per buffer; None is float32.
 
     Raises:
-        InvalidGradsError: naming the param index (and label) for something other than
-            a GPUBuffer, an unsupported dtype, a dtype count that differs from the
-            buffer count, or a buffer size in bytes that is not a whole number of
-            elements.
+        InvalidGradsError: naming the param index (and label) for an unsupported
+            dtype, a dtype count that differs from the buffer count, or a buffer size
+            in bytes that is not a whole number of elements.
     """
-    gpu_buffer = import_wgpu().GPUBuffer
-    for i, buf in enumerate(buffers):
-        if not isinstance(buf, gpu_buffer):
-            raise InvalidGradsError(
-                f"param {i} is a {type(buf).__name__}, not a wgpu GPUBuffer (numpy arrays "
-                "are averaged with device=None)"
-            )
     if isinstance(dtype, Sequence) and not isinstance(dtype, (str, bytes)):
         if len(dtype) != len(buffers):
             raise InvalidGradsError(
@@ -220,6 +212,8 @@ def resolve_dtypes(
         raw: list[npt.DTypeLike] = list(dtype)
     else:
         raw = [dtype] * len(buffers)
+    # None means the default, float32, everywhere (numpy would read it as float64).
+    raw = [np.float32 if d is None else d for d in raw]
     out: list[np.dtype[Any]] = []
     for i, (buf, dt_like) in enumerate(zip(buffers, raw, strict=True)):
         # The common case without building the param's description (see _check_dtype).
@@ -415,7 +409,8 @@ class WgpuBridge:
         list returned is shared between calls; callers must not modify it.
 
         Raises:
-            InvalidGradsError: as :func:`resolve_dtypes`.
+            InvalidGradsError: as :func:`resolve_dtypes`; for ``buffers`` that are not
+                a list or tuple of GPUBuffers.
         """
         if not isinstance(buffers, list | tuple):
             raise InvalidGradsError(
@@ -433,6 +428,13 @@ class WgpuBridge:
                     return memo[2]
             except (TypeError, ValueError):
                 pass  # not comparable: resolved again below, and refused there if bad
+        gpu_buffer = import_wgpu().GPUBuffer
+        for i, buf in enumerate(buffers):
+            if not isinstance(buf, gpu_buffer):
+                raise InvalidGradsError(
+                    f"param {i} is a {type(buf).__name__}, not a wgpu GPUBuffer (numpy "
+                    "arrays are averaged with device=None)"
+                )
         dtypes = resolve_dtypes(buffers, dtype)
         self._resolved = (key, spec, dtypes)
         return dtypes
