@@ -4,7 +4,8 @@ Every rank, strategy and helper computes the mean with :func:`mean_into`, which
 adds ranks in fixed order 0, 1, ..., W-1 and divides once by W: float32 in float32
 (as gloo and NCCL do), or, with ``wide=True``, in a wider accumulator. The operation
 is element-wise, so how elements are split into shards or chunks never changes a bit
-of the result.
+of the result, NaNs aside: which NaN an element gets (sign, payload) follows the
+operand order of numpy's loops, which differs between their vector body and tail.
 """
 
 from __future__ import annotations
@@ -221,7 +222,8 @@ def average_host_grads(
     ``per_rank[r][i]`` is rank r's gradient of param i (float16, float32 or
     float64). Returns new arrays, one per param, of each param's shape and dtype,
     bit-identical to what :func:`average_grads_file_sync` gives every rank with the
-    same ``wide_sum`` (see :class:`FileGradSyncConfig`).
+    same ``wide_sum`` (see :class:`FileGradSyncConfig`), except that a NaN mean may be
+    another NaN (sign, payload: numpy's loops propagate NaNs by operand order).
 
     Raises:
         InvalidGradsError: no ranks, or an unsupported dtype.
