@@ -733,6 +733,18 @@ def test_what_is_not_a_gpu_buffer_or_device_is_named(
 
 
 @pytest.mark.wgpu
+def test_one_rank_checks_the_buffers_as_more_ranks_would(device: Any, tmp_path: Path) -> None:
+    # Nothing is copied with one rank, but code that works there must work with more.
+    no_dst = device.create_buffer(size=16, usage=_usage(dst=False), label="g")
+    dead = _buffer(device, np.ones(4, np.float32), "h")
+    dead.destroy()
+    for buf, problem in ((no_dst, "buffer usage lacks COPY_DST"), (dead, "buffer has been")):
+        cfg = gradsync.FileGradSyncConfig(1, 0, tmp_path)
+        with gradsync.GradSync(cfg) as gs, pytest.raises(InvalidGradsError, match=problem):
+            gs.average([buf], device=device)
+
+
+@pytest.mark.wgpu
 def test_buffer_from_another_device(device: Any, bridge: WgpuBridge) -> None:
     other = request_device_for_rank(local_rank=0)
     buf = _buffer(other, np.ones(4, np.float32), "emb")

@@ -292,6 +292,7 @@ class GradSync:
             dtypes = self._bridge._resolve(buffers, np.float32 if dtype is None else dtype)
             if not self.cfg.enabled:
                 # One rank: the mean is the input; still check the buffers, copy nothing.
+                self._bridge._check_without_copying(buffers)
                 nbytes = sum(int(b.size) for b in buffers)
                 return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
             bridge = self._bridge

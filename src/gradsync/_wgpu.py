@@ -626,6 +626,16 @@ class WgpuBridge:
         """
         self._check_buffers(buffers, _COPY_DST, "COPY_DST", probe=False)
 
+    def _check_without_copying(self, buffers: Sequence[wgpu.GPUBuffer]) -> None:
+        """Check ``buffers`` as a step's download and upload would (a job of one rank
+        copies nothing, and must fail where a larger one would).
+
+        Raises:
+            InvalidGradsError: as :meth:`download` and :meth:`upload`.
+        """
+        self._check_buffers(buffers, _COPY_SRC, "COPY_SRC")
+        self._check_upload_target(buffers)
+
     def _upload_pieces(
         self,
         buffers: Sequence[wgpu.GPUBuffer],
