@@ -13,7 +13,8 @@ by default) and, per step:
               the file protocol across ranks, upload; buffers change every step.
               It returns with the upload queued ("gradsync"); "+fence" waits for the
               GPU after it. "(host sync)" is the file protocol's share
-              (``StepStats.total_s``, which includes queueing the upload).
+              (``StepStats.total_s - download_s``, which includes queueing the
+              upload).
 
 Like is compared with like: gradsync against naive-queued (both return with the
 upload queued), gradsync+fence against naive (both wait for the GPU).
@@ -150,11 +151,13 @@ def _rank(
                     times["staged"].append(t1_end - t1)
                     times["gradsync"].append(t3 - t2)
                     times["fenced"].append(t4 - t2)
-                    times["host"].append(stats.total_s)
+                    # total_s includes the download since 2026-12-04 (download_s).
+                    host_s = stats.total_s - getattr(stats, "download_s", 0.0)
+                    times["host"].append(host_s)
                     times["download"].append(spans["download"])
                     for name in _HOST_PHASES:
                         times[name].append(getattr(stats, name + "_s"))
-                    times["rest"].append(t3 - t2 - spans["download"] - stats.total_s)
+                    times["rest"].append(t3 - t2 - spans["download"] - host_s)
             check = np.frombuffer(dev.queue.read_buffer(bufs[0], 0, 32), np.float32)
             want = np.float32(np.mean([r + steps for r in range(world)]))
             rows.append({"bytes": nbytes, "times": times, "ok": bool(np.all(check == want))})

@@ -8,8 +8,10 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import gradsync
 from gradsync import ConfigError, FileGradSyncConfig
 
 SECONDS_FIELDS = ("max_wait_s", "heartbeat_interval_s", "heartbeat_timeout_s", "warn_after_s")
@@ -141,6 +143,15 @@ def test_config_error_is_value_error() -> None:
         ({"sync_dir": None}, "sync_dir must be a non-empty path, got None"),
         ({"sync_dir": b"/tmp/gs"}, "sync_dir must be a non-empty path, got b'/tmp/gs'"),
         ({"sync_dir": 5}, "sync_dir must be a non-empty path, got 5"),
+        ({"sync_dir": "/tmp/a\0b"}, "sync_dir must not contain a NUL byte, got '/tmp/a\\x00b'"),
+        (
+            {"heartbeat_interval_s": 1e10, "heartbeat_timeout_s": 3e10},
+            "heartbeat_interval_s must be at most 1e+09 s, got 10000000000.0",
+        ),
+        (
+            {"heartbeat_timeout_s": 2e9},
+            "heartbeat_timeout_s must be at most 1e+09 s, got 2000000000.0",
+        ),
         (
             {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 1.5},
             "heartbeat_timeout_s must be at least twice heartbeat_interval_s, got "
@@ -282,6 +293,18 @@ def test_from_env_empty_env() -> None:
 def test_from_env_empty_sync_dir(value: str) -> None:
     with raises_config("environment variable GRADSYNC_SYNC_DIR is empty"):
         FileGradSyncConfig.from_env(env=base_env(GRADSYNC_SYNC_DIR=value))
+
+
+def test_from_env_sync_dir_expands_home_and_refuses_surrounding_blanks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HOME", "/home/someone")
+    cfg = FileGradSyncConfig.from_env(env=base_env(GRADSYNC_SYNC_DIR="~/gs"))
+    assert cfg.sync_dir == Path("/home/someone/gs")
+    with raises_config(
+        "environment variable GRADSYNC_SYNC_DIR starts or ends with whitespace, got ' /tmp/gs '"
+    ):
+        FileGradSyncConfig.from_env(env=base_env(GRADSYNC_SYNC_DIR=" /tmp/gs "))
 
 
 @pytest.mark.parametrize(
@@ -436,7 +459,8 @@ def test_from_env_overrides_win() -> None:
 def test_from_env_invalid_override_reported() -> None:
     with raises_config(
         "invalid configuration from the environment (GRADSYNC_WORLD_SIZE='4', "
-        "GRADSYNC_RANK='3'): strategy must be one of ('sharded', 'root'), got 'ring'"
+        "GRADSYNC_RANK='3') and the overrides (strategy='ring'): strategy must be one of "
+        "('sharded', 'root'), got 'ring'"
     ):
         FileGradSyncConfig.from_env(env=base_env(), strategy="ring")
 
@@ -456,8 +480,9 @@ def test_from_env_override_supplies_missing_variable() -> None:
     cfg = FileGradSyncConfig.from_env(env=base_env(GRADSYNC_RANK="junk"), rank=0)
     assert cfg.rank == 0
     with raises_config(
-        "invalid configuration from the environment (GRADSYNC_WORLD_SIZE='4'): "
-        "rank must satisfy 0 <= rank < world_size, got rank=4 with world_size=4"
+        "invalid configuration from the environment (GRADSYNC_WORLD_SIZE='4') and the "
+        "overrides (rank=4): rank must satisfy 0 <= rank < world_size, got rank=4 with "
+        "world_size=4"
     ):
         FileGradSyncConfig.from_env(env=base_env(), rank=4)
 
@@ -478,3 +503,14 @@ def test_from_env_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     # an explicit mapping ignores os.environ entirely
     with raises_config("environment variable GRADSYNC_WORLD_SIZE or WORLD_SIZE is not set"):
         FileGradSyncConfig.from_env(env={"GRADSYNC_SYNC_DIR": "/tmp/x"})
+
+
+@pytest.mark.parametrize(
+    ("cfg", "name"), [({"world_size": 2, "rank": 0}, "dict"), (None, "NoneType"), ("2", "str")]
+)
+def test_both_forms_name_a_cfg_that_is_not_a_config(cfg: object, name: str) -> None:
+    # A dict is unhashable: the function form must check before its session registry.
+    with raises_config(f"cfg must be a FileGradSyncConfig, got {name}"):
+        gradsync.average_grads_file_sync([np.zeros(3)], None, cfg, 0)  # type: ignore[arg-type]
+    with raises_config(f"cfg must be a FileGradSyncConfig, got {name}"):
+        gradsync.GradSync(cfg)  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import gradsync
 from gradsync import ConfigError, SyncDirError, _fsio, atomic_write_bytes, wait_for_path
 from gradsync._fsio import (
     Backoff,
@@ -27,6 +28,7 @@ from gradsync._fsio import (
     translate_oserror,
     write_atomic,
     write_in_place,
+    write_note,
 )
 from gradsync._liveness import MemberInfo
 from gradsync._rendezvous import Generation, leave
@@ -187,6 +189,39 @@ def test_atomic_write_failure_mid_write_removes_temp(
     assert info.value.errno == errno.ENOSPC
     assert target.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["f"]
+
+
+def test_a_sync_dir_that_links_to_nothing_is_named(tmp_path: Path) -> None:
+    link = tmp_path / "sync"
+    link.symlink_to(tmp_path / "gone")
+    cfg = gradsync.FileGradSyncConfig(2, 0, link, max_wait_s=5)
+    # mkdir(parents=True) reports only "File exists" for the link itself.
+    with pytest.raises(
+        SyncDirError,
+        match=exact(
+            f"creating the rendezvous directory {link}/rdzv failed: File exists "
+            f"({link} is a symbolic link to {tmp_path}/gone, which does not exist)"
+        ),
+    ):
+        gradsync.average_grads_file_sync([np.ones(2)], None, cfg, 0)
+
+
+def test_a_note_without_room_for_its_bytes_is_written_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_note(tmp_path / "roomy", b'{"calls": 3}')
+    assert (tmp_path / "roomy").read_bytes() == b'{"calls": 3}'
+
+    def full(fd: int, buffers: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", full)
+    write_note(tmp_path / "full", b'{"calls": 3}')
+    assert (tmp_path / "full").read_bytes() == b""
+    assert sorted(os.listdir(tmp_path)) == ["full", "roomy"]  # no temporary file left
+    # Not even a name: the first error, as the system reported it.
+    with pytest.raises(FileNotFoundError, match=r"/gone/\.note\.\d+\.[0-9a-f]+\.tmp'$"):
+        write_note(tmp_path / "gone" / "note", b"{}")
 
 
 def test_write_atomic_interrupted_removes_temp(

@@ -208,6 +208,42 @@ def test_default_sync_dir_exists_during_run_and_is_removed_after() -> None:
     assert not sync_dir.exists()
 
 
+def test_a_sync_dir_under_home_given_with_equals_is_expanded(tmp_path: Path) -> None:
+    # The shell leaves "--sync-dir=~/x" alone: it used to become ./~/x.
+    code, out, _, _ = run_launch(
+        ["--nproc", "1", "--sync-dir=~/x", str(SCRIPTS / "print_env.py")],
+        env={**os.environ, "HOME": str(tmp_path)},
+        cwd=tmp_path,
+    )
+    assert code == 0
+    assert env_reports(out)["[rank 0]"]["env"]["GRADSYNC_SYNC_DIR"] == str(tmp_path / "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
+
+
+def test_a_job_stopped_by_a_signal_leaves_nothing_in_a_given_sync_dir(tmp_path: Path) -> None:
+    # Ranks killed by SIGTERM never close their session; the launcher removes what they
+    # left once they are gone, instead of leaving it to the next job.
+    sync_dir = tmp_path / "sync"
+    args = ["--nproc", "2", "--sync-dir", str(sync_dir), str(SCRIPTS / "average_forever.py")]
+    with launcher([*args, str(tmp_path)]) as proc:
+        wait_for_files(tmp_path, ["ready-0", "ready-1"], proc)
+        assert any(p.name.startswith("gen-") for p in sync_dir.iterdir())
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 130, err
+    assert [str(p.relative_to(sync_dir)) for p in sync_dir.rglob("*")] == ["rdzv"]
+
+
+def test_a_line_split_at_64_kib_keeps_every_character(tmp_path: Path) -> None:
+    script = tmp_path / "long.py"
+    script.write_text('import sys\nsys.stdout.write("a" + "\\u00e9" * 40000 + "\\n")\n')
+    code, out, _, _ = run_launch(["--nproc", "1", str(script)])
+    assert code == 0
+    pieces = [line.removeprefix("[rank 0] ") for line in out.splitlines()]
+    assert len(pieces) == 2  # 80001 bytes: split once, at 64 KiB
+    assert "".join(pieces) == "a" + "\u00e9" * 40000
+
+
 def test_given_sync_dir_is_created_and_kept(tmp_path: Path) -> None:
     sync_dir = tmp_path / "a" / "b"
     code, out, _, _ = run_launch(
@@ -309,6 +345,12 @@ def test_bad_argument_exits_2_with_message() -> None:
     ("args", "message"),
     [
         (["--nproc", "0"], "--nproc must be >= 1, got 0"),
+        (["--nproc", "100000000"], "--nproc must be <= 4096, got 100000000"),
+        (["--nproc", "1", "--sync-dir", ""], "--sync-dir must be a non-empty path, got ''"),
+        (
+            ["--nproc", "1", "--run-id", "abc\n"],
+            "--run-id must be 1-64 characters from [A-Za-z0-9._-], got 'abc\\n'",
+        ),
         (["--nproc", "two"], "argument --nproc: invalid int value: 'two'"),
         (["--nproc", "1", "--nnodes", "0"], "--nnodes must be >= 1, got 0"),
         (["--nproc", "1", "--node-rank", "-1"], "--node-rank must be >= 0, got -1"),

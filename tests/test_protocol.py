@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -141,6 +142,52 @@ def test_float32_mean_is_within_2e6_of_float64_mean(tmp_path: Path) -> None:
             np.testing.assert_allclose(got, ref, rtol=2e-6, atol=0)
 
 
+@pytest.mark.parametrize("big", [False, True])
+def test_step_stats_add_up_and_print_every_phase(tmp_path: Path, big: bool) -> None:
+    results = run_ranks(workers.stats_of_steps, 2, (2, str(tmp_path), big))
+    assert_ok(results)
+    nbytes = sum(
+        g.nbytes for g in workers.grads_for(0, 0, workers.SHAPES_BIG if big else workers.SHAPES)
+    )
+    for r in range(2):
+        for step, (stats, text) in enumerate(results[r].value):
+            assert (stats.step, stats.world_size, stats.bytes_per_rank) == (step, 2, nbytes)
+            phases = [
+                stats.publish_s,
+                stats.wait_inputs_s,
+                stats.reduce_s,
+                stats.wait_outputs_s,
+                stats.gather_s,
+            ]
+            assert stats.download_s == 0.0  # numpy arrays are not downloaded
+            assert min(phases) >= 0
+            assert stats.total_s == pytest.approx(sum(phases), abs=1e-9)
+            assert stats.last_rank in (None, 0, 1)
+            waited = "" if stats.last_rank is None else f" for rank {stats.last_rank}"
+            assert re.fullmatch(
+                rf"step {step}: {nbytes} B/rank, total \d+\.\d\d ms \(publish \d+\.\d\d, "
+                rf"wait \d+\.\d\d{waited}, reduce \d+\.\d\d, wait \d+\.\d\d, "
+                rf"gather \d+\.\d\d\)",
+                text,
+            ), text
+
+
+def test_step_stats_text_names_the_download_of_gpu_buffers() -> None:
+    stats = gradsync.StepStats(
+        step=7,
+        world_size=2,
+        bytes_per_rank=64,
+        download_s=0.5e-3,
+        publish_s=0.25e-3,
+        total_s=0.75e-3,
+        last_rank=1,
+    )
+    assert str(stats) == (
+        "step 7: 64 B/rank, total 0.75 ms (download 0.50, publish 0.25, wait 0.00 for rank 1, "
+        "reduce 0.00, wait 0.00, gather 0.00)"
+    )
+
+
 def test_one_rank_is_a_no_op_and_writes_nothing(tmp_path: Path) -> None:
     grads = workers.grads_for(0, 0)
     before = [g.copy() for g in grads]
@@ -225,16 +272,19 @@ def test_dead_peer_is_named_within_5_seconds(tmp_path: Path, how: str) -> None:
 def test_a_rank_that_never_starts_is_named_by_every_rank_that_waited(tmp_path: Path) -> None:
     # Rank 2 of 3 never starts. Rank 1, admitted by rank 0 (which starts 1.5 s later),
     # waits for the roster and runs out of time first: it names rank 2 too, not rank 0,
-    # which is alive and waiting as well.
+    # which is alive and waiting as well. Rank 0 hears of it then, before its own time
+    # is up, and names rank 2 as well.
     results = run_ranks(workers.first_call, 3, (3, str(tmp_path), 3.0, 0), ranks=[0, 1])
-    tail = "are they running, with the same sync_dir and run_id None?)"
-    assert results[0].message == (
-        f"rendezvous: ranks [2] did not join within 3.0 s in {tmp_path} (" + tail
-    )
-    assert results[1].message == (
+    timeout = (
         f"rendezvous: ranks [2] did not join within 3.0 s in {tmp_path} (rank 0 admitted "
-        "rank 1 and waits for them; " + tail
+        "rank 1 and waits for them; are they running, with the same sync_dir and run_id None?)"
     )
+    assert results[1].message == timeout
+    assert re.fullmatch(
+        r"rendezvous: rank 1 \(pid \d+ on \S+\) gave up joining: " + re.escape(timeout),
+        results[0].message,
+    ), results[0].message
+    assert results[0].elapsed_s < 4.2  # its own time would be up at 1.5 + 3.0 s
     for r in (0, 1):
         assert results[r].error_type == "PeerTimeoutError"
         assert results[r].attrs["ranks"] == (2,)
@@ -417,6 +467,30 @@ def test_nan_check_names_rank_and_param_on_every_rank(tmp_path: Path) -> None:
     assert np.isfinite(np.delete(got, 2)).all()
 
 
+@pytest.mark.parametrize(
+    ("limit", "message"),
+    [
+        (
+            "MAX_PARAMS",
+            "step 1: 3 params, more than the 2 a gradsync file describes: concatenate "
+            "small params into fewer arrays",
+        ),
+        (
+            "MAX_META",
+            "step 1: the gradients' layout takes 63 bytes in the file header, more than "
+            "the 60 a header holds: concatenate small params into fewer arrays",
+        ),
+    ],
+)
+def test_a_layout_past_the_header_limits_is_refused_before_publishing(
+    tmp_path: Path, limit: str, message: str
+) -> None:
+    # Readers used to take such a file for corrupt (CorruptFileError, no step named).
+    results = run_ranks(workers.over_header_limits, 2, (2, str(tmp_path), limit))
+    for r in range(2):
+        assert (results[r].error_type, results[r].message) == ("InvalidGradsError", message)
+
+
 def test_bad_input_on_one_rank_fails_the_peers_fast(tmp_path: Path) -> None:
     results = run_ranks(workers.bad_input, 2, (2, str(tmp_path)))
     assert results[1].error_type == "InvalidGradsError"
@@ -579,6 +653,71 @@ def test_full_disk_is_a_sync_dir_error(tmp_path: Path) -> None:
     # The same job in a roomy directory then works.
     again = run_ranks(_big_average, 2, (str(tmp_path / "roomy"),))
     assert_ok(again)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs, to be filled by the test."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.system(f"mount -t tmpfs -o size=2m tmpfs {mnt} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN)")
+    try:
+        yield mnt
+    finally:
+        os.system(f"umount {mnt}")
+
+
+def test_a_rank_that_finds_the_disk_full_tells_its_peers(small_tmpfs: Path) -> None:
+    # The abort note's reason does not fit on the disk, but its name does: rank 0 used to
+    # wait out max_wait_s (20 s) for a rank that stayed alive.
+    results = run_ranks(workers.disk_fills_mid_job, 2, (2, str(small_tmpfs)))
+    assert results[1].error_type == "SyncDirError"
+    assert "(the sync directory's filesystem is full)" in results[1].message
+    assert results[0].error_type == "PeerAbortedError"
+    assert re.fullmatch(
+        r"step 1: rank 1 \(pid \d+ on \S+\) gave up on this step: \(its note is empty: no "
+        r"room for the reason; is the sync directory's disk full\?\)",
+        results[0].message,
+    ), results[0].message
+    assert results[0].elapsed_s < 8
+
+
+def test_closing_on_a_full_disk_removes_the_job(small_tmpfs: Path) -> None:
+    # Closing writes a leave note per rank, whose bytes no longer fit: the job's files
+    # used to stay, and no later job on that disk could start (its leader file did not
+    # fit either).
+    assert_ok(run_ranks(workers.close_on_a_full_disk, 2, (2, str(small_tmpfs))))
+    assert sorted(p.name for p in small_tmpfs.rglob("*")) == [".filler", "rdzv"]
+
+
+def test_a_rank_0_that_cannot_register_leaves_nothing_behind(small_tmpfs: Path) -> None:
+    # Its generation directory used to stay until a later rank 0 had waited out its
+    # heartbeat (15 s), which jobs shorter than that never did.
+    workers.fill_disk(str(small_tmpfs))
+    results = run_ranks(workers.average_steps, 2, (2, str(small_tmpfs), 1, {}), ranks=[0])
+    assert results[0].error_type == "SyncDirError"
+    assert re.fullmatch(
+        rf"registering rank 0 in {small_tmpfs}/rdzv/leader-[0-9a-f]+\.json failed: No space "
+        r"left on device \(the sync directory's filesystem is full\)",
+        results[0].message,
+    ), results[0].message
+    assert sorted(p.name for p in small_tmpfs.rglob("*")) == [".filler", "rdzv"]
+
+
+def test_a_rank_that_fails_after_its_offer_tells_rank_0(tmp_path: Path) -> None:
+    # Its join file goes when it fails: rank 0, which had offered it a place, used to
+    # wait out max_wait_s (20 s) and then say it had not joined.
+    results = run_ranks(workers.membership_not_written, 2, (2, str(tmp_path)))
+    assert results[1].error_type == "SyncDirError"
+    assert results[0].error_type == "PeerAbortedError"
+    assert re.fullmatch(
+        r"rendezvous: rank 1 \(pid \d+ on \S+\) gave up joining: confirming membership in "
+        rf"{tmp_path}/gen-[0-9a-f]+/member-1-[0-9a-f]+\.json failed: No space left on "
+        r"device \(the sync directory's filesystem is full\)",
+        results[0].message,
+    ), results[0].message
+    assert results[0].elapsed_s < 10
 
 
 def _big_average(rank: int, sync_dir: str) -> None:

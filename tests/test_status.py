@@ -118,3 +118,68 @@ def test_status_of_an_unreadable_directory(
     assert capsys.readouterr().err == (
         f"gradsync status: cannot read {tmp_path}: Permission denied\n"
     )
+
+
+def test_status_of_a_job_whose_ranks_all_died(tmp_path: Path) -> None:
+    # Every rank published call 2 and died hard: nobody is running or waiting any more.
+    assert run_ranks(workers.crash_after_publish, 3, (3, str(tmp_path)), expect=[]) == {}
+    report = gradsync._status.describe(tmp_path, sample_s=0.0)
+    (job,) = report["jobs"]
+    assert job["state"] == "stopped (every rank is gone: the next job in this directory removes it)"
+    assert [r["alive"] for r in job["ranks"]] == [False, False, False]
+    assert "waiting" not in job
+
+
+def test_status_names_the_ranks_a_rendezvous_waits_for(tmp_path: Path) -> None:
+    # Ranks 0 and 2 of 3 are in (both this live process); rank 1 never came.
+    gen = tmp_path / "gen-00000000000000aa"
+    gen.mkdir()
+    (tmp_path / "rdzv").mkdir()
+    leader = gradsync._liveness.MemberInfo.for_self(0, "00000000000000aa")
+    (tmp_path / "rdzv" / "leader-00000000000000aa.json").write_text(
+        json.dumps({"member": leader.to_json(), "world_size": 3, "run_id": None})
+    )
+    joiner = gradsync._liveness.MemberInfo.for_self(2, "00000000000000bb")
+    (gen / "member-2-00000000000000bb.json").write_text(json.dumps({"member": joiner.to_json()}))
+    report = gradsync._status.describe(tmp_path, sample_s=0.0)
+    (job,) = report["jobs"]
+    assert job["state"] == "rendezvous"
+    assert job["waiting"] == {"for": [1], "by": [0, 2], "what": "join"}
+    assert "    ranks [0, 2] are waiting for ranks [1] to join" in gradsync._status._text(report)
+
+
+def test_one_unreadable_job_is_named_and_the_others_shown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("gen-00000000000000aa", "gen-00000000000000bb"):
+        (tmp_path / name).mkdir()
+    locked = tmp_path / "gen-00000000000000aa"
+    real = os.listdir
+
+    def denied(path: object) -> list[str]:
+        if str(path) == str(locked):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gradsync._status.os, "listdir", denied)
+    assert gradsync._status.status_main(tmp_path, as_json=False) == 1
+    out = capsys.readouterr().out
+    assert (
+        "  generation 00000000000000aa: unreadable, 0 bytes\n"
+        f"    error: cannot read {locked}: Permission denied\n" in out
+    )
+    assert "  generation 00000000000000bb: rendezvous" in out
+
+
+def test_status_of_a_directory_that_cannot_be_looked_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Python 3.11's is_dir() raises EACCES where a parent may not be searched.
+    def denied(self: Path) -> bool:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(gradsync._status.Path, "is_dir", denied)
+    assert gradsync._status.status_main(tmp_path / "inner", as_json=False) == 1
+    assert capsys.readouterr().err == (
+        f"gradsync status: cannot read {tmp_path / 'inner'}: Permission denied\n"
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import threading
@@ -75,6 +76,18 @@ def average_steps(
     return results
 
 
+def stats_of_steps(rank: int, world: int, sync_dir: str, big: bool) -> list[Any]:
+    """Average two steps (1 KiB-ish or 280 KiB, reduced in shards) and return their
+    StepStats and the text each prints."""
+    out = []
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        for step in range(2):
+            stats = gs.average(grads_for(rank, step, SHAPES_BIG if big else SHAPES))
+            assert gs.last_stats is stats
+            out.append((stats, str(stats)))
+    return out
+
+
 def function_form(rank: int, world: int, sync_dir: str, steps: int) -> list[list[bytes]]:
     cfg = config(rank, world, sync_dir)
     out = []
@@ -141,6 +154,76 @@ def with_nan(rank: int, world: int, sync_dir: str, check: bool) -> Any:
     with gradsync.GradSync(config(rank, world, sync_dir, check_finite=check)) as gs:
         gs.average(grads, step=0)
     return [g.tobytes() for g in grads]
+
+
+def over_header_limits(rank: int, world: int, sync_dir: str, limit: str) -> Any:
+    """A first step within the header's limits, then one past ``limit`` (lowered here:
+    the real ones take a million params)."""
+    from gradsync import _protocol  # noqa: PLC0415
+
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        gs.average([np.ones(3), np.ones(2)], step=0)
+        setattr(_protocol, limit, {"MAX_PARAMS": 2, "MAX_META": 60}[limit])
+        gs.average([np.ones(3), np.ones(2), np.ones(1)], step=1)
+
+
+def fill_disk(directory: str) -> None:
+    """Fill the filesystem of ``directory`` to the last byte (a filler file)."""
+    with (
+        open(os.path.join(directory, ".filler"), "wb", buffering=0) as f,
+        contextlib.suppress(OSError),
+    ):
+        while True:
+            f.write(b"\0" * 4096)
+
+
+def disk_fills_mid_job(rank: int, world: int, sync_dir: str) -> Any:
+    """Call 1 small; then rank 0 publishes a larger call 2, after which rank 1 fills the
+    disk and finds no room for its own file. Rank 1 stays alive after failing, as a
+    rank that catches the error would; rank 0 must hear of it, not wait max_wait_s."""
+    gs = gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0))
+    gs.average([np.ones(16, np.float32)], step=0)
+    gen = Path(str(gs.generation_dir))
+    if rank == 1:
+        deadline = time.monotonic() + 10
+        while not (gen / "s-2" / "in-0").exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        fill_disk(sync_dir)
+    try:
+        gs.average([np.ones(100_000, np.float32)], step=1)
+    except gradsync.GradSyncError:
+        if rank == 1:
+            time.sleep(8)  # alive, but never publishing
+        raise
+    finally:
+        gs.close()
+
+
+def close_on_a_full_disk(rank: int, world: int, sync_dir: str) -> Any:
+    """Fill the disk after three calls, make two more (files reused, markers renamed:
+    no room needed), then close: the job's files must still all go."""
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        for step in range(5):
+            if step == 3 and rank == 0:
+                fill_disk(sync_dir)
+            gs.average([np.full(100_000, rank + step, np.float32)], step=step)
+
+
+def membership_not_written(rank: int, world: int, sync_dir: str) -> Any:
+    """Rank 1 is offered a place, then cannot write its membership file (ENOSPC)."""
+    from gradsync import _rendezvous  # noqa: PLC0415
+
+    if rank == 1:
+        write = _rendezvous.write_atomic
+
+        def failing(path: Path, chunks: Any) -> int:
+            if path.name.startswith("member-"):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return write(path, chunks)
+
+        _rendezvous.write_atomic = failing  # type: ignore[assignment]
+    with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:
+        gs.average([np.ones(4)], step=0)
 
 
 def bad_input(rank: int, world: int, sync_dir: str) -> Any:

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -64,8 +65,7 @@ class GradSync:
     """
 
     def __init__(self, cfg: FileGradSyncConfig) -> None:
-        if not isinstance(cfg, FileGradSyncConfig):
-            raise ConfigError(f"cfg must be a FileGradSyncConfig, got {type(cfg).__name__}")
+        _check_config(cfg)
         self.cfg = cfg
         self.last_stats: StepStats | None = None
         self._gen: Generation | None = None
@@ -132,13 +132,18 @@ class GradSync:
         Returns:
             The step's timings (also kept in :attr:`last_stats`).
 
-        Raises:
+        Raises (every one a :class:`GradSyncError`):
+            ConfigError: ``step`` is not an int in the signed 64-bit range.
             InvalidGradsError: the gradients cannot be averaged in place.
             MismatchError: ranks passed different layouts or step numbers, or (first
                 call) were configured with different world sizes, strategies or wide_sum.
+            NonFiniteGradError: with ``check_finite``, a rank's gradients hold NaN/Inf.
             PeerLostError: a peer died; PeerTimeoutError: live peers did not publish
                 within ``max_wait_s``; PeerAbortedError: a peer failed the step.
+            RendezvousError: (first call) the ranks could not form a job.
             SyncDirError: the sync directory could not be read or written.
+            CorruptFileError: a peer's file failed its header or checksum checks.
+            WgpuBridgeError: a GPU copy failed (the device was lost, say).
             GradSyncError: this instance is closed or an earlier step failed.
         """
         self._check_process()
@@ -298,7 +303,9 @@ class GradSync:
             bridge = self._bridge
             bridge._check_upload_target(buffers)  # before the step, which the peers join
             shared = self._device_arrays(bridge, buffers, dtypes)
+            t0 = time.perf_counter()
             host = bridge._download(buffers, dtypes, shared)
+            download_s = time.perf_counter() - t0
         # The mean goes from the shared files to the GPU (queued, not waited for),
         # without first being copied into the host arrays.
         stats = self._average_host(
@@ -307,7 +314,7 @@ class GradSync:
         if self._engine is not None:
             # Known once the peers are met (threads depend on the ranks on this host).
             bridge.threads = self._engine.workers.threads
-        return stats
+        return dataclasses.replace(stats, download_s=download_s, total_s=stats.total_s + download_s)
 
     def _device_arrays(
         self, bridge: WgpuBridge, buffers: Sequence[Any], dtypes: list[np.dtype[Any]]
@@ -393,6 +400,11 @@ def _close_all() -> None:
             _log.exception("closing %r at exit failed", sync)
 
 
+def _check_config(cfg: object) -> None:
+    if not isinstance(cfg, FileGradSyncConfig):
+        raise ConfigError(f"cfg must be a FileGradSyncConfig, got {type(cfg).__name__}")
+
+
 def average_grads_file_sync(
     grads: Sequence[Any],
     device: Any,
@@ -410,6 +422,7 @@ def average_grads_file_sync(
     ``GPUBuffer``s in ``grads``. See :meth:`GradSync.average` for arguments, return
     value and errors.
     """
+    _check_config(cfg)  # before the registry: an unhashable cfg would raise TypeError
     with _registry_lock:
         sync = _registry.get(cfg)
         if sync is None:

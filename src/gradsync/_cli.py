@@ -50,7 +50,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     launch.add_argument(
         "--sync-dir",
-        type=Path,
+        type=str,  # not Path: Path("") would be the current directory
         metavar="DIR",
         help="directory shared by all ranks, created if missing and kept "
         "(default: a fresh directory under /dev/shm, else the temp dir, removed at the end)",

@@ -19,6 +19,7 @@ Strategy = Literal["sharded", "root"]
 _STRATEGIES: tuple[str, ...] = ("sharded", "root")
 _MAX_THREADS = 256
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_MAX_WAIT_SECONDS = 1e9  # about 31 years
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,17 @@ class FileGradSyncConfig:
             )
         if not isinstance(self.sync_dir, (str, os.PathLike)) or not os.fspath(self.sync_dir):
             raise ConfigError(f"sync_dir must be a non-empty path, got {self.sync_dir!r}")
+        if "\0" in str(os.fspath(self.sync_dir)):
+            raise ConfigError(f"sync_dir must not contain a NUL byte, got {self.sync_dir!r}")
         object.__setattr__(self, "sync_dir", Path(self.sync_dir))
         for name in ("max_wait_s", "heartbeat_interval_s", "heartbeat_timeout_s", "warn_after_s"):
             _check_seconds(name, getattr(self, name))
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s"):
+            # Threads wait this long at a time; past ~9.2e9 s such a wait overflows.
+            if getattr(self, name) > _MAX_WAIT_SECONDS:
+                raise ConfigError(
+                    f"{name} must be at most {_MAX_WAIT_SECONDS:.0e} s, got {getattr(self, name)!r}"
+                )
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
             raise ConfigError(
                 "heartbeat_timeout_s must be at least twice heartbeat_interval_s, got "
@@ -140,7 +149,8 @@ class FileGradSyncConfig:
         ``WORLD_SIZE`` and ``RANK``), ``GRADSYNC_SYNC_DIR`` (required), and optionally
         ``GRADSYNC_MAX_WAIT_S``, ``GRADSYNC_THREADS``, ``GRADSYNC_WIDE_SUM`` (``1``/``0``,
         ``true``/``false``) and ``GRADSYNC_RUN_ID`` (falling back to
-        ``TORCHELASTIC_RUN_ID``). Keyword ``overrides`` win over the environment.
+        ``TORCHELASTIC_RUN_ID``). A leading ``~`` of the sync dir is expanded. Keyword
+        ``overrides`` win over the environment.
         With a world size of 1, ``GRADSYNC_SYNC_DIR`` may be unset (it is never used).
 
         Raises:
@@ -169,7 +179,12 @@ class FileGradSyncConfig:
             name, raw = _first(source, ("GRADSYNC_SYNC_DIR",))
             if not raw.strip():
                 raise ConfigError(f"environment variable {name} is empty")
-            values["sync_dir"] = raw
+            if raw != raw.strip():
+                raise ConfigError(
+                    f"environment variable {name} starts or ends with whitespace, got {raw!r}"
+                )
+            # A quoted "~/dir" reaches us unexpanded; no directory is named "~" on purpose.
+            values["sync_dir"] = os.path.expanduser(raw)
         if "GRADSYNC_MAX_WAIT_S" in source:
             raw = source["GRADSYNC_MAX_WAIT_S"]
             values["max_wait_s"] = _parse_float("GRADSYNC_MAX_WAIT_S", raw)
@@ -191,9 +206,11 @@ class FileGradSyncConfig:
         try:
             return cls(**values)  # type: ignore[arg-type]
         except ConfigError as exc:
-            raise ConfigError(
-                f"invalid configuration from the environment ({', '.join(used)}): {exc}"
-            ) from exc
+            given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+            where = f"the environment ({', '.join(used)})" + (
+                f" and the overrides ({given})" if given else ""
+            )
+            raise ConfigError(f"invalid configuration from {where}: {exc}") from exc
 
     @property
     def enabled(self) -> bool:

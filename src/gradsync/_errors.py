@@ -173,7 +173,10 @@ _JOB_WIDE: dict[str, type[GradSyncError]] = {
 
 
 def note_reason(note: object) -> str:
-    """The message of a peer's note, or a placeholder if the note is unreadable."""
+    """The message of a peer's note, or a placeholder if the note is unreadable
+    (``b""``: an empty note, all a peer could write on a full disk)."""
+    if note == b"":
+        return "(its note is empty: no room for the reason; is the sync directory's disk full?)"
     message = note.get("message") if isinstance(note, dict) else None
     return message if isinstance(message, str) else "(its reason is unreadable)"
 

@@ -28,6 +28,8 @@ __all__ = [
     "HEADER_READ_BYTES",
     "KIND_INPUT",
     "KIND_OUTPUT",
+    "MAX_META",
+    "MAX_PARAMS",
     "Header",
     "Layout",
     "decode_header",
@@ -51,8 +53,9 @@ _FIXED = struct.Struct("<4sHBBIIQq16s16sIQQ")
 _CRC = struct.Struct("<I")
 FIXED_SIZE = _FIXED.size + _CRC.size
 _ALIGN = 64
-_MAX_META = 16 << 20
-_MAX_PARAMS = 1 << 20
+# What a reader accepts of a header (bounds a corrupt file's cost); writers refuse more.
+MAX_META = 16 << 20
+MAX_PARAMS = 1 << 20
 _DTYPE_STRS = frozenset({"<f2", "<f4", "<f8", ">f2", ">f4", ">f8"})
 # One read of this many bytes gets the header of any ordinary job.
 HEADER_READ_BYTES = 16384
@@ -190,7 +193,7 @@ def header_length(data: bytes) -> int:
     if len(data) < _FIXED.size:
         return 0
     meta_len: int = _FIXED.unpack_from(data)[10]
-    return FIXED_SIZE + min(meta_len, _MAX_META + 1)
+    return FIXED_SIZE + min(meta_len, MAX_META + 1)
 
 
 def decode_header(data: bytes, path: str, *, parse_meta: bool = True) -> Header:
@@ -216,7 +219,7 @@ def decode_header(data: bytes, path: str, *, parse_meta: bool = True) -> Header:
             f"{path} has format version {version}; this gradsync reads version {VERSION}",
             path=path,
         )
-    if meta_len > _MAX_META or offset < FIXED_SIZE + meta_len:
+    if meta_len > MAX_META or offset < FIXED_SIZE + meta_len:
         raise CorruptFileError(
             f"{path} has an inconsistent header (meta {meta_len} bytes, payload at {offset})",
             path=path,
@@ -283,7 +286,7 @@ def _valid_meta(meta: dict[str, Any]) -> bool:
     nonfinite = meta.get("nonfinite", [])
     if not isinstance(layout, list) or not isinstance(nonfinite, list):
         return False
-    if len(layout) > _MAX_PARAMS:
+    if len(layout) > MAX_PARAMS:
         return False
     for item in layout:
         if not (isinstance(item, list) and len(item) == 2):

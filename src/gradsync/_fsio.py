@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import secrets
 import shutil
@@ -17,6 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from ._errors import ConfigError, SyncDirError
+
+_log = logging.getLogger("gradsync")
 
 __all__ = [
     "Backoff",
@@ -31,6 +34,7 @@ __all__ = [
     "wait_for_path",
     "write_atomic",
     "write_in_place",
+    "write_note",
 ]
 
 _IOV_BATCH = 512  # well under IOV_MAX (1024 on Linux)
@@ -62,10 +66,21 @@ def translate_oserror(
     elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         access = "readable" if what in _READS else "writable"
         hint = f" (the sync directory is not {access} by this process)"
+    elif exc.errno == errno.EEXIST and (link := _dangling_link(Path(path))) is not None:
+        hint = f" ({link} is a symbolic link to {os.readlink(link)}, which does not exist)"
     prefix = "" if step is None else f"step {step}: "
     return SyncDirError(
         f"{prefix}{what} {path} failed: {reason}{hint}", errno=exc.errno, step=step, path=path
     )
+
+
+def _dangling_link(path: Path) -> Path | None:
+    """The first of ``path`` and its parents that is a symbolic link to nothing."""
+    for p in (path, *path.parents):
+        with contextlib.suppress(OSError):
+            if p.is_symlink() and not p.exists():
+                return p
+    return None
 
 
 def write_atomic(path: Path, chunks: Sequence[bytes | memoryview]) -> int:
@@ -92,6 +107,22 @@ def write_atomic(path: Path, chunks: Sequence[bytes | memoryview]) -> int:
             os.unlink(tmp)
         raise
     return total
+
+
+def write_note(path: Path, data: bytes) -> None:
+    """Write the small note ``path`` (an abort or leave note) atomically, or, where the
+    filesystem has no room for its bytes, at least the empty file: a full disk still
+    has room for a name, and a reader takes an empty note for one it cannot read,
+    which is what it would decide without the reason. Raises the first OSError when
+    not even the empty file could be made."""
+    try:
+        write_atomic(path, [data])
+    except OSError as exc:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        except OSError:
+            raise exc from None
+        _log.debug("wrote %s empty: %s", path, exc)
 
 
 def write_in_place(

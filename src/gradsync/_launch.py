@@ -6,6 +6,7 @@ signals with :func:`os.killpg`.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import logging
 import math
@@ -27,19 +28,23 @@ from types import FrameType
 from typing import IO, Any
 
 from ._errors import ConfigError
+from ._rendezvous import remove_dead_jobs
 
 __all__ = ["launch"]
 
 logger = logging.getLogger("gradsync.launch")
 
 # Same rule as FileGradSyncConfig.run_id; checked here so a bad id fails before any rank starts.
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _TAIL_LINES = 10  # lines of the failing rank's stderr shown in the failure summary
 _MAX_LINE_BYTES = 64 * 1024  # longer lines are split, so one rank cannot exhaust memory
 _POLL_S = 0.05  # how often the supervisor looks at launcher signals and deadlines
 _DRAIN_S = 2.0  # after the ranks exit, how long to wait for their pipes to reach EOF
 _ABANDON_S = 10.0  # after SIGKILL, how long to wait for ranks before giving up on them
+# Each rank costs the launcher a copy of the environment and three threads before any
+# starts; no host runs more ranks than this usefully.
+_MAX_NPROC = 4096
 
 
 def launch(
@@ -147,7 +152,13 @@ def launch(
         )
         job = _Job(signals, grace_period_s)
         job.start(argv, envs)
-        return job.supervise()
+        code = job.supervise()
+        if own_dir is None:
+            # Ranks stopped by a signal or a peer's failure leave their files; ranks that
+            # finished removed theirs. What is left of dead ranks of this host goes now,
+            # not when the next job's rank 0 gets to it.
+            remove_dead_jobs(directory)
+        return code
     finally:
         # Remove the directory before restoring the signal handlers, so that a second
         # Ctrl-C cannot interrupt the removal halfway.
@@ -171,6 +182,8 @@ def _validate(
 ) -> None:
     """Raise :class:`ConfigError` naming the first invalid argument and its value."""
     _check_int("--nproc", nproc, minimum=1)
+    if nproc > _MAX_NPROC:
+        raise ConfigError(f"--nproc must be <= {_MAX_NPROC}, got {nproc!r}")
     _check_int("--nnodes", nnodes, minimum=1)
     _check_int("--node-rank", node_rank, minimum=0)
     if node_rank >= nnodes:
@@ -178,7 +191,7 @@ def _validate(
     if max_wait_s is not None:
         _check_seconds("--max-wait-s", max_wait_s, allow_zero=False)
     _check_seconds("--grace-period-s", grace_period_s, allow_zero=True)
-    if run_id is not None and (not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id)):
+    if run_id is not None and (not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id)):
         raise ConfigError(f"--run-id must be 1-64 characters from [A-Za-z0-9._-], got {run_id!r}")
     if nnodes > 1 and run_id is None:
         raise ConfigError(
@@ -227,7 +240,7 @@ def _make_default_sync_dir(run_id: str) -> Path:
 
 def _prepare_sync_dir(sync_dir: str | os.PathLike[str]) -> Path:
     """Create ``sync_dir`` if missing and return its absolute path."""
-    path = Path(os.path.abspath(sync_dir))
+    path = Path(os.path.abspath(os.path.expanduser(sync_dir)))  # "--sync-dir=~/x" too
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -340,12 +353,17 @@ def _pump(
     tail: collections.deque[str] | None,
 ) -> None:
     """Copy ``pipe`` line by line to ``dest`` with ``prefix``, until EOF."""
+    # Incremental: a line split at _MAX_LINE_BYTES may split a character too.
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     with pipe:
         while True:
             chunk = pipe.readline(_MAX_LINE_BYTES)
             if not chunk:
                 return
-            line = chunk.decode("utf-8", errors="replace").removesuffix("\n").removesuffix("\r")
+            text = decoder.decode(chunk)
+            if not text:
+                continue
+            line = text.removesuffix("\n").removesuffix("\r")
             if tail is not None:
                 tail.append(line)
             output.write(dest, f"{prefix}{line}\n")

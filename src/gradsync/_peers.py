@@ -271,7 +271,8 @@ class PeerFiles:
     def _raise_abort(self, step_dir: Path, rank: int, step: int) -> None:
         path = step_dir / f"abort-{rank}"
         try:
-            note: object = json.loads(path.read_bytes())
+            raw = path.read_bytes()
+            note: object = json.loads(raw) if raw else raw
         except (OSError, ValueError, RecursionError):
             note = None
         shared = job_wide_error(note, step=step, path=step_dir)

@@ -52,6 +52,8 @@ from ._format import (
     HEADER_READ_BYTES,
     KIND_INPUT,
     KIND_OUTPUT,
+    MAX_META,
+    MAX_PARAMS,
     Layout,
     block_crcs,
     crc_placeholder,
@@ -64,7 +66,7 @@ from ._fsio import (
     place_marker,
     remove_tree,
     translate_oserror,
-    write_atomic,
+    write_note,
 )
 from ._liveness import Heartbeat
 from ._parallel import SMALL_COPY_BYTES, Workers, auto_threads, split_range
@@ -207,12 +209,17 @@ class StepEngine:
     def _tell_peers(self, step_dir: Path, exc: BaseException) -> None:
         with contextlib.suppress(OSError):
             step_dir.mkdir(exist_ok=True)
-            write_atomic(step_dir / f"abort-{self.rank}", [json.dumps(error_note(exc)).encode()])
+            write_note(step_dir / f"abort-{self.rank}", json.dumps(error_note(exc)).encode())
 
     def _step(
         self, arrays: list[np.ndarray], step: int, step_dir: Path, deliver: Deliver | None
     ) -> StepStats:
         t0 = time.perf_counter()
+        if len(arrays) > MAX_PARAMS:
+            raise InvalidGradsError(
+                f"step {step}: {len(arrays)} params, more than the {MAX_PARAMS} a gradsync "
+                "file describes: concatenate small params into fewer arrays"
+            )
         plan = self._plan_for(_layout_of(arrays))
         flats = [a.reshape(-1) for a in arrays]
         nonfinite = (
@@ -330,6 +337,13 @@ class StepEngine:
     ) -> bytes:
         layout_text = plan.layout_text if kind == KIND_INPUT else None
         meta = encode_meta(layout_text, nonfinite, crc)
+        if len(meta) > MAX_META:
+            # Readers would take the file for corrupt: refuse it here, before publishing.
+            raise InvalidGradsError(
+                f"step {step}: the gradients' layout takes {len(meta)} bytes in the file "
+                f"header, more than the {MAX_META} a header holds: concatenate small "
+                "params into fewer arrays"
+            )
         return encode_header(
             kind=kind,
             rank=self.rank,

@@ -50,16 +50,19 @@ from ._fsio import (
     remove_tree,
     translate_oserror,
     write_atomic,
+    write_note,
 )
 from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo, read_counter
 
-__all__ = ["Generation", "calls_finished", "leave", "rendezvous"]
+__all__ = ["Generation", "calls_finished", "leave", "remove_dead_jobs", "rendezvous"]
 
 _log = logging.getLogger("gradsync")
 RDZV = "rdzv"
 GEN_PREFIX = "gen-"
 ROSTER = "roster.json"
 ABORT = "abort.json"
+# gave-up-<rank>-<nonce>.json: a rank that was offered a place, then failed, says why.
+GAVE_UP = "gave-up-"
 _CHECK_EVERY_S = 0.2
 
 
@@ -107,8 +110,10 @@ def _load(path: Path) -> dict[str, Any] | None:
         raw = read_small(path)
     except OSError:
         return None
-    if raw is None:
-        return None
+    return None if raw is None else _parse(raw)
+
+
+def _parse(raw: bytes) -> dict[str, Any] | None:
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):
@@ -185,9 +190,17 @@ class _Leader:
             ) from exc
         heartbeat = Heartbeat(self.gen_path / f"hb-{self.me.nonce}", self.cfg.heartbeat_interval_s)
         try:
-            _write(self.leader_file, self._info(), "registering rank 0 in")
-            # First thing, so that the look at dead runs' heartbeats starts early.
+            # First thing, so that the look at dead runs' heartbeats starts early, and
+            # before this run writes anything more: on a full disk it frees their space.
             _reap_stale_generations(self.cfg.sync_dir, self.gen_path, self.cfg.heartbeat_timeout_s)
+            _write(self.leader_file, self._info(), "registering rank 0 in")
+        except BaseException:
+            heartbeat.stop()
+            # Nobody can have joined a generation without a leader file: remove it now,
+            # rather than leave it to a reaper that waits out its heartbeat.
+            remove_tree(self.gen_path)
+            raise
+        try:
             gen = self._admit()
         except BaseException:
             heartbeat.stop()
@@ -200,11 +213,11 @@ class _Leader:
         except GradSyncError as exc:
             # Requesters that already confirmed learn the reason instead of timing out.
             with contextlib.suppress(OSError):
-                write_atomic(self.gen_path / ABORT, [_dump(error_note(exc))])
+                write_note(self.gen_path / ABORT, _dump(error_note(exc)))
             # Rank 0 has left: nobody's rival now, and the next rank 0 on this host
             # removes the directory at once (as a generation whose members are gone).
             with contextlib.suppress(OSError):
-                write_atomic(self.gen_path / "left-0", [b"{}"])
+                write_note(self.gen_path / "left-0", b"{}")
             raise
 
     def _admit_ranks(self) -> Generation:
@@ -268,6 +281,8 @@ class _Leader:
     def _collect(self) -> None:
         cfg = self.cfg
         for name in list_names(self.gen_path):
+            if name.startswith(GAVE_UP):
+                self._raise_gave_up(self.gen_path / name)
             if not name.startswith("member-") or not name.endswith(".json"):
                 continue
             data = _load(self.gen_path / name)
@@ -304,6 +319,24 @@ class _Leader:
                     path=cfg.sync_dir,
                 )
             self.confirmed[member.rank] = member
+
+    def _raise_gave_up(self, path: Path) -> None:
+        """Raise what a rank that was offered a place reported when it gave up."""
+        try:
+            raw = read_small(path)
+        except OSError:
+            raw = None
+        note: dict[str, Any] | bytes | None = _parse(raw) if raw else b""
+        rank = path.name[len(GAVE_UP) :].split("-")[0]
+        member = _member(note) if isinstance(note, dict) else None
+        who = f"rank {rank}" + ("" if member is None else f" ({member.describe()})")
+        message = f"rendezvous: {who} gave up joining: {note_reason(note)}"
+        # A problem of the whole job (a rank that never came, a mismatch) keeps its type
+        # and ranks: it is this rank's problem too.
+        shared = job_wide_error(note, step=None, path=path)
+        if shared is not None:
+            raise type(shared)(message, ranks=shared.ranks, path=path)
+        raise PeerAbortedError(message, ranks=[int(rank)] if rank.isdigit() else [], path=path)
 
     def _check_agreement(self, member: MemberInfo, data: dict[str, Any]) -> None:
         """Fail if ``member`` was configured differently where the ranks must agree."""
@@ -375,21 +408,50 @@ class _Leader:
             for name in (f"join-{member.rank}-{member.nonce}.json", f"offer-{member.nonce}.json"):
                 with contextlib.suppress(OSError):
                     (self.rdzv / name).unlink()
-        names = list_names(self.rdzv)
-        waiting = set()  # nonces of joins whose process may still read its offer
-        for name in names:
-            if name.startswith("join-") and name.endswith(".json"):
-                stale = _member(_load(self.rdzv / name))
-                if stale is not None and stale.local_death() is not None:
-                    with contextlib.suppress(OSError):
-                        (self.rdzv / name).unlink()
-                else:
-                    waiting.add(name[:-5].rsplit("-", 1)[-1])
-        for name in names:
-            # An offer names rank 0, not the joiner: it is stale once its join is gone.
-            if name.startswith("offer-") and name[6:-5] not in waiting:
+        _remove_dead_joins(self.rdzv)
+
+
+def _remove_dead_joins(rdzv: Path) -> None:
+    """Remove the join files of dead processes of this host, and offers without a join."""
+    names = list_names(rdzv)
+    waiting = set()  # nonces of joins whose process may still read its offer
+    for name in names:
+        if name.startswith("join-") and name.endswith(".json"):
+            stale = _member(_load(rdzv / name))
+            if stale is not None and stale.local_death() is not None:
                 with contextlib.suppress(OSError):
-                    (self.rdzv / name).unlink()
+                    (rdzv / name).unlink()
+            else:
+                waiting.add(name[:-5].rsplit("-", 1)[-1])
+    for name in names:
+        # An offer names rank 0, not the joiner: it is stale once its join is gone.
+        if name.startswith("offer-") and name[6:-5] not in waiting:
+            with contextlib.suppress(OSError):
+                (rdzv / name).unlink()
+
+
+def remove_dead_jobs(sync_dir: Path) -> None:
+    """Remove what jobs whose every member ran on this host, and is gone, left in
+    ``sync_dir``: ranks stopped by a signal never close their session. Jobs with
+    members on other hosts are left to the next rank 0, which waits out their
+    heartbeats. Never raises: it only tidies."""
+    try:
+        names = list_names(sync_dir)
+        for name in names:
+            gen_path = sync_dir / name
+            if not name.startswith(GEN_PREFIX):
+                continue
+            members = _members_of(gen_path)
+            if members and all(
+                (gen_path / f"left-{m.rank}").exists()
+                or (m.same_host and m.local_death() is not None)
+                for m in members
+            ):
+                _remove(gen_path)
+        if RDZV in names:
+            _remove_dead_joins(sync_dir / RDZV)
+    except OSError as exc:
+        _log.debug("tidying %s stopped: %s", sync_dir, exc)
 
 
 def _members_of(gen_path: Path) -> list[MemberInfo] | None:
@@ -525,9 +587,12 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
                 next_check = elapsed + _CHECK_EVERY_S
                 _check_not_taken(cfg, me, watch)
             if gen_path is not None and leader is not None:
-                abort = _load(gen_path / ABORT)
-                if abort is not None:
-                    _raise_abort(abort, gen_path)
+                try:
+                    abort = read_small(gen_path / ABORT)
+                except OSError:
+                    abort = None
+                if abort is not None:  # empty where rank 0's disk was full: still a note
+                    _raise_abort(_parse(abort) if abort else abort, gen_path)
                 roster = _load(gen_path / ROSTER)
                 if roster is not None:
                     gen = _accept(cfg, me, gen_path, roster)
@@ -546,9 +611,15 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
                 )
                 next_warn += cfg.warn_after_s
             backoff.pause()
-    except BaseException:
+    except BaseException as exc:
         if heartbeat is not None:
             heartbeat.stop()
+        if gen_path is not None:
+            # Rank 0 has offered this rank a place and would otherwise wait out
+            # max_wait_s for it (its join file goes below): tell it why.
+            note = {**error_note(exc), "member": me.to_json()}
+            with contextlib.suppress(OSError):
+                write_note(gen_path / f"{GAVE_UP}{cfg.rank}-{me.nonce}.json", _dump(note))
         raise
     finally:
         for path in (join, offer_path):
@@ -583,7 +654,7 @@ def _join_timeout(cfg: FileGradSyncConfig, gen_path: Path | None) -> PeerTimeout
     )
 
 
-def _raise_abort(note: dict[str, Any], gen_path: Path) -> None:
+def _raise_abort(note: dict[str, Any] | bytes | None, gen_path: Path) -> None:
     shared = job_wide_error(note, step=None, path=gen_path)
     if shared is not None:
         raise shared  # rank 0 found a problem of the whole job: every rank raises it alike
@@ -699,7 +770,7 @@ def leave(gen: Generation, calls: int) -> None:
     """Mark this rank as gone after finishing ``calls`` averaging calls; the last rank
     to leave removes the generation directory."""
     try:
-        write_atomic(gen.left_path(gen.rank), [json.dumps({"calls": calls}).encode()])
+        write_note(gen.left_path(gen.rank), json.dumps({"calls": calls}).encode())
     except OSError:
         return
     try:

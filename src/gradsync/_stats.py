@@ -11,16 +11,20 @@ __all__ = ["StepStats"]
 class StepStats:
     """Timings of one averaging call on this rank, in seconds.
 
+    ``download_s`` copies GPU buffers to the host (0 for numpy arrays);
     ``publish_s`` writes this rank's gradients; ``wait_inputs_s`` waits for the
     peers' (``last_rank`` is the one that arrived last, None when there was no
     wait); ``reduce_s`` computes this rank's shard of the mean; ``wait_outputs_s``
     waits for the other shards and ``gather_s`` copies them into the arrays (for GPU
-    buffers: queues the copies of every shard into the buffers).
+    buffers: queues the copies of every shard into the buffers). ``total_s`` is the
+    call from the download (or publish) to the end of the gather: it excludes the
+    first call's rendezvous and the argument checks.
     """
 
     step: int
     world_size: int
     bytes_per_rank: int
+    download_s: float = 0.0
     publish_s: float = 0.0
     wait_inputs_s: float = 0.0
     reduce_s: float = 0.0
@@ -32,7 +36,8 @@ class StepStats:
     def __str__(self) -> str:
         return (
             f"step {self.step}: {self.bytes_per_rank} B/rank, total {self.total_s * 1e3:.2f} ms "
-            f"(publish {self.publish_s * 1e3:.2f}, wait {self.wait_inputs_s * 1e3:.2f}"
+            f"({f'download {self.download_s * 1e3:.2f}, ' if self.download_s else ''}"
+            f"publish {self.publish_s * 1e3:.2f}, wait {self.wait_inputs_s * 1e3:.2f}"
             f"{'' if self.last_rank is None else f' for rank {self.last_rank}'}, "
             f"reduce {self.reduce_s * 1e3:.2f}, wait {self.wait_outputs_s * 1e3:.2f}, "
             f"gather {self.gather_s * 1e3:.2f})"

@@ -38,6 +38,7 @@ def _names(folder: Path) -> list[str]:
         return os.listdir(folder)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    # Other errors (EACCES) are the caller's: that job is reported unreadable.
 
 
 def _steps(gen: Path) -> list[int]:
@@ -83,9 +84,16 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
                 member = _member(_load(gen / name))
                 if member is not None:
                     members.append(member)
-        leader = _member(_load(gen.parent / RDZV / f"leader-{info['id']}.json"))
+        leader_data = _load(gen.parent / RDZV / f"leader-{info['id']}.json")
+        leader = _member(leader_data)
         if leader is not None:
             members.insert(0, leader)
+        world = leader_data.get("world_size") if leader_data is not None else None
+        if isinstance(world, int) and leader is not None:
+            joined = sorted({m.rank for m in members})
+            missing = [r for r in range(world) if r not in joined]
+            if missing:
+                info["waiting"] = {"for": missing, "by": joined, "what": "join"}
     abort = _load(gen / ABORT)
     if abort is not None:
         info["state"] = "failed"
@@ -138,6 +146,40 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
     return info
 
 
+def _unreadable(gen: Path, exc: OSError) -> dict[str, Any]:
+    where = exc.filename or gen
+    return {
+        "path": str(gen),
+        "id": gen.name[len(GEN_PREFIX) :],
+        "state": "unreadable",
+        "error": f"cannot read {where}: {exc.strerror or exc}",
+        "ranks": [],
+        "disk_bytes": 0,
+    }
+
+
+def _gone(rank: dict[str, Any]) -> bool:
+    """Whether a rank has left or its process is known to be gone."""
+    if rank["left"]:
+        return True
+    if rank["same_host"]:
+        return not rank["alive"]
+    return not rank["beating"]
+
+
+def _settle(job: dict[str, Any]) -> None:
+    """A job whose every rank is gone is stopped, not running; the gone wait for nobody."""
+    ranks = job["ranks"]
+    if ranks and all(_gone(r) for r in ranks) and job["state"] in ("running", "rendezvous"):
+        job["state"] = "stopped (every rank is gone: the next job in this directory removes it)"
+    waiting = job.get("waiting")
+    if waiting:
+        gone = {r["rank"] for r in ranks if _gone(r)}
+        waiting["by"] = [r for r in waiting["by"] if r not in gone]
+        if not waiting["by"]:
+            del job["waiting"]
+
+
 def describe(sync_dir: Path, *, sample_s: float = _SAMPLE_S) -> dict[str, Any]:
     """A JSON-able description of every job in ``sync_dir``.
 
@@ -145,18 +187,22 @@ def describe(sync_dir: Path, *, sample_s: float = _SAMPLE_S) -> dict[str, Any]:
     whether their heartbeat still moves.
     """
     watch = HeartbeatWatch(timeout_s=3600.0)
-    gens = sorted(
-        sync_dir / n
-        for n in os.listdir(sync_dir)
-        if n.startswith(GEN_PREFIX) and (sync_dir / n).is_dir()
-    )
-    jobs = [_generation(g, watch) for g in gens]
+    gens = sorted(sync_dir / n for n in os.listdir(sync_dir) if n.startswith(GEN_PREFIX))
+    jobs = []
+    for gen in gens:
+        try:
+            if gen.is_dir():
+                jobs.append(_generation(gen, watch))
+        except OSError as exc:  # one unreadable job does not hide the others
+            jobs.append(_unreadable(gen, exc))
     remote = [r for job in jobs for r in job["ranks"] if not r["same_host"]]
     if remote:
         time.sleep(sample_s)
         for r in remote:
             later = read_counter(Path(r.pop("hb_path")))
             r["beating"] = later is not None and later != r["heartbeat"]
+    for job in jobs:
+        _settle(job)
     return {"sync_dir": str(sync_dir), "disk_bytes": _disk_bytes(sync_dir), "jobs": jobs}
 
 
@@ -183,7 +229,11 @@ def _text(report: dict[str, Any]) -> str:
                 f"    rank {r['rank']}: pid {r['pid']} on {r['host']}, {life}, {last}{failed}"
             )
         waiting = job.get("waiting")
-        if waiting:
+        if waiting and waiting["what"] == "join":
+            lines.append(
+                f"    ranks {waiting['by']} are waiting for ranks {waiting['for']} to join"
+            )
+        elif waiting:
             lines.append(
                 f"    ranks {waiting['by']} are waiting for ranks {waiting['for']} to publish "
                 f"their {waiting['what']} (call {waiting['call']})"
@@ -192,15 +242,16 @@ def _text(report: dict[str, Any]) -> str:
 
 
 def status_main(sync_dir: Path, *, as_json: bool) -> int:
-    """Print the state of ``sync_dir``; 0 if readable, 1 if it does not exist or
-    cannot be read."""
-    if not sync_dir.is_dir():
-        print(f"gradsync status: {sync_dir} is not a directory", file=sys.stderr)
-        return 1
+    """Print the state of ``sync_dir``; 0 if every job in it could be read, 1 if it
+    does not exist or it, or a job in it, cannot be read."""
     try:
+        if not sync_dir.is_dir():
+            print(f"gradsync status: {sync_dir} is not a directory", file=sys.stderr)
+            return 1
         report = describe(sync_dir)
     except OSError as exc:
-        print(f"gradsync status: cannot read {sync_dir}: {exc.strerror or exc}", file=sys.stderr)
+        where = exc.filename or sync_dir
+        print(f"gradsync status: cannot read {where}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2) if as_json else _text(report))
-    return 0
+    return 1 if any(job["state"] == "unreadable" for job in report["jobs"]) else 0
