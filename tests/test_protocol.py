@@ -634,27 +634,6 @@ def test_sync_dir_that_cannot_be_created(tmp_path: Path) -> None:
     )
 
 
-def test_full_disk_is_a_sync_dir_error(tmp_path: Path) -> None:
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.system(f"mount -t tmpfs -o size=256k tmpfs {mnt} 2>/dev/null") != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root and CAP_SYS_ADMIN)")
-    try:
-        results = run_ranks(_big_average, 2, (str(mnt),))
-        for r in range(2):
-            assert results[r].error_type in ("SyncDirError", "PeerAbortedError"), results[r].value
-        failed = [o for o in results.values() if o.error_type == "SyncDirError"]
-        assert failed
-        assert all(o.attrs["errno"] == 28 for o in failed)
-        assert all("(the sync directory's filesystem is full)" in o.message for o in failed)
-        assert all(o.elapsed_s < 15 for o in results.values())
-    finally:
-        os.system(f"umount {mnt}")
-    # The same job in a roomy directory then works.
-    again = run_ranks(_big_average, 2, (str(tmp_path / "roomy"),))
-    assert_ok(again)
-
-
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 2 MiB tmpfs, to be filled by the test."""
@@ -666,6 +645,20 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         os.system(f"umount {mnt}")
+
+
+def test_full_disk_is_a_sync_dir_error(tmp_path: Path, small_tmpfs: Path) -> None:
+    results = run_ranks(_big_average, 2, (str(small_tmpfs),))  # 4 MiB a rank
+    for r in range(2):
+        assert results[r].error_type in ("SyncDirError", "PeerAbortedError"), results[r].value
+    failed = [o for o in results.values() if o.error_type == "SyncDirError"]
+    assert failed
+    assert all(o.attrs["errno"] == 28 for o in failed)
+    assert all("(the sync directory's filesystem is full)" in o.message for o in failed)
+    assert all(o.elapsed_s < 15 for o in results.values())
+    # The same job in a roomy directory then works.
+    again = run_ranks(_big_average, 2, (str(tmp_path / "roomy"),))
+    assert_ok(again)
 
 
 def test_a_rank_that_finds_the_disk_full_tells_its_peers(small_tmpfs: Path) -> None:
