@@ -698,6 +698,21 @@ def test_a_rank_0_that_cannot_register_leaves_nothing_behind(small_tmpfs: Path) 
     assert sorted(p.name for p in small_tmpfs.rglob("*")) == [".filler", "rdzv"]
 
 
+def test_rank_0s_empty_abort_note_still_ends_the_rendezvous(small_tmpfs: Path) -> None:
+    # Its reason did not fit on the full disk: rank 1 used to wait for rank 0's process
+    # to exit (or out max_wait_s, 20 s).
+    results = run_ranks(
+        workers.rendezvous_fails_on_a_full_disk, 3, (3, str(small_tmpfs)), ranks=[0, 1]
+    )
+    assert results[0].error_type == "PeerTimeoutError"
+    assert (results[1].error_type, results[1].message) == (
+        "PeerAbortedError",
+        "rendezvous failed on rank 0: (its note is empty: no room for the reason; is the "
+        "sync directory's disk full?)",
+    )
+    assert results[1].elapsed_s < 7
+
+
 def test_a_rank_that_fails_after_its_offer_tells_rank_0(tmp_path: Path) -> None:
     # Its join file goes when it fails: rank 0, which had offered it a place, used to
     # wait out max_wait_s (20 s) and then say it had not joined.

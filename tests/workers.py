@@ -209,6 +209,31 @@ def close_on_a_full_disk(rank: int, world: int, sync_dir: str) -> Any:
             gs.average([np.full(100_000, rank + step, np.float32)], step=step)
 
 
+def rendezvous_fails_on_a_full_disk(rank: int, world: int, sync_dir: str) -> Any:
+    """Ranks 0 and 1 of 3 (rank 2 never comes). Once rank 1 has confirmed, rank 0 fills
+    the disk, so its abort note (ranks [2] did not join within 3 s) is written empty;
+    it stays alive after failing. Rank 1 must still hear of it at once."""
+    if rank == 0:
+
+        def fill_once_joined() -> None:
+            deadline = time.monotonic() + 10
+            while not list(Path(sync_dir).glob("gen-*/member-1-*.json")):
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.005)
+            fill_disk(sync_dir)
+
+        threading.Thread(target=fill_once_joined, daemon=True).start()
+    cfg = config(rank, world, sync_dir, max_wait_s=3.0 if rank == 0 else 20.0)
+    try:
+        with gradsync.GradSync(cfg) as gs:
+            gs.average([np.ones(4)], step=0)
+    except gradsync.GradSyncError:
+        if rank == 0:
+            time.sleep(8)
+        raise
+
+
 def membership_not_written(rank: int, world: int, sync_dir: str) -> Any:
     """Rank 1 is offered a place, then cannot write its membership file (ENOSPC)."""
     from gradsync import _rendezvous  # noqa: PLC0415
