@@ -244,7 +244,7 @@ def test_ctrl_c_during_the_gather_leaves_the_whole_mean(
     for r in (0, 1):
         assert re.fullmatch(
             rf"PeerAbortedError: step 1: rank 2 \({PID}\) gave up on this step: "
-            r"KeyboardInterrupt: ",
+            r"KeyboardInterrupt",
             results[r].value["next"],
         ), results[r].value["next"]
 

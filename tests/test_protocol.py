@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Iterator
@@ -205,7 +206,8 @@ def test_crashed_run_with_other_world_size_is_never_read(tmp_path: Path) -> None
     # An earlier job of 3 ranks publishes step 1's inputs, then every rank dies hard.
     old = run_ranks(workers.crash_after_publish, 3, (3, str(tmp_path)), expect=[])
     assert old == {}
-    assert any(p.name.startswith("gen-") for p in tmp_path.iterdir())
+    (gen,) = (p for p in tmp_path.iterdir() if p.name.startswith("gen-"))
+    assert sorted(p.name for p in (gen / "s-2").iterdir()) == ["in-0", "in-1", "in-2"]
     # A new job of 2 ranks in the same directory sees only its own data.
     results = run_ranks(workers.average_steps, 2, (2, str(tmp_path), 3, {}))
     assert_ok(results)
@@ -805,3 +807,91 @@ def test_a_step_beyond_64_bits_is_refused(tmp_path: Path, step: int) -> None:
 def test_float_dtypes_with_metadata_are_accepted() -> None:
     g = np.zeros(4, np.dtype(np.float32, metadata={"unit": "1/s"}))
     assert validate_grads([g]) == [g]
+
+
+# -- a session's life in its process ------------------------------------------------------
+
+
+def test_rank_0_interrupted_in_the_rendezvous_can_call_again(tmp_path: Path) -> None:
+    # Its leader file used to stay, naming a live process (itself): the second call
+    # found "another rank 0 (pid <its own>)" and failed.
+    results = run_ranks(workers.rank_0_interrupted_in_the_rendezvous, 2, (2, str(tmp_path)))
+    assert_ok(results)
+    assert results[0].value == results[1].value == [0.5] * 4
+
+
+def test_rank_0_interrupted_after_a_joiner_confirmed_tells_it(tmp_path: Path) -> None:
+    # Rank 1 used to wait out max_wait_s (20 s) while rank 0 lived on.
+    results = run_ranks(
+        workers.rank_0_interrupted_after_a_joiner_confirmed, 3, (3, str(tmp_path)), ranks=[0, 1]
+    )
+    assert results[0].error_type == "KeyboardInterrupt"
+    assert (results[1].error_type, results[1].message) == (
+        "PeerAbortedError",
+        "rendezvous failed on rank 0: KeyboardInterrupt",
+    )
+    assert results[1].elapsed_s < 5
+
+
+def test_an_interrupt_as_the_session_starts_leaves_the_job(tmp_path: Path) -> None:
+    # The generation was dropped with its heartbeat thread running: rank 0 waited out
+    # max_wait_s (20 s), and rank 1's next calls met its own stale membership.
+    results = run_ranks(workers.interrupted_as_the_engine_starts, 2, (2, str(tmp_path)))
+    assert_ok(results)
+    assert results[1].value == ("KeyboardInterrupt", [0.5] * 4, [])
+    assert results[0].value == ("PeerLostError", [0.5] * 4, [])
+    assert results[0].elapsed_s < 10
+
+
+@pytest.mark.parametrize("how", ["signal", "thread"])
+def test_closing_a_session_during_a_step(tmp_path: Path, how: str) -> None:
+    # From a SIGTERM handler, close() used to deadlock on the lock its own thread held
+    # in average(); from another thread it waited for the step to end (here 3 s).
+    results = run_ranks(workers.closed_during_a_step, 2, (2, str(tmp_path), how), timeout_s=30)
+    assert_ok(results)
+    kind, message, seconds, state = results[0].value
+    if how == "signal":
+        assert (kind, message) == ("SystemExit", "3")
+    else:
+        assert kind == "GradSyncError"
+        assert re.fullmatch(
+            rf"step 1: this rank's session was closed while it waited for ranks \[1\] in "
+            rf"{tmp_path}/gen-[0-9a-f]+/s-2",
+            message,
+        ), message
+    assert seconds < 2
+    assert state.endswith(", closed)")
+    # Rank 1, 3 s late, finds that rank 0 gave up on the step.
+    kind, message = results[1].value
+    assert kind == "PeerAbortedError"
+    assert re.match(r"step 1: rank 0 \(pid \d+ on \S+\) gave up on this step: ", message)
+
+
+def test_a_session_dropped_without_close_leaves_the_job(tmp_path: Path) -> None:
+    results = run_ranks(workers.dropped_without_close, 2, (2, str(tmp_path)))
+    assert_ok(results)
+    assert results[1].value == []  # no heartbeat thread left
+    kind, message, seconds = results[0].value
+    assert kind == "PeerLostError"
+    assert "closed its gradsync session" in message, message
+    assert seconds < 2
+
+
+def test_the_function_form_refuses_a_second_config_for_the_same_rank(tmp_path: Path) -> None:
+    cfg = gradsync.FileGradSyncConfig(1, 0, tmp_path / "sync")
+    other = dataclasses.replace(cfg, max_wait_s=6.0)
+    gradsync.average_grads_file_sync([np.ones(2)], None, cfg, 0)
+    try:
+        with pytest.raises(
+            gradsync.ConfigError,
+            match=re.escape(
+                f"rank 0 of the job in {tmp_path / 'sync'} (run_id None) is averaged in this "
+                "process with another config (max_wait_s 600.0 then 6.0): pass the same "
+                "config on every call"
+            ),
+        ):
+            gradsync.average_grads_file_sync([np.ones(2)], None, other, 1)
+        same = dataclasses.replace(cfg)  # equal, not identical: the same session
+        gradsync.average_grads_file_sync([np.ones(2)], None, same, 1)
+    finally:
+        gradsync._api._close_all()

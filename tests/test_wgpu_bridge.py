@@ -896,7 +896,7 @@ _WORKER = textwrap.dedent(
         # From the second step on, the buffers are downloaded into arrays mapped from
         # this rank's data file (280 KiB: reduced in shards), which is then published
         # without a copy: the rank's input-file name links to that file.
-        gen = gradsync._api._registry[cfg].generation_dir
+        gen = gradsync._api._registry[gradsync._api._job_key(cfg)].generation_dir
         linked = os.path.islink(os.path.join(gen, f"d-{rank}.in"))
         assert linked == (step > 0 and mode != "unmapped"), (step, linked)
     assert mapped_uploads == ([{"wait": False}] * 3 if mode == "gathered" else []), mapped_uploads

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -234,6 +236,132 @@ def rendezvous_fails_on_a_full_disk(rank: int, world: int, sync_dir: str) -> Any
         raise
 
 
+def _interrupt_self_in(seconds: float) -> None:
+    threading.Timer(seconds, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+
+
+def rank_0_interrupted_in_the_rendezvous(rank: int, world: int, sync_dir: str) -> Any:
+    """Rank 0 is interrupted (SIGINT) 0.5 s into its rendezvous, before rank 1 comes
+    (at 1.5 s), and calls again; both calls of the function form must then succeed."""
+    cfg = config(rank, world, sync_dir, max_wait_s=10.0)
+    grads = [np.full(4, float(rank))]
+    if rank == 0:
+        _interrupt_self_in(0.5)
+        try:
+            gradsync.average_grads_file_sync(grads, None, cfg, 0)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("not interrupted")
+    else:
+        time.sleep(1.5)
+    gradsync.average_grads_file_sync(grads, None, cfg, 0)
+    return grads[0].tolist()
+
+
+def rank_0_interrupted_after_a_joiner_confirmed(rank: int, world: int, sync_dir: str) -> Any:
+    """Ranks 0 and 1 of 3 (rank 2 never comes); rank 0 is interrupted once rank 1 has
+    confirmed, and stays alive: rank 1 must hear of it, not wait max_wait_s."""
+    if rank == 0:
+
+        def interrupt_once_joined() -> None:
+            deadline = time.monotonic() + 10
+            while not list(Path(sync_dir).glob("gen-*/member-1-*.json")):
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.005)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt_once_joined, daemon=True).start()
+    try:
+        with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:
+            gs.average([np.ones(4)], step=0)
+    except KeyboardInterrupt:
+        time.sleep(5)
+        raise
+
+
+def interrupted_as_the_engine_starts(rank: int, world: int, sync_dir: str) -> Any:
+    """Rank 1's first call is interrupted just after the rendezvous (as its step engine
+    starts); it calls again, and so does rank 0 once its call fails. Returns the mean
+    and the heartbeat threads left once every session is closed."""
+    from gradsync import _api  # noqa: PLC0415
+
+    cfg = config(rank, world, sync_dir, max_wait_s=20.0)
+    grads = [np.full(4, float(rank))]
+    if rank == 1:
+        real = _api.StepEngine
+
+        def interrupted(*args: Any) -> Any:
+            _api.StepEngine = real  # type: ignore[misc]
+            raise KeyboardInterrupt
+
+        _api.StepEngine = interrupted  # type: ignore[misc]
+    try:
+        gradsync.average_grads_file_sync(grads, None, cfg, 0)
+    except (KeyboardInterrupt, gradsync.GradSyncError) as exc:
+        first = type(exc).__name__
+    else:
+        first = "ok"
+    gradsync.average_grads_file_sync(grads, None, cfg, 0)
+    _api._close_all()
+    beating = [t.name for t in threading.enumerate() if t.name == "gradsync-heartbeat"]
+    return first, grads[0].tolist(), beating
+
+
+def closed_during_a_step(rank: int, world: int, sync_dir: str, how: str) -> Any:
+    """Rank 0 waits in its second call for rank 1 (3 s late) and is closed meanwhile:
+    from a SIGTERM handler (``how="signal"``) or from another thread ("thread")."""
+    gs = gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0))
+    gs.average([np.ones(4)], step=0)
+    if rank == 1:
+        time.sleep(3)
+        try:
+            gs.average([np.ones(4)], step=1)
+        except gradsync.GradSyncError as exc:
+            return type(exc).__name__, str(exc)
+        finally:
+            gs.close()
+        return None
+    start = time.monotonic()
+    if how == "signal":
+        signal.signal(signal.SIGTERM, lambda *_: (gs.close(), sys.exit(3)))
+        timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    else:
+        timer = threading.Timer(0.5, gs.close)
+    timer.start()
+    try:
+        gs.average([np.ones(4)], step=1)
+    except (SystemExit, gradsync.GradSyncError) as exc:
+        outcome = type(exc).__name__, str(exc)
+    else:
+        outcome = "averaged", ""
+    seconds = round(time.monotonic() - start)
+    timer.join(5)  # the closing thread finishes once the call has let go
+    return (*outcome, seconds, repr(gs))
+
+
+def dropped_without_close(rank: int, world: int, sync_dir: str) -> Any:
+    """Rank 1 drops its GradSync after one call, unclosed, and lives on: rank 0's next
+    call must learn at once that it left."""
+    gs = gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0))
+    gs.average([np.ones(4)], step=0)
+    if rank == 1:
+        del gs
+        gc.collect()
+        beating = [t.name for t in threading.enumerate() if t.name == "gradsync-heartbeat"]
+        time.sleep(4)
+        return beating
+    start = time.monotonic()
+    try:
+        gs.average([np.ones(4)], step=1)
+    except gradsync.GradSyncError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    finally:
+        gs.close()
+    return None
+
+
 def membership_not_written(rank: int, world: int, sync_dir: str) -> Any:
     """Rank 1 is offered a place, then cannot write its membership file (ENOSPC)."""
     from gradsync import _rendezvous  # noqa: PLC0415
@@ -390,12 +518,13 @@ def crash_after_publish(rank: int, world: int, sync_dir: str) -> Any:
     """An earlier run: average one step, publish the next inputs, then die hard."""
     gs = gradsync.GradSync(config(rank, world, sync_dir))
     gs.average(grads_for(rank + 100, 0), step=0)
-    engine = gs._engine
+    engine = gs._session.engine
     assert engine is not None
     engine.seq += 1
     step_dir = engine.gen.path / f"s-{engine.seq}"
     plan = engine._plan_for(tuple((g.dtype.str, g.shape) for g in grads_for(rank + 100, 1)))
-    engine._publish(step_dir, plan, [g.reshape(-1) for g in grads_for(rank + 100, 1)], 1, [])
+    flats = [g.reshape(-1) for g in grads_for(rank + 100, 1)]
+    engine._publish(step_dir, plan, flats, 1, [], None)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

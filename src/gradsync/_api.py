@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -56,32 +57,37 @@ class GradSync:
 
     The ranks meet on the first :meth:`average` call (a rendezvous that ignores
     files of earlier runs in ``cfg.sync_dir``). Use as a context manager, or call
-    :meth:`close`, so that the run's files are removed when every rank is done.
+    :meth:`close`, so that the run's files are removed when every rank is done. An
+    instance dropped unclosed leaves the job when it is collected, or at exit.
 
     After any failed step the instance is unusable (its peers have given up on the
-    step too) and has left the job: every rank must create a new one. It belongs to the process that
-    created it: a forked child can neither use nor close it (closing it there, even
-    at exit, leaves the parent's session alone).
+    step too) and has left the job: every rank must create a new one. It belongs to
+    the process that created it: a forked child can neither use nor close it (closing
+    it there, even at exit, leaves the parent's session alone).
     """
 
     def __init__(self, cfg: FileGradSyncConfig) -> None:
         _check_config(cfg)
         self.cfg = cfg
         self.last_stats: StepStats | None = None
-        self._gen: Generation | None = None
-        self._engine: StepEngine | None = None
-        self._bridge: WgpuBridge | None = None
+        self._pid = os.getpid()
+        self._forks = _forks_seen
+        # What the session holds in the job; a finalizer leaves it if this instance is
+        # dropped unclosed (it must not hold the instance, or it would never run).
+        self._session = _Session(self._forks)
+        self._finalizer = weakref.finalize(self, self._session.abandon)
         # GPU gradients are downloaded straight into shared arrays of the engine's
         # (publishing them then copies nothing), kept per buffer layout.
         self._device_layout: Layout | None = None
         self._device_shared: SharedBuffers | None = None
         self._failure: BaseException | None = None
         self._closed = False
-        self._left = False
         self._next_step = 0
         self._lock = threading.Lock()
-        self._pid = os.getpid()
-        self._forks = _forks_seen
+        self._owner: int | None = None  # the thread inside a call, holding _lock
+        self._close_requested = False  # close() re-entered that call (a signal handler)
+        # Set by close(): a call waiting for peers in another thread gives up.
+        self._closing = threading.Event()
 
     def __enter__(self) -> GradSync:
         return self
@@ -104,7 +110,7 @@ class GradSync:
     @property
     def generation_dir(self) -> str | None:
         """This job's directory inside ``sync_dir``, once the ranks have met."""
-        return None if self._gen is None else str(self._gen.path)
+        return None if self._session.gen is None else str(self._session.gen.path)
 
     def average(
         self,
@@ -147,7 +153,7 @@ class GradSync:
             GradSyncError: this instance is closed or an earlier step failed.
         """
         self._check_process()
-        with self._lock:
+        with self._call():
             self._check_usable()
             if step is None:
                 step = self._next_step
@@ -163,7 +169,7 @@ class GradSync:
                 else:
                     stats = self._average_device(grads, device, dtype, step)
             except BaseException as exc:
-                if self._engine is not None or isinstance(exc, GradSyncError):
+                if self._session.gen is not None or isinstance(exc, GradSyncError):
                     self._fail(exc)
                 raise
             self.last_stats = stats
@@ -196,10 +202,10 @@ class GradSync:
                 rendezvous failed (see :meth:`average`).
         """
         self._check_process()
-        with self._lock:
+        with self._call():
             self._check_usable()
             # Only a first call is collective: a later one with bad input fails alone.
-            with self._before_step() if self._engine is None else contextlib.nullcontext():
+            with self._before_step() if self._session.engine is None else contextlib.nullcontext():
                 value: object = like  # checked at run time: callers are not type-checked
                 if isinstance(value, np.ndarray) or not isinstance(value, Sequence):
                     raise InvalidGradsError(
@@ -217,9 +223,27 @@ class GradSync:
             try:
                 return self._started().buffers_like(layout)
             except BaseException as exc:
-                if self._engine is not None or isinstance(exc, GradSyncError):
+                if self._session.gen is not None or isinstance(exc, GradSyncError):
                     self._fail(exc)
                 raise
+
+    @contextlib.contextmanager
+    def _call(self, *, closing: bool = False) -> Iterator[None]:
+        """Hold the lock for one call; a close() that a signal handler made during it
+        (re-entering this thread) is carried out once it is over."""
+        try:
+            with self._lock:
+                self._owner = threading.get_ident()
+                self._session.busy = not closing
+                try:
+                    yield
+                finally:
+                    self._owner = None
+                    self._session.busy = False
+        finally:
+            if self._close_requested and not closing:
+                self._close_requested = False
+                self.close()
 
     def _check_process(self) -> None:
         # Checked before taking the lock: a fork copies it held if a thread of the
@@ -245,18 +269,19 @@ class GradSync:
     def _started(self, max_wait_s: float | None = None) -> StepEngine:
         """The step engine, meeting the other ranks first if this is the first call
         (waiting ``max_wait_s`` for them, default ``cfg.max_wait_s``)."""
-        if self._engine is None:
+        if self._session.engine is None:
             cfg = self.cfg
             if max_wait_s is not None and max_wait_s < cfg.max_wait_s:
                 cfg = dataclasses.replace(cfg, max_wait_s=max_wait_s)
-            self._gen = rendezvous(cfg)
-            self._engine = StepEngine(self.cfg, self._gen)
-        return self._engine
+            self._session.gen = rendezvous(cfg, self._closing)
+            # From here on, a failure (an interrupt too) leaves the generation.
+            self._session.engine = StepEngine(self.cfg, self._session.gen, self._closing)
+        return self._session.engine
 
     def _average_host(
         self, grads: Sequence[Any], step: int, deliver: Deliver | None = None
     ) -> StepStats:
-        if self._engine is None:
+        if self._session.engine is None:
             # Checked before the session starts: one rank has nothing to meet.
             with self._before_step():
                 arrays = validate_grads(grads)
@@ -273,7 +298,9 @@ class GradSync:
         try:
             yield
         except BaseException as exc:
-            if self.cfg.enabled and (self._engine is not None or isinstance(exc, GradSyncError)):
+            if self.cfg.enabled and (
+                self._session.engine is not None or isinstance(exc, GradSyncError)
+            ):
                 try:
                     self._started(max_wait_s=TELL_WAIT_S).give_up(exc)
                     self._fail(exc)
@@ -290,17 +317,17 @@ class GradSync:
         from ._wgpu import WgpuBridge  # noqa: PLC0415
 
         with self._before_step():
-            if self._bridge is None or self._bridge.device is not device:
-                if self._bridge is not None:
-                    self._bridge.close()
-                self._bridge = WgpuBridge(device)
-            dtypes = self._bridge._resolve(buffers, np.float32 if dtype is None else dtype)
+            if self._session.bridge is None or self._session.bridge.device is not device:
+                if self._session.bridge is not None:
+                    self._session.bridge.close()
+                self._session.bridge = WgpuBridge(device)
+            dtypes = self._session.bridge._resolve(buffers, np.float32 if dtype is None else dtype)
             if not self.cfg.enabled:
                 # One rank: the mean is the input; still check the buffers, copy nothing.
-                self._bridge._check_without_copying(buffers)
+                self._session.bridge._check_without_copying(buffers)
                 nbytes = sum(int(b.size) for b in buffers)
                 return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
-            bridge = self._bridge
+            bridge = self._session.bridge
             bridge._check_upload_target(buffers)  # before the step, which the peers join
             shared = self._device_arrays(bridge, buffers, dtypes)
             t0 = time.perf_counter()
@@ -311,9 +338,9 @@ class GradSync:
         stats = self._average_host(
             host, step, lambda pieces: bridge._upload_pieces(buffers, dtypes, pieces)
         )
-        if self._engine is not None:
+        if self._session.engine is not None:
             # Known once the peers are met (threads depend on the ranks on this host).
-            bridge.threads = self._engine.workers.threads
+            bridge.threads = self._session.engine.workers.threads
         return dataclasses.replace(stats, download_s=download_s, total_s=stats.total_s + download_s)
 
     def _device_arrays(
@@ -322,7 +349,7 @@ class GradSync:
         """Shared host arrays for these GPU buffers, or None: on the first step (the
         ranks have not met), where sharing saves nothing, or where the caller's own
         :meth:`buffers_like` arrays hold the engine's one shared set (never taken over)."""
-        engine = self._engine
+        engine = self._session.engine
         if engine is None:
             return None
         layout = bridge._get_layout(buffers, dtypes).host_layout
@@ -346,13 +373,23 @@ class GradSync:
     def close(self) -> None:
         """Leave the job. The last rank to close removes the job's directory. Idempotent.
 
-        In a forked child (at exit too) this only marks the child's copy closed: the
-        session, its files and its peers belong to the parent process.
+        A call of another thread that is waiting for peers (or meeting them) gives up at
+        once with :class:`GradSyncError`; one that is copying or reducing ends first.
+        Called from a signal handler during a call of the same thread, it takes effect
+        when that call returns or raises. In a forked child (at exit too) this only
+        marks the child's copy closed: the session, its files and its peers belong to
+        the parent process.
         """
         if _forks_seen != self._forks:
             self._closed = True
             return
-        with self._lock:
+        if self._owner == threading.get_ident():
+            # Re-entered from a call of this thread that holds the lock (a signal
+            # handler ran during it): closed as soon as that call is over.
+            self._close_requested = True
+            return
+        self._closing.set()  # a call waiting for peers in another thread gives up
+        with self._call(closing=True):
             if self._closed:
                 return
             self._closed = True
@@ -367,26 +404,56 @@ class GradSync:
         self._leave()
 
     def _leave(self) -> None:
-        """Leave the job and free what the session holds; only once."""
-        if self._left:
+        self._session.leave()
+
+
+class _Session:
+    """What a GradSync holds in its job: the generation, the step engine, the GPU bridge."""
+
+    def __init__(self, forks: int) -> None:
+        self.gen: Generation | None = None
+        self.engine: StepEngine | None = None
+        self.bridge: WgpuBridge | None = None
+        self.forks = forks
+        self.left = False
+        self.busy = False  # a call of the GradSync is in progress
+
+    def abandon(self) -> None:
+        """Leave, for a GradSync dropped without close() or still open at exit, unless a
+        call (in a daemon thread, at exit) is still using the session."""
+        if not self.busy:
+            self.leave()
+
+    def leave(self) -> None:
+        """Leave the job and free what the session holds; only once, and never from a
+        fork (at a forked child's exit the session is the parent's)."""
+        if self.left or _forks_seen != self.forks:
             return
-        self._left = True
-        if self._engine is not None:
-            self._engine.close()
-        if self._gen is not None:
-            leave(self._gen, 0 if self._engine is None else self._engine.completed)
-        if self._bridge is not None:
-            self._bridge.close()
+        self.left = True
+        if self.engine is not None:
+            self.engine.close()
+        elif self.gen is not None and self.gen.heartbeat is not None:
+            self.gen.heartbeat.stop()  # met the peers, but the engine never started
+        if self.gen is not None:
+            leave(self.gen, 0 if self.engine is None else self.engine.completed)
+        if self.bridge is not None:
+            self.bridge.close()
 
 
-_registry: dict[FileGradSyncConfig, GradSync] = {}
+# The function form's sessions, one per job and rank this process averages as.
+_registry: dict[tuple[str, str | None, int, int], GradSync] = {}
 _registry_lock = threading.Lock()
 
 
+def _job_key(cfg: FileGradSyncConfig) -> tuple[str, str | None, int, int]:
+    return (os.path.abspath(cfg.sync_dir), cfg.run_id, cfg.world_size, cfg.rank)
+
+
 def _registry_forget(sync: GradSync) -> None:
+    key = _job_key(sync.cfg)
     with _registry_lock:
-        if _registry.get(sync.cfg) is sync:
-            del _registry[sync.cfg]
+        if _registry.get(key) is sync:
+            del _registry[key]
 
 
 @atexit.register
@@ -423,10 +490,23 @@ def average_grads_file_sync(
     value and errors.
     """
     _check_config(cfg)  # before the registry: an unhashable cfg would raise TypeError
+    key = _job_key(cfg)
     with _registry_lock:
-        sync = _registry.get(cfg)
+        sync = _registry.get(key)
+        if sync is not None and sync.cfg != cfg:
+            # A second session of the same rank would meet itself as a rival.
+            changed = ", ".join(
+                f"{f.name} {getattr(sync.cfg, f.name)!r} then {getattr(cfg, f.name)!r}"
+                for f in dataclasses.fields(cfg)
+                if getattr(sync.cfg, f.name) != getattr(cfg, f.name)
+            )
+            raise ConfigError(
+                f"rank {cfg.rank} of the job in {cfg.sync_dir} (run_id {cfg.run_id!r}) is "
+                f"averaged in this process with another config ({changed}): pass the same "
+                "config on every call"
+            )
         if sync is None:
-            sync = _registry[cfg] = GradSync(cfg)
+            sync = _registry[key] = GradSync(cfg)
     try:
         return sync.average(grads, step=step, device=device, dtype=dtype)
     except BaseException:

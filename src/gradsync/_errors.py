@@ -153,7 +153,9 @@ def error_note(exc: BaseException) -> dict[str, object]:
     """What a rank tells its peers when it gives up: the error's type, message and ranks."""
     if isinstance(exc, GradSyncError):
         return {"type": type(exc).__name__, "message": str(exc), "ranks": list(exc.ranks)}
-    return {"type": "", "message": f"{type(exc).__name__}: {exc}", "ranks": []}
+    text = str(exc)  # empty for a KeyboardInterrupt
+    message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return {"type": "", "message": message, "ranks": []}
 
 
 # Errors about the whole job, which every rank would find itself (a lost peer, a

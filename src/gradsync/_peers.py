@@ -16,6 +16,7 @@ import errno
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ import numpy as np
 from ._config import FileGradSyncConfig
 from ._errors import (
     CorruptFileError,
+    GradSyncError,
     MismatchError,
     NonFiniteGradError,
     PeerAbortedError,
@@ -101,8 +103,10 @@ class PeerFiles:
         transport: Transport,
         path_of: Callable[[int, str], Path],
         input_names: Callable[[int, int], Sequence[Path]],
+        closing: threading.Event | None = None,
     ) -> None:
         self.cfg = cfg
+        self._closing = closing  # set by GradSync.close() in another thread: stop waiting
         self.gen = gen
         self.rank = cfg.rank
         self.world = cfg.world_size
@@ -151,6 +155,14 @@ class PeerFiles:
                 self._raise_abort(step_dir, aborted[0], step)
             if not missing:
                 break
+            if self._closing is not None and self._closing.is_set():
+                raise GradSyncError(
+                    f"step {step}: this rank's session was closed while it waited for ranks "
+                    f"{missing} in {step_dir}",
+                    step=step,
+                    ranks=missing,
+                    path=step_dir,
+                )
             elapsed = backoff.elapsed_s()
             if elapsed >= next_check:
                 next_check = elapsed + _LIVENESS_EVERY_S

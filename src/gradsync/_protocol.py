@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -146,7 +147,9 @@ def _layout_of(arrays: Sequence[np.ndarray]) -> Layout:
 class StepEngine:
     """Runs averaging steps for one rank of one generation."""
 
-    def __init__(self, cfg: FileGradSyncConfig, gen: Generation) -> None:
+    def __init__(
+        self, cfg: FileGradSyncConfig, gen: Generation, closing: threading.Event | None = None
+    ) -> None:
         self.cfg = cfg
         self.gen = gen
         self.rank = cfg.rank
@@ -161,7 +164,9 @@ class StepEngine:
         self._linked: Path | None = None  # the shared file this rank's input name points at
         mapped = cfg.use_mmap if cfg.use_mmap is not None else local_filesystem(gen.path)
         self._transport = Transport(mapped=mapped, head_bytes=HEADER_READ_BYTES)
-        self._peers = PeerFiles(cfg, gen, self._transport, self.data_path, self._input_names)
+        self._peers = PeerFiles(
+            cfg, gen, self._transport, self.data_path, self._input_names, closing
+        )
         self._heartbeat = gen.heartbeat or Heartbeat(
             gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s
         )

@@ -24,6 +24,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -130,8 +131,9 @@ def _member(data: dict[str, Any] | None) -> MemberInfo | None:
         return None
 
 
-def rendezvous(cfg: FileGradSyncConfig) -> Generation:
-    """Form a new generation with ``cfg.world_size`` live ranks; block until it exists.
+def rendezvous(cfg: FileGradSyncConfig, closing: threading.Event | None = None) -> Generation:
+    """Form a new generation with ``cfg.world_size`` live ranks; block until it exists
+    (or ``closing`` is set: GradSync.close() from another thread).
 
     Raises:
         PeerTimeoutError: ranks did not arrive within ``cfg.max_wait_s``; names them.
@@ -141,6 +143,7 @@ def rendezvous(cfg: FileGradSyncConfig) -> Generation:
         MismatchError: ranks were started with different world sizes, strategies or
             wide_sum.
         SyncDirError: the sync directory cannot be created or written.
+        GradSyncError: ``closing`` was set.
     """
     nonce = secrets.token_hex(8)
     me = MemberInfo.for_self(cfg.rank, nonce)
@@ -150,8 +153,18 @@ def rendezvous(cfg: FileGradSyncConfig) -> Generation:
     except OSError as exc:
         raise translate_oserror(exc, "creating the rendezvous directory", rdzv) from exc
     if cfg.rank == 0:
-        return _Leader(cfg, me).run()
-    return _join(cfg, me)
+        return _Leader(cfg, me, closing).run()
+    return _join(cfg, me, closing)
+
+
+def _check_closing(cfg: FileGradSyncConfig, closing: threading.Event | None) -> None:
+    if closing is not None and closing.is_set():
+        raise GradSyncError(
+            f"rendezvous: rank {cfg.rank}'s session was closed while it waited for the other "
+            f"ranks in {cfg.sync_dir}",
+            ranks=[cfg.rank],
+            path=cfg.sync_dir,
+        )
 
 
 def _write(path: Path, data: dict[str, Any], what: str) -> None:
@@ -162,9 +175,12 @@ def _write(path: Path, data: dict[str, Any], what: str) -> None:
 
 
 class _Leader:
-    def __init__(self, cfg: FileGradSyncConfig, me: MemberInfo) -> None:
+    def __init__(
+        self, cfg: FileGradSyncConfig, me: MemberInfo, closing: threading.Event | None = None
+    ) -> None:
         self.cfg = cfg
         self.me = me
+        self.closing = closing
         self.rdzv = cfg.sync_dir / RDZV
         self.gen_path = cfg.sync_dir / f"{GEN_PREFIX}{me.nonce}"
         self.leader_file = self.rdzv / f"leader-{me.nonce}.json"
@@ -210,7 +226,7 @@ class _Leader:
     def _admit(self) -> Generation:
         try:
             return self._admit_ranks()
-        except GradSyncError as exc:
+        except BaseException as exc:  # an interrupt too: the joiners must not wait it out
             # Requesters that already confirmed learn the reason instead of timing out.
             with contextlib.suppress(OSError):
                 write_note(self.gen_path / ABORT, _dump(error_note(exc)))
@@ -226,6 +242,7 @@ class _Leader:
         next_check = 0.0
         next_warn = cfg.warn_after_s
         while True:
+            _check_closing(cfg, self.closing)
             self._offer()
             self._collect()
             elapsed = backoff.elapsed_s()
@@ -364,6 +381,8 @@ class _Leader:
                 )
 
     def _rival(self, rival: MemberInfo, doing: str) -> RendezvousError:
+        if rival.pid == self.me.pid and rival.same_host:
+            return _held_here(0, self.cfg.sync_dir)
         return RendezvousError(
             f"rendezvous: another rank 0 ({rival.describe()}) with run_id {self.cfg.run_id!r} "
             f"{doing} {self.cfg.sync_dir}; give each job its own sync_dir or run_id",
@@ -547,7 +566,9 @@ def _reap_stale_generations(sync_dir: Path, keep: Path, timeout_s: float) -> Non
     threading.Thread(target=later, name="gradsync-reaper", daemon=True).start()
 
 
-def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
+def _join(
+    cfg: FileGradSyncConfig, me: MemberInfo, closing: threading.Event | None = None
+) -> Generation:
     rdzv = cfg.sync_dir / RDZV
     join = rdzv / f"join-{cfg.rank}-{me.nonce}.json"
     offer_path = rdzv / f"offer-{me.nonce}.json"
@@ -563,8 +584,10 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
     watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
     next_check = 0.0
     heartbeat: Heartbeat | None = None
+    accepted: Generation | None = None
     try:
         while True:
+            _check_closing(cfg, closing)
             elapsed = backoff.elapsed_s()
             if gen_path is None:
                 offer = _load(offer_path)
@@ -595,8 +618,11 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
                     _raise_abort(_parse(abort) if abort else abort, gen_path)
                 roster = _load(gen_path / ROSTER)
                 if roster is not None:
-                    gen = _accept(cfg, me, gen_path, roster)
-                    return Generation(gen.path, gen.gen_id, gen.members, gen.rank, heartbeat)
+                    accepted = _accept(cfg, me, gen_path, roster)
+                    _unlink_all(join, offer_path)  # here, not in a finally an interrupt may skip
+                    return Generation(
+                        accepted.path, accepted.gen_id, accepted.members, accepted.rank, heartbeat
+                    )
                 if elapsed >= next_check:
                     next_check = elapsed + _CHECK_EVERY_S
                     _check_leader(cfg, leader, gen_path, watch)
@@ -614,17 +640,22 @@ def _join(cfg: FileGradSyncConfig, me: MemberInfo) -> Generation:
     except BaseException as exc:
         if heartbeat is not None:
             heartbeat.stop()
-        if gen_path is not None:
+        if accepted is not None:
+            leave(accepted, 0)  # in the roster already: the peers' first call learns it left
+        elif gen_path is not None:
             # Rank 0 has offered this rank a place and would otherwise wait out
             # max_wait_s for it (its join file goes below): tell it why.
             note = {**error_note(exc), "member": me.to_json()}
             with contextlib.suppress(OSError):
                 write_note(gen_path / f"{GAVE_UP}{cfg.rank}-{me.nonce}.json", _dump(note))
+        _unlink_all(join, offer_path)
         raise
-    finally:
-        for path in (join, offer_path):
-            with contextlib.suppress(OSError):
-                path.unlink()
+
+
+def _unlink_all(*paths: Path) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _join_timeout(cfg: FileGradSyncConfig, gen_path: Path | None) -> PeerTimeoutError:
@@ -704,7 +735,19 @@ def _left(sync_dir: Path, leader_data: dict[str, Any]) -> bool:
     return (gen / "left-0").exists() or not gen.is_dir()
 
 
+def _held_here(rank: int, path: Path) -> RendezvousError:
+    return RendezvousError(
+        f"rendezvous: this process (pid {os.getpid()}) already holds rank {rank} of this job "
+        f"in {path}, in a session that is still open: average through that session, or close "
+        "it first",
+        ranks=[rank],
+        path=path,
+    )
+
+
 def _taken(rank: int, holder: MemberInfo, me: MemberInfo, gen_path: Path) -> RendezvousError:
+    if holder.pid == me.pid and holder.same_host:
+        return _held_here(rank, gen_path)
     return RendezvousError(
         f"rendezvous: rank {rank} is already taken by {holder.describe()} in {gen_path}; "
         f"this process ({me.describe()}) claimed the same rank; give each job its own "
