@@ -68,6 +68,11 @@ def test_one_rank_gets_plain_zeros(tmp_path: Path) -> None:
         gs.average(bufs)
 
 
+class _RequiresGrad:
+    def __array__(self, *args: object, **kwargs: object) -> np.ndarray:
+        raise RuntimeError("Can't call numpy() on Tensor that requires grad")
+
+
 @pytest.mark.parametrize(
     ("like", "message"),
     [
@@ -77,6 +82,13 @@ def test_one_rank_gets_plain_zeros(tmp_path: Path) -> None:
         (
             [np.zeros(2), np.zeros(2, np.int32)],
             "param 1 has dtype int32; gradsync averages only float16, float32, float64",
+        ),
+        (
+            # As torch's tensors that require grad: a raw RuntimeError, and peers never told.
+            [np.zeros(2), _RequiresGrad()],
+            "param 1 (_RequiresGrad) cannot be read as a numpy array: RuntimeError: Can't "
+            "call numpy() on Tensor that requires grad (for torch: p.detach().numpy() of a "
+            "float16/32/64 tensor)",
         ),
     ],
 )

@@ -771,8 +771,10 @@ def _read_only() -> np.ndarray:
         ([np.zeros(2), np.zeros(2, ">f4")], "param 1 has non-native byte order >f4"),
         (
             [np.zeros((3, 3), np.float32).T],
-            "param 0 (shape (3, 3)) is not C-contiguous; averaging is in place, so pass "
-            "np.ascontiguousarray(...) and use that array",
+            "param 0 (shape (3, 3)) is not C-contiguous; averaging is in place, so make the "
+            "gradient itself contiguous and pass it (torch: p.grad = p.grad.contiguous(), then "
+            "p.grad.numpy()); np.ascontiguousarray(g) would average a copy that the optimizer "
+            "never sees",
         ),
         ([_read_only()], "param 0 (shape (3,)) is read-only"),
     ],

@@ -214,9 +214,10 @@ class GradSync:
                     )
                 if not like:
                     raise InvalidGradsError("like is empty: pass at least one array")
+                arrays = [_as_array(x, i) for i, x in enumerate(like)]
                 layout = tuple(
                     (check_dtype(a.dtype, f"param {i}").str, a.shape)  # as the step's layout
-                    for i, a in enumerate(np.asarray(x) for x in like)
+                    for i, a in enumerate(arrays)
                 )
             if not self.cfg.enabled:
                 return [np.zeros(shape, dtype=np.dtype(dtype)) for dtype, shape in layout]
@@ -465,6 +466,18 @@ def _close_all() -> None:
             sync.close()
         except Exception:  # at exit, one failure must not hide the others
             _log.exception("closing %r at exit failed", sync)
+
+
+def _as_array(x: object, i: int) -> np.ndarray:
+    """``buffers_like``'s param ``i`` as an array (only its shape and dtype are used)."""
+    try:
+        return np.asarray(x)
+    except Exception as exc:  # torch: a tensor that requires grad, a bfloat16 tensor
+        raise InvalidGradsError(
+            f"param {i} ({type(x).__name__}) cannot be read as a numpy array: "
+            f"{type(exc).__name__}: {exc} (for torch: p.detach().numpy() of a float16/32/64 "
+            "tensor)"
+        ) from exc
 
 
 def _check_config(cfg: object) -> None:

@@ -124,7 +124,9 @@ def validate_grads(grads: object) -> list[np.ndarray]:
         if not flags.c_contiguous:
             raise InvalidGradsError(
                 f"param {i} (shape {g.shape}) is not C-contiguous; averaging is in place, so "
-                "pass np.ascontiguousarray(...) and use that array"
+                "make the gradient itself contiguous and pass it (torch: p.grad = "
+                "p.grad.contiguous(), then p.grad.numpy()); np.ascontiguousarray(g) would "
+                "average a copy that the optimizer never sees"
             )
         if not flags.writeable:
             raise InvalidGradsError(f"param {i} (shape {g.shape}) is read-only")
