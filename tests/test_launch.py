@@ -234,6 +234,14 @@ def test_a_job_stopped_by_a_signal_leaves_nothing_in_a_given_sync_dir(tmp_path: 
     assert [str(p.relative_to(sync_dir)) for p in sync_dir.rglob("*")] == ["rdzv"]
 
 
+def test_output_ending_in_a_cut_off_character_is_not_lost(tmp_path: Path) -> None:
+    script = tmp_path / "cut.py"
+    script.write_text('import sys\nsys.stdout.buffer.write(b"hello \\xe2\\x82")\n')
+    code, out, _, _ = run_launch(["--nproc", "1", str(script)])
+    assert code == 0
+    assert out == "[rank 0] hello \ufffd\n"
+
+
 def test_a_line_split_at_64_kib_keeps_every_character(tmp_path: Path) -> None:
     script = tmp_path / "long.py"
     script.write_text('import sys\nsys.stdout.write("a" + "\\u00e9" * 40000 + "\\n")\n')

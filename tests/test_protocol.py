@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -845,10 +847,11 @@ def test_an_interrupt_as_the_session_starts_leaves_the_job(tmp_path: Path) -> No
     assert results[0].elapsed_s < 10
 
 
-@pytest.mark.parametrize("how", ["signal", "thread"])
+@pytest.mark.parametrize("how", ["signal", "signal-only", "thread"])
 def test_closing_a_session_during_a_step(tmp_path: Path, how: str) -> None:
     # From a SIGTERM handler, close() used to deadlock on the lock its own thread held
-    # in average(); from another thread it waited for the step to end (here 3 s).
+    # in average(), and, deferred, did not end the wait; from another thread it waited
+    # for the step to end (here 3 s).
     results = run_ranks(workers.closed_during_a_step, 2, (2, str(tmp_path), how), timeout_s=30)
     assert_ok(results)
     kind, message, seconds, state = results[0].value
@@ -867,6 +870,59 @@ def test_closing_a_session_during_a_step(tmp_path: Path, how: str) -> None:
     kind, message = results[1].value
     assert kind == "PeerAbortedError"
     assert re.match(r"step 1: rank 0 \(pid \d+ on \S+\) gave up on this step: ", message)
+
+
+def test_rank_0_interrupted_then_calling_again_at_once(tmp_path: Path) -> None:
+    # Its new session removed the old generation before rank 1 had read why it ended:
+    # rank 1 then waited out max_wait_s (20 s). It now joins the new session.
+    results = run_ranks(workers.rank_0_interrupted_then_calls_again, 3, (3, str(tmp_path)))
+    assert_ok(results)
+    assert results[0].value == results[1].value == results[2].value == [1.0] * 4
+    assert max(o.elapsed_s for o in results.values()) < 10
+
+
+def test_a_joiner_closed_as_the_roster_appears_leaves_the_job(tmp_path: Path) -> None:
+    # Closed after rank 0 wrote the roster but before it read it, rank 1 used to leave
+    # only a note rank 0 no longer read: rank 0 waited out max_wait_s (20 s).
+    results = run_ranks(workers.joiner_closed_as_the_roster_appears, 2, (2, str(tmp_path)))
+    assert_ok(results)
+    kind, seconds = results[0].value
+    assert kind in ("PeerLostError", "PeerAbortedError")
+    assert seconds < 10
+
+
+def test_signal_handlers_that_close_never_hang_a_call(tmp_path: Path) -> None:
+    # A handler ran between taking the lock and marking its owner (or between the two
+    # on the way out) then waited for the lock its own thread held, forever.
+    cfg = gradsync.FileGradSyncConfig(1, 0, tmp_path / "sync")
+    box = {"gs": gradsync.GradSync(cfg)}
+    closes = 0
+
+    def handler(signum: int, frame: object) -> None:
+        nonlocal closes
+        box["gs"].close()
+        closes += 1
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                box["gs"].average([np.ones(4)])
+            except gradsync.GradSyncError:
+                box["gs"] = gradsync.GradSync(cfg)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert closes > 100
+
+
+def test_a_session_abandoned_at_exit_refuses_later_calls(tmp_path: Path) -> None:
+    gs = gradsync.GradSync(gradsync.FileGradSyncConfig(2, 0, tmp_path))
+    gs._finalizer()  # as at interpreter exit, with a daemon thread still to call
+    with pytest.raises(gradsync.GradSyncError, match=r"^this GradSync \(rank 0\) is closed$"):
+        gs.average([np.ones(4)])
 
 
 def test_a_session_dropped_without_close_leaves_the_job(tmp_path: Path) -> None:

@@ -61,7 +61,7 @@ def test_status_names_the_rank_everyone_waits_for(tmp_path: Path, big: bool) -> 
         while time.monotonic() - start < deadline:
             result = _status(tmp_path)
             text = result.stdout
-            if "are waiting for ranks [2]" in text:
+            if "are waiting for ranks [2] to publish" in text:  # not "to join", earlier
                 break
             time.sleep(0.2)
         assert re.search(r"generation \w+: running", text), text
@@ -183,3 +183,38 @@ def test_status_of_a_directory_that_cannot_be_looked_up(
     assert capsys.readouterr().err == (
         f"gradsync status: cannot read {tmp_path / 'inner'}: Permission denied\n"
     )
+
+
+def test_a_rank_on_another_host_is_never_judged_gone(tmp_path: Path) -> None:
+    # Its heartbeat may beat less often than status samples it (heartbeat_interval_s
+    # up to 1e9 s): a live two-host job used to show as stopped.
+    gen = tmp_path / "gen-00000000000000aa"
+    gen.mkdir()
+    me = gradsync._liveness.MemberInfo.for_self(0, "00000000000000aa").to_json()
+    far = {**gradsync._liveness.MemberInfo.for_self(1, "00000000000000bb").to_json()}
+    far["host_id"] = "elsewhere/boot/pidns"
+    (gen / "roster.json").write_text(json.dumps({"members": [me, far], "run_id": None}))
+    (gen / "left-0").write_text("{}")
+    report = gradsync._status.describe(tmp_path, sample_s=0.0)
+    (job,) = report["jobs"]
+    assert job["state"] == "running"
+    assert job["ranks"][1]["beating"] is False
+
+
+def test_a_failed_rendezvous_with_an_empty_note_is_failed(tmp_path: Path) -> None:
+    # On a full disk rank 0's abort note is written empty: it used to count as no note.
+    gen = tmp_path / "gen-00000000000000aa"
+    gen.mkdir()
+    (tmp_path / "rdzv").mkdir()
+    leader = gradsync._liveness.MemberInfo.for_self(0, "00000000000000aa")
+    (tmp_path / "rdzv" / "leader-00000000000000aa.json").write_text(
+        json.dumps({"member": leader.to_json(), "world_size": 3, "run_id": None})
+    )
+    (gen / "abort.json").write_bytes(b"")
+    report = gradsync._status.describe(tmp_path, sample_s=0.0)
+    (job,) = report["jobs"]
+    assert job["state"] == "failed"
+    assert job["error"] == (
+        "(its note is empty: no room for the reason; is the sync directory's disk full?)"
+    )
+    assert "waiting" not in job  # nobody waits to join a failed rendezvous

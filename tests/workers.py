@@ -311,7 +311,8 @@ def interrupted_as_the_engine_starts(rank: int, world: int, sync_dir: str) -> An
 
 def closed_during_a_step(rank: int, world: int, sync_dir: str, how: str) -> Any:
     """Rank 0 waits in its second call for rank 1 (3 s late) and is closed meanwhile:
-    from a SIGTERM handler (``how="signal"``) or from another thread ("thread")."""
+    from a SIGTERM handler that then exits (``how="signal"``) or only closes
+    ("signal-only"), or from another thread ("thread")."""
     gs = gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0))
     gs.average([np.ones(4)], step=0)
     if rank == 1:
@@ -324,8 +325,11 @@ def closed_during_a_step(rank: int, world: int, sync_dir: str, how: str) -> Any:
             gs.close()
         return None
     start = time.monotonic()
-    if how == "signal":
-        signal.signal(signal.SIGTERM, lambda *_: (gs.close(), sys.exit(3)))
+    if how.startswith("signal"):
+        if how == "signal":
+            signal.signal(signal.SIGTERM, lambda *_: (gs.close(), sys.exit(3)))
+        else:
+            signal.signal(signal.SIGTERM, lambda *_: gs.close())
         timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
     else:
         timer = threading.Timer(0.5, gs.close)
@@ -339,6 +343,70 @@ def closed_during_a_step(rank: int, world: int, sync_dir: str, how: str) -> Any:
     seconds = round(time.monotonic() - start)
     timer.join(5)  # the closing thread finishes once the call has let go
     return (*outcome, seconds, repr(gs))
+
+
+def rank_0_interrupted_then_calls_again(rank: int, world: int, sync_dir: str) -> Any:
+    """Ranks 0-2; rank 0 is interrupted once rank 1 has confirmed (rank 2 comes 1 s
+    later), and calls again at once; its new session may remove the old generation
+    before rank 1 reads why it ended. A rank told of a failure calls again once. All
+    must get the mean, long before max_wait_s."""
+    from gradsync import _rendezvous  # noqa: PLC0415
+
+    if rank == 2:
+        time.sleep(1.0)
+    if rank == 1:
+        # Rank 1 is slow to look: it never sees rank 0's abort note before the note's
+        # generation is removed (a race that a real rank loses now and then).
+        real_read = _rendezvous.read_small
+
+        def unseen_abort(path: Path, limit: int = 1 << 20) -> bytes | None:
+            return None if path.name == _rendezvous.ABORT else real_read(path, limit)
+
+        _rendezvous.read_small = unseen_abort  # type: ignore[assignment]
+    if rank == 0:
+
+        def interrupt_once_joined() -> None:
+            deadline = time.monotonic() + 10
+            while not list(Path(sync_dir).glob("gen-*/member-1-*.json")):
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.0005)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt_once_joined, daemon=True).start()
+    cfg = config(rank, world, sync_dir, max_wait_s=20.0)
+    grads = [np.full(4, float(rank))]
+    try:
+        gradsync.average_grads_file_sync(grads, None, cfg, 0)
+    except (KeyboardInterrupt, gradsync.GradSyncError):
+        gradsync.average_grads_file_sync(grads, None, cfg, 0)
+    return grads[0].tolist()
+
+
+def joiner_closed_as_the_roster_appears(rank: int, world: int, sync_dir: str) -> Any:
+    """Rank 1's session is closed from another thread the moment rank 0 writes the
+    roster: in its rendezvous or just after, it must leave, and rank 0 hear of it."""
+    gs = gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0))
+    if rank == 1:
+
+        def close_at_roster() -> None:
+            deadline = time.monotonic() + 10
+            while not list(Path(sync_dir).glob("gen-*/roster.json")):
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.0002)
+            gs.close()
+
+        threading.Thread(target=close_at_roster, daemon=True).start()
+    start = time.monotonic()
+    try:
+        gs.average([np.ones(4)], step=0)
+        gs.average([np.ones(4)], step=1)
+    except gradsync.GradSyncError as exc:
+        return type(exc).__name__, time.monotonic() - start
+    finally:
+        gs.close()
+    return "averaged", time.monotonic() - start
 
 
 def dropped_without_close(rank: int, world: int, sync_dir: str) -> Any:

@@ -84,7 +84,7 @@ class GradSync:
         self._closed = False
         self._next_step = 0
         self._lock = threading.Lock()
-        self._owner: int | None = None  # the thread inside a call, holding _lock
+        self._inside = threading.local()  # .active: this thread is in a call (or waits for one)
         self._close_requested = False  # close() re-entered that call (a signal handler)
         # Set by close(): a call waiting for peers in another thread gives up.
         self._closing = threading.Event()
@@ -232,16 +232,18 @@ class GradSync:
     def _call(self, *, closing: bool = False) -> Iterator[None]:
         """Hold the lock for one call; a close() that a signal handler made during it
         (re-entering this thread) is carried out once it is over."""
+        # Marked before the lock is taken and cleared after it is let go: a handler
+        # that runs anywhere in between must not wait for the lock its thread holds.
+        self._inside.active = True
         try:
             with self._lock:
-                self._owner = threading.get_ident()
                 self._session.busy = not closing
                 try:
                     yield
                 finally:
-                    self._owner = None
                     self._session.busy = False
         finally:
+            self._inside.active = False
             if self._close_requested and not closing:
                 self._close_requested = False
                 self.close()
@@ -258,7 +260,8 @@ class GradSync:
             )
 
     def _check_usable(self) -> None:
-        if self._closed:
+        # A session left without a failure was abandoned (at exit, from another thread).
+        if self._closed or (self._session.left and self._failure is None):
             raise GradSyncError(f"this GradSync (rank {self.cfg.rank}) is closed")
         if self._failure is not None:
             raise GradSyncError(
@@ -384,18 +387,23 @@ class GradSync:
         if _forks_seen != self._forks:
             self._closed = True
             return
-        if self._owner == threading.get_ident():
-            # Re-entered from a call of this thread that holds the lock (a signal
-            # handler ran during it): closed as soon as that call is over.
+        self._closing.set()  # a call waiting for peers gives up
+        if getattr(self._inside, "active", False):
+            # Re-entered from a call of this thread (a signal handler ran during it):
+            # closed as soon as that call is over.
             self._close_requested = True
             return
-        self._closing.set()  # a call waiting for peers in another thread gives up
-        with self._call(closing=True):
-            if self._closed:
-                return
-            self._closed = True
-            self._leave()
-            _registry_forget(self)
+        try:
+            with self._call(closing=True):
+                if self._closed:
+                    return
+                self._closed = True
+                self._leave()
+                _registry_forget(self)
+        except BaseException:
+            if not self._closed:  # interrupted before it closed: calls may wait again
+                self._closing.clear()
+            raise
 
     def _fail(self, exc: BaseException) -> None:
         """End the session after a failed call (its peers give up on it too). It leaves

@@ -360,7 +360,10 @@ def _pump(
             chunk = pipe.readline(_MAX_LINE_BYTES)
             if not chunk:
                 return
-            text = decoder.decode(chunk)
+            # Short of the limit without a newline, it is the end of the output: what
+            # is left of a cut-off character then comes out as U+FFFD, on that line.
+            last = len(chunk) < _MAX_LINE_BYTES and not chunk.endswith(b"\n")
+            text = decoder.decode(chunk, final=last)
             if not text:
                 continue
             line = text.removesuffix("\n").removesuffix("\r")

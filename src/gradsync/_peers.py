@@ -160,7 +160,7 @@ class PeerFiles:
                     f"step {step}: this rank's session was closed while it waited for ranks "
                     f"{missing} in {step_dir}",
                     step=step,
-                    ranks=missing,
+                    ranks=[self.rank],
                     path=step_dir,
                 )
             elapsed = backoff.elapsed_s()

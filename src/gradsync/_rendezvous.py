@@ -626,6 +626,12 @@ def _join(
                 if elapsed >= next_check:
                     next_check = elapsed + _CHECK_EVERY_S
                     _check_leader(cfg, leader, gen_path, watch)
+                    if not gen_path.is_dir():
+                        # Rank 0 failed and a new session of it already removed this
+                        # generation: wait for its offer, as a rank that came later.
+                        if heartbeat is not None:
+                            heartbeat.stop()
+                        heartbeat = gen_path = leader = None
             if elapsed >= cfg.max_wait_s:
                 raise _join_timeout(cfg, gen_path)
             if elapsed >= next_warn:
@@ -640,6 +646,8 @@ def _join(
     except BaseException as exc:
         if heartbeat is not None:
             heartbeat.stop()
+        if accepted is None and gen_path is not None:
+            accepted = _rostered(cfg, me, gen_path)
         if accepted is not None:
             leave(accepted, 0)  # in the roster already: the peers' first call learns it left
         elif gen_path is not None:
@@ -650,6 +658,17 @@ def _join(
                 write_note(gen_path / f"{GAVE_UP}{cfg.rank}-{me.nonce}.json", _dump(note))
         _unlink_all(join, offer_path)
         raise
+
+
+def _rostered(cfg: FileGradSyncConfig, me: MemberInfo, gen_path: Path) -> Generation | None:
+    """The generation at ``gen_path`` if its roster (written meanwhile) lists this rank."""
+    roster = _load(gen_path / ROSTER)
+    if roster is None:
+        return None
+    try:
+        return _accept(cfg, me, gen_path, roster)
+    except GradSyncError:
+        return None
 
 
 def _unlink_all(*paths: Path) -> None:

@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._errors import CorruptFileError
+from ._errors import CorruptFileError, note_reason
 from ._format import HEADER_READ_BYTES, decode_header, header_length
+from ._fsio import read_small
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
 from ._protocol import data_name
 from ._rendezvous import ABORT, GEN_PREFIX, RDZV, ROSTER, _load, _member
@@ -94,10 +95,14 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
             missing = [r for r in range(world) if r not in joined]
             if missing:
                 info["waiting"] = {"for": missing, "by": joined, "what": "join"}
-    abort = _load(gen / ABORT)
-    if abort is not None:
+    try:
+        abort = read_small(gen / ABORT)
+    except OSError:
+        abort = None
+    if abort is not None:  # empty where the disk was full
         info["state"] = "failed"
-        info["error"] = abort.get("message")
+        info["error"] = note_reason(json.loads(abort) if abort else abort)
+        info.pop("waiting", None)  # the rendezvous is over: nobody waits to join
     seqs = _steps(gen)
     names = {seq: set(_names(gen / f"s-{seq}")) for seq in seqs}
     ranks = []
@@ -159,12 +164,11 @@ def _unreadable(gen: Path, exc: OSError) -> dict[str, Any]:
 
 
 def _gone(rank: dict[str, Any]) -> bool:
-    """Whether a rank has left or its process is known to be gone."""
+    """Whether a rank has left or its process is known to be gone. A rank on another
+    host is not judged: its heartbeat may beat less often than status samples it."""
     if rank["left"]:
         return True
-    if rank["same_host"]:
-        return not rank["alive"]
-    return not rank["beating"]
+    return rank["same_host"] and not rank["alive"]
 
 
 def _settle(job: dict[str, Any]) -> None:
