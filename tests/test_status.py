@@ -130,15 +130,21 @@ def test_status_of_a_job_whose_ranks_all_died(tmp_path: Path) -> None:
     assert "waiting" not in job
 
 
-def test_status_names_the_ranks_a_rendezvous_waits_for(tmp_path: Path) -> None:
-    # Ranks 0 and 2 of 3 are in (both this live process); rank 1 never came.
-    gen = tmp_path / "gen-00000000000000aa"
+def _rendezvous_of_3(sync_dir: Path) -> Path:
+    """A job of 3 in its rendezvous, whose rank 0 is this live process: its directory."""
+    gen = sync_dir / "gen-00000000000000aa"
     gen.mkdir()
-    (tmp_path / "rdzv").mkdir()
+    (sync_dir / "rdzv").mkdir()
     leader = gradsync._liveness.MemberInfo.for_self(0, "00000000000000aa")
-    (tmp_path / "rdzv" / "leader-00000000000000aa.json").write_text(
+    (sync_dir / "rdzv" / "leader-00000000000000aa.json").write_text(
         json.dumps({"member": leader.to_json(), "world_size": 3, "run_id": None})
     )
+    return gen
+
+
+def test_status_names_the_ranks_a_rendezvous_waits_for(tmp_path: Path) -> None:
+    # Ranks 0 and 2 of 3 are in (both this live process); rank 1 never came.
+    gen = _rendezvous_of_3(tmp_path)
     joiner = gradsync._liveness.MemberInfo.for_self(2, "00000000000000bb")
     (gen / "member-2-00000000000000bb.json").write_text(json.dumps({"member": joiner.to_json()}))
     report = gradsync._status.describe(tmp_path, sample_s=0.0)
@@ -203,13 +209,7 @@ def test_a_rank_on_another_host_is_never_judged_gone(tmp_path: Path) -> None:
 
 def test_a_failed_rendezvous_with_an_empty_note_is_failed(tmp_path: Path) -> None:
     # On a full disk rank 0's abort note is written empty: it used to count as no note.
-    gen = tmp_path / "gen-00000000000000aa"
-    gen.mkdir()
-    (tmp_path / "rdzv").mkdir()
-    leader = gradsync._liveness.MemberInfo.for_self(0, "00000000000000aa")
-    (tmp_path / "rdzv" / "leader-00000000000000aa.json").write_text(
-        json.dumps({"member": leader.to_json(), "world_size": 3, "run_id": None})
-    )
+    gen = _rendezvous_of_3(tmp_path)
     (gen / "abort.json").write_bytes(b"")
     report = gradsync._status.describe(tmp_path, sample_s=0.0)
     (job,) = report["jobs"]

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -216,16 +217,7 @@ def rendezvous_fails_on_a_full_disk(rank: int, world: int, sync_dir: str) -> Any
     the disk, so its abort note (ranks [2] did not join within 3 s) is written empty;
     it stays alive after failing. Rank 1 must still hear of it at once."""
     if rank == 0:
-
-        def fill_once_joined() -> None:
-            deadline = time.monotonic() + 10
-            while not list(Path(sync_dir).glob("gen-*/member-1-*.json")):
-                if time.monotonic() > deadline:
-                    return
-                time.sleep(0.005)
-            fill_disk(sync_dir)
-
-        threading.Thread(target=fill_once_joined, daemon=True).start()
+        _on_first(sync_dir, "gen-*/member-1-*.json", lambda: fill_disk(sync_dir))
     cfg = config(rank, world, sync_dir, max_wait_s=3.0 if rank == 0 else 20.0)
     try:
         with gradsync.GradSync(cfg) as gs:
@@ -234,6 +226,21 @@ def rendezvous_fails_on_a_full_disk(rank: int, world: int, sync_dir: str) -> Any
         if rank == 0:
             time.sleep(8)
         raise
+
+
+def _on_first(sync_dir: str, pattern: str, action: Callable[[], object]) -> None:
+    """Run ``action`` in a daemon thread the moment a file matching ``pattern`` exists
+    under ``sync_dir`` (looked for every 0.2 ms, for up to 10 s)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 10
+        while not list(Path(sync_dir).glob(pattern)):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.0002)
+        action()
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _interrupt_self_in(seconds: float) -> None:
@@ -263,16 +270,7 @@ def rank_0_interrupted_after_a_joiner_confirmed(rank: int, world: int, sync_dir:
     """Ranks 0 and 1 of 3 (rank 2 never comes); rank 0 is interrupted once rank 1 has
     confirmed, and stays alive: rank 1 must hear of it, not wait max_wait_s."""
     if rank == 0:
-
-        def interrupt_once_joined() -> None:
-            deadline = time.monotonic() + 10
-            while not list(Path(sync_dir).glob("gen-*/member-1-*.json")):
-                if time.monotonic() > deadline:
-                    return
-                time.sleep(0.005)
-            os.kill(os.getpid(), signal.SIGINT)
-
-        threading.Thread(target=interrupt_once_joined, daemon=True).start()
+        _on_first(sync_dir, "gen-*/member-1-*.json", lambda: os.kill(os.getpid(), signal.SIGINT))
     try:
         with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:
             gs.average([np.ones(4)], step=0)
@@ -364,16 +362,7 @@ def rank_0_interrupted_then_calls_again(rank: int, world: int, sync_dir: str) ->
 
         _rendezvous.read_small = unseen_abort  # type: ignore[assignment]
     if rank == 0:
-
-        def interrupt_once_joined() -> None:
-            deadline = time.monotonic() + 10
-            while not list(Path(sync_dir).glob("gen-*/member-1-*.json")):
-                if time.monotonic() > deadline:
-                    return
-                time.sleep(0.0005)
-            os.kill(os.getpid(), signal.SIGINT)
-
-        threading.Thread(target=interrupt_once_joined, daemon=True).start()
+        _on_first(sync_dir, "gen-*/member-1-*.json", lambda: os.kill(os.getpid(), signal.SIGINT))
     cfg = config(rank, world, sync_dir, max_wait_s=20.0)
     grads = [np.full(4, float(rank))]
     try:
@@ -388,16 +377,7 @@ def joiner_closed_as_the_roster_appears(rank: int, world: int, sync_dir: str) ->
     roster: in its rendezvous or just after, it must leave, and rank 0 hear of it."""
     gs = gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0))
     if rank == 1:
-
-        def close_at_roster() -> None:
-            deadline = time.monotonic() + 10
-            while not list(Path(sync_dir).glob("gen-*/roster.json")):
-                if time.monotonic() > deadline:
-                    return
-                time.sleep(0.0002)
-            gs.close()
-
-        threading.Thread(target=close_at_roster, daemon=True).start()
+        _on_first(sync_dir, "gen-*/roster.json", gs.close)
     start = time.monotonic()
     try:
         gs.average([np.ones(4)], step=0)
