@@ -71,10 +71,9 @@ class GradSync:
         self.cfg = cfg
         self.last_stats: StepStats | None = None
         self._pid = os.getpid()
-        self._forks = _forks_seen
         # What the session holds in the job; a finalizer leaves it if this instance is
         # dropped unclosed (it must not hold the instance, or it would never run).
-        self._session = _Session(self._forks)
+        self._session = _Session(_forks_seen)
         self._finalizer = weakref.finalize(self, self._session.abandon)
         # GPU gradients are downloaded straight into shared arrays of the engine's
         # (publishing them then copies nothing), kept per buffer layout.
@@ -251,7 +250,7 @@ class GradSync:
     def _check_process(self) -> None:
         # Checked before taking the lock: a fork copies it held if a thread of the
         # parent was inside a call at that moment.
-        if _forks_seen != self._forks:
+        if _forks_seen != self._session.forks:
             raise GradSyncError(
                 f"this GradSync (rank {self.cfg.rank}) belongs to process {self._pid}; "
                 f"process {os.getpid()} is a fork of it and cannot average with it "
@@ -260,8 +259,10 @@ class GradSync:
             )
 
     def _check_usable(self) -> None:
-        # A session left without a failure was abandoned (at exit, from another thread).
-        if self._closed or (self._session.left and self._failure is None):
+        # Closing (from another thread, with this call racing it for the lock), or left
+        # without a failure (abandoned at exit): no new call starts.
+        abandoned = self._session.left and self._failure is None
+        if self._closed or self._closing.is_set() or abandoned:
             raise GradSyncError(f"this GradSync (rank {self.cfg.rank}) is closed")
         if self._failure is not None:
             raise GradSyncError(
@@ -377,14 +378,15 @@ class GradSync:
     def close(self) -> None:
         """Leave the job. The last rank to close removes the job's directory. Idempotent.
 
-        A call of another thread that is waiting for peers (or meeting them) gives up at
-        once with :class:`GradSyncError`; one that is copying or reducing ends first.
+        No call starts once it is called. A call of another thread that is waiting for
+        peers (or meeting them) gives up at once with :class:`GradSyncError`; one that is
+        copying or reducing ends first.
         Called from a signal handler during a call of the same thread, it takes effect
         when that call returns or raises. In a forked child (at exit too) this only
         marks the child's copy closed: the session, its files and its peers belong to
         the parent process.
         """
-        if _forks_seen != self._forks:
+        if _forks_seen != self._session.forks:
             self._closed = True
             return
         self._closing.set()  # a call waiting for peers gives up
@@ -398,7 +400,7 @@ class GradSync:
                 if self._closed:
                     return
                 self._closed = True
-                self._leave()
+                self._session.leave()
                 _registry_forget(self)
         except BaseException:
             if not self._closed:  # interrupted before it closed: calls may wait again
@@ -410,9 +412,6 @@ class GradSync:
         the job at once: a new session of the same job may start before this instance
         is closed, or even if it never is."""
         self._failure = exc
-        self._leave()
-
-    def _leave(self) -> None:
         self._session.leave()
 
 
