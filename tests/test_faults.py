@@ -969,3 +969,23 @@ def test_short_soak_leaks_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     for rep in reports:
         assert rep["end"]["fds"] == rep["start"]["fds"]
     assert soak.dir_usage(tmp_path / "sync")["files"] == 0  # a clean close removes the run
+
+
+def test_one_reaper_thread_however_many_rendezvous_leave_a_generation_pending(
+    tmp_path: Path,
+) -> None:
+    # A generation whose member is on another host waits out its heartbeat: each rank-0
+    # rendezvous used to start a thread of its own for that, and retry loops piled
+    # thousands of them up.
+    gen = tmp_path / "gen-00000000000000aa"
+    gen.mkdir()
+    far = MemberInfo.for_self(0, "00000000000000aa").to_json()
+    far["host_id"] = "elsewhere/boot/pidns"
+    (gen / "roster.json").write_text(json.dumps({"members": [far], "run_id": None}))
+    for _ in range(5):
+        rdzv._reap_stale_generations(tmp_path, tmp_path / "gen-keep", 0.3)
+    reapers = [t for t in threading.enumerate() if t.name == "gradsync-reaper"]
+    assert len(reapers) == 1
+    reapers[0].join(10)
+    assert not reapers[0].is_alive()
+    assert not gen.exists()  # its heartbeat stayed silent for 0.3 s

@@ -814,21 +814,21 @@ def replaced_member(index: int, world: int, sync_dir: str) -> Any:
     written; process 2 is the new rank 1, started once that happened; process 3 is rank
     2, started after it. Returns the mean of the one call.
     """
-    pattern = "gen-*/member-1-*.json"
-
-    def member_written() -> None:
-        while not list(Path(sync_dir).glob(pattern)):
-            time.sleep(0.005)
-
+    # Rank 0 removes the dead member's file as soon as it sees it: the others wait for a
+    # mark that stays (they used to look for that file, and could miss it for good).
+    died = Path(sync_dir) / ".rank-1-died"
     if index == 1:
 
         def die() -> None:
-            member_written()
+            while not list(Path(sync_dir).glob("gen-*/member-1-*.json")):
+                time.sleep(0.0005)
+            died.touch()
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=die, daemon=True).start()
     elif index >= 2:
-        member_written()
+        while not died.exists():
+            time.sleep(0.005)
         time.sleep(0.5 * index)
     rank = {0: 0, 1: 1, 2: 1, 3: 2}[index]
     grads = grads_for(rank, 0)

@@ -554,16 +554,61 @@ def _reap_stale_generations(sync_dir: Path, keep: Path, timeout_s: float) -> Non
             _remove(gen_path)
             continue
         pending.append((gen_path, beats))
-    if not pending:
-        return
+    if pending:
+        _reaper.add(pending, watch, timeout_s)
 
-    def later() -> None:
-        time.sleep(timeout_s * 1.1)
-        for gen_path, beats in pending:
-            if all(watch.silent_for_s(hb) >= timeout_s for hb in beats):
-                _remove(gen_path)
 
-    threading.Thread(target=later, name="gradsync-reaper", daemon=True).start()
+class _Reaper:
+    """One daemon thread per process that removes, once their heartbeats have stayed
+    silent long enough, the generations a rendezvous left pending (a thread per
+    rendezvous piled up in a loop of retries)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # generation -> (its heartbeat files, the watch that first saw them, timeout, due)
+        self._pending: dict[Path, tuple[list[Path], HeartbeatWatch, float, float]] = {}
+        self._thread: threading.Thread | None = None
+
+    def add(
+        self, pending: list[tuple[Path, list[Path]]], watch: HeartbeatWatch, timeout_s: float
+    ) -> None:
+        due = time.monotonic() + timeout_s * 1.1
+        with self._lock:
+            for gen_path, beats in pending:
+                self._pending.setdefault(gen_path, (beats, watch, timeout_s, due))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="gradsync-reaper", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                ready = {g: v for g, v in self._pending.items() if v[3] <= now}
+                for gen_path in ready:
+                    del self._pending[gen_path]
+                if not self._pending and not ready:
+                    self._thread = None
+                    return
+                next_due = min((v[3] for v in self._pending.values()), default=now)
+            for gen_path, (beats, watch, timeout_s, _) in ready.items():
+                if all(watch.silent_for_s(hb) >= timeout_s for hb in beats):
+                    _remove(gen_path)
+            if not ready:
+                time.sleep(max(next_due - now, 0.01))
+
+
+_reaper = _Reaper()
+
+
+def _new_reaper() -> None:
+    global _reaper  # a fork has none of the parent's threads, and maybe its lock held
+    _reaper = _Reaper()
+
+
+os.register_at_fork(after_in_child=_new_reaper)
 
 
 def _join(
