@@ -881,6 +881,74 @@ def test_rank_0_interrupted_then_calling_again_at_once(tmp_path: Path) -> None:
     assert max(o.elapsed_s for o in results.values()) < 10
 
 
+def test_a_joiner_whose_generation_went_still_watches_its_rank_0(tmp_path: Path) -> None:
+    # Waiting for a new offer, it used to stop watching the rank 0 that had made the
+    # old one: that process exited, and the joiner waited out max_wait_s (20 s).
+    results = run_ranks(
+        workers.rank_0_fails_and_its_generation_goes, 3, (3, str(tmp_path)), ranks=[0, 1]
+    )
+    assert results[0].ok
+    assert results[1].error_type == "PeerLostError"
+    assert re.fullmatch(
+        r"rendezvous: rank 0 \(pid \d+ on \S+\) (has exited|is a zombie)[^)]*\)? before "
+        rf"completing the rendezvous in {tmp_path}/gen-[0-9a-f]+",
+        results[1].message,
+    ), results[1].message
+    assert results[1].elapsed_s < 8
+
+
+def test_signal_handlers_never_hang_on_the_session_registry(tmp_path: Path) -> None:
+    # A handler closing one session while its thread held the registry's lock (the
+    # function form, in another session's call) waited for that lock forever.
+    cfg = gradsync.FileGradSyncConfig(1, 0, tmp_path / "a")
+    box = {"other": gradsync.GradSync(gradsync.FileGradSyncConfig(1, 0, tmp_path / "b"))}
+
+    def handler(signum: int, frame: object) -> None:
+        box["other"].close()
+        box["other"] = gradsync.GradSync(gradsync.FileGradSyncConfig(1, 0, tmp_path / "b"))
+
+    old = signal.signal(signal.SIGPROF, handler)
+    signal.setitimer(signal.ITIMER_PROF, 0.0002, 0.0002)
+    try:
+        deadline = time.monotonic() + 2.0
+        step = 0
+        while time.monotonic() < deadline:
+            gradsync.average_grads_file_sync([np.ones(4)], None, cfg, step)
+            step += 1
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, old)
+        gradsync._api._close_all()
+
+
+def test_a_call_from_a_signal_handler_inside_a_call_is_refused(tmp_path: Path) -> None:
+    # It waited, forever, for the lock its own thread held.
+    gs = gradsync.GradSync(gradsync.FileGradSyncConfig(1, 0, tmp_path / "sync"))
+    refused: list[str] = []
+
+    def handler(signum: int, frame: object) -> None:
+        try:
+            gs.average([np.ones(4)])
+        except gradsync.GradSyncError as exc:
+            refused.append(str(exc))
+
+    old = signal.signal(signal.SIGPROF, handler)
+    signal.setitimer(signal.ITIMER_PROF, 0.0002, 0.0002)
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and not refused:
+            gs.average([np.ones(4)])
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, old)
+        gs.close()
+    assert refused
+    assert refused[0] == (
+        "GradSync (rank 0) was called from within one of its own calls on this thread (a "
+        "signal handler?); only close() may be called there"
+    )
+
+
 def test_a_joiner_closed_as_the_roster_appears_leaves_the_job(tmp_path: Path) -> None:
     # Closed after rank 0 wrote the roster but before it read it, rank 1 used to leave
     # only a note rank 0 no longer read: rank 0 waited out max_wait_s (20 s).
@@ -889,6 +957,10 @@ def test_a_joiner_closed_as_the_roster_appears_leaves_the_job(tmp_path: Path) ->
     kind, seconds = results[0].value
     assert kind in ("PeerLostError", "PeerAbortedError")
     assert seconds < 10
+
+
+# The in-process signal tests below use SIGPROF (a CPU-time timer): pytest-timeout
+# keeps SIGALRM, so a hang fails the test instead of stopping the suite.
 
 
 def test_signal_handlers_that_close_never_hang_a_call(tmp_path: Path) -> None:
@@ -903,8 +975,8 @@ def test_signal_handlers_that_close_never_hang_a_call(tmp_path: Path) -> None:
         box["gs"].close()
         closes += 1
 
-    old = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
+    old = signal.signal(signal.SIGPROF, handler)
+    signal.setitimer(signal.ITIMER_PROF, 0.0002, 0.0002)
     try:
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
@@ -913,8 +985,8 @@ def test_signal_handlers_that_close_never_hang_a_call(tmp_path: Path) -> None:
             except gradsync.GradSyncError:
                 box["gs"] = gradsync.GradSync(cfg)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, old)
     assert closes > 100
 
 

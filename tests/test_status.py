@@ -218,3 +218,10 @@ def test_a_failed_rendezvous_with_an_empty_note_is_failed(tmp_path: Path) -> Non
         "(its note is empty: no room for the reason; is the sync directory's disk full?)"
     )
     assert "waiting" not in job  # nobody waits to join a failed rendezvous
+
+
+def test_an_unreadable_abort_note_is_failed(tmp_path: Path) -> None:
+    gen = _rendezvous_of_3(tmp_path)
+    (gen / "abort.json").write_bytes(b"\xff\xfe not json")  # status used to crash here
+    (job,) = gradsync._status.describe(tmp_path, sample_s=0.0)["jobs"]
+    assert (job["state"], job["error"]) == ("failed", "(its reason is unreadable)")

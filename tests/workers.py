@@ -372,6 +372,33 @@ def rank_0_interrupted_then_calls_again(rank: int, world: int, sync_dir: str) ->
     return grads[0].tolist()
 
 
+def rank_0_fails_and_its_generation_goes(rank: int, world: int, sync_dir: str) -> Any:
+    """Ranks 0 and 1 of 3 (rank 2 never comes). Rank 0 is interrupted once rank 1 has
+    confirmed; rank 1 never sees its abort note, and the generation is removed (as the
+    next job's rank 0 would); rank 0 exits 1 s later. Rank 1 must hear that rank 0 is
+    gone, not wait out max_wait_s for a new offer."""
+    from gradsync import _rendezvous  # noqa: PLC0415
+
+    if rank == 1:
+        real_read = _rendezvous.read_small
+
+        def unseen_abort(path: Path, limit: int = 1 << 20) -> bytes | None:
+            return None if path.name == _rendezvous.ABORT else real_read(path, limit)
+
+        _rendezvous.read_small = unseen_abort  # type: ignore[assignment]
+        with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:
+            gs.average([np.ones(4)], step=0)
+        return None
+    _on_first(sync_dir, "gen-*/member-1-*.json", lambda: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:
+            gs.average([np.ones(4)], step=0)
+    except KeyboardInterrupt:
+        _rendezvous._reap_stale_generations(Path(sync_dir), Path(sync_dir) / "gen-none", 15.0)
+        time.sleep(1.0)
+    return None
+
+
 def joiner_closed_as_the_roster_appears(rank: int, world: int, sync_dir: str) -> Any:
     """Rank 1's session is closed from another thread the moment rank 0 writes the
     roster: in its rendezvous or just after, it must leave, and rank 0 hear of it."""

@@ -231,6 +231,14 @@ class GradSync:
     def _call(self, *, closing: bool = False) -> Iterator[None]:
         """Hold the lock for one call; a close() that a signal handler made during it
         (re-entering this thread) is carried out once it is over."""
+        if getattr(self._inside, "active", False):
+            # A signal handler's call during a call of its own thread would wait for the
+            # lock that thread holds, forever.
+            raise GradSyncError(
+                f"GradSync (rank {self.cfg.rank}) was called from within one of its own calls "
+                "on this thread (a signal handler?); only close() may be called there",
+                ranks=[self.cfg.rank],
+            )
         # Marked before the lock is taken and cleared after it is let go: a handler
         # that runs anywhere in between must not wait for the lock its thread holds.
         self._inside.active = True
@@ -395,17 +403,14 @@ class GradSync:
             # closed as soon as that call is over.
             self._close_requested = True
             return
-        try:
-            with self._call(closing=True):
-                if self._closed:
-                    return
-                self._closed = True
-                self._session.leave()
-                _registry_forget(self)
-        except BaseException:
-            if not self._closed:  # interrupted before it closed: calls may wait again
-                self._closing.clear()
-            raise
+        # Interrupted, it still counts as called: no call starts (and other threads'
+        # closes, which share the flag, still end their waits).
+        with self._call(closing=True):
+            if self._closed:
+                return
+            self._closed = True
+            self._session.leave()
+            _registry_forget(self)
 
     def _fail(self, exc: BaseException) -> None:
         """End the session after a failed call (its peers give up on it too). It leaves
@@ -450,7 +455,8 @@ class _Session:
 
 # The function form's sessions, one per job and rank this process averages as.
 _registry: dict[tuple[str, str | None, int, int], GradSync] = {}
-_registry_lock = threading.Lock()
+# Re-entrant: a signal handler's close() may run while its thread holds it.
+_registry_lock = threading.RLock()
 
 
 def _job_key(cfg: FileGradSyncConfig) -> tuple[str, str | None, int, int]:

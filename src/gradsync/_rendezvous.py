@@ -630,6 +630,7 @@ def _join(
     next_check = 0.0
     heartbeat: Heartbeat | None = None
     accepted: Generation | None = None
+    stale: tuple[MemberInfo, Path] | None = None  # a rank 0 whose generation went
     try:
         while True:
             _check_closing(cfg, closing)
@@ -654,6 +655,8 @@ def _join(
             if gen_path is None and elapsed >= next_check:
                 next_check = elapsed + _CHECK_EVERY_S
                 _check_not_taken(cfg, me, watch)
+                if stale is not None:
+                    _check_leader(cfg, *stale, watch)
             if gen_path is not None and leader is not None:
                 try:
                     abort = read_small(gen_path / ABORT)
@@ -673,9 +676,11 @@ def _join(
                     _check_leader(cfg, leader, gen_path, watch)
                     if not gen_path.is_dir():
                         # Rank 0 failed and a new session of it already removed this
-                        # generation: wait for its offer, as a rank that came later.
+                        # generation: wait for its offer, as a rank that came later,
+                        # while that process lives.
                         if heartbeat is not None:
                             heartbeat.stop()
+                        stale = (leader, gen_path)
                         heartbeat = gen_path = leader = None
             if elapsed >= cfg.max_wait_s:
                 raise _join_timeout(cfg, gen_path)

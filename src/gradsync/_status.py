@@ -101,7 +101,11 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
         abort = None
     if abort is not None:  # empty where the disk was full
         info["state"] = "failed"
-        info["error"] = note_reason(json.loads(abort) if abort else abort)
+        try:
+            note: object = json.loads(abort) if abort else abort
+        except ValueError:
+            note = None  # "its reason is unreadable"
+        info["error"] = note_reason(note)
         info.pop("waiting", None)  # the rendezvous is over: nobody waits to join
     seqs = _steps(gen)
     names = {seq: set(_names(gen / f"s-{seq}")) for seq in seqs}
