@@ -8,6 +8,7 @@ keeps working for code that does not know about gradsync.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -172,6 +173,17 @@ _JOB_WIDE: dict[str, type[GradSyncError]] = {
         PeerAbortedError,
     )
 }
+
+
+def parse_note(raw: bytes) -> object:
+    """A peer's note as :func:`note_reason` and :func:`job_wide_error` take it: its JSON
+    value, ``b""`` if it is empty (all a full disk had room for), None if unreadable."""
+    if not raw:
+        return b""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
 
 
 def note_reason(note: object) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import threading
@@ -35,6 +34,7 @@ from ._errors import (
     SyncDirError,
     job_wide_error,
     note_reason,
+    parse_note,
 )
 from ._format import (
     FLAG_CHECKSUMS,
@@ -283,9 +283,8 @@ class PeerFiles:
     def _raise_abort(self, step_dir: Path, rank: int, step: int) -> None:
         path = step_dir / f"abort-{rank}"
         try:
-            raw = path.read_bytes()
-            note: object = json.loads(raw) if raw else raw
-        except (OSError, ValueError, RecursionError):
+            note = parse_note(path.read_bytes())
+        except OSError:
             note = None
         shared = job_wide_error(note, step=step, path=step_dir)
         if shared is not None:

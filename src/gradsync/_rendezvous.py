@@ -43,6 +43,7 @@ from ._errors import (
     error_note,
     job_wide_error,
     note_reason,
+    parse_note,
 )
 from ._fsio import (
     Backoff,
@@ -343,7 +344,7 @@ class _Leader:
             raw = read_small(path)
         except OSError:
             raw = None
-        note: dict[str, Any] | bytes | None = _parse(raw) if raw else b""
+        note = parse_note(raw or b"")
         rank = path.name[len(GAVE_UP) :].split("-")[0]
         member = _member(note) if isinstance(note, dict) else None
         who = f"rank {rank}" + ("" if member is None else f" ({member.describe()})")
@@ -663,7 +664,7 @@ def _join(
                 except OSError:
                     abort = None
                 if abort is not None:  # empty where rank 0's disk was full: still a note
-                    _raise_abort(_parse(abort) if abort else abort, gen_path)
+                    _raise_abort(parse_note(abort), gen_path)
                 roster = _load(gen_path / ROSTER)
                 if roster is not None:
                     accepted = _accept(cfg, me, gen_path, roster)
@@ -754,7 +755,7 @@ def _join_timeout(cfg: FileGradSyncConfig, gen_path: Path | None) -> PeerTimeout
     )
 
 
-def _raise_abort(note: dict[str, Any] | bytes | None, gen_path: Path) -> None:
+def _raise_abort(note: object, gen_path: Path) -> None:
     shared = job_wide_error(note, step=None, path=gen_path)
     if shared is not None:
         raise shared  # rank 0 found a problem of the whole job: every rank raises it alike

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._errors import CorruptFileError, note_reason
+from ._errors import CorruptFileError, note_reason, parse_note
 from ._format import HEADER_READ_BYTES, decode_header, header_length
 from ._fsio import read_small
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
@@ -101,11 +101,7 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
         abort = None
     if abort is not None:  # empty where the disk was full
         info["state"] = "failed"
-        try:
-            note: object = json.loads(abort) if abort else abort
-        except ValueError:
-            note = None  # "its reason is unreadable"
-        info["error"] = note_reason(note)
+        info["error"] = note_reason(parse_note(abort))
         info.pop("waiting", None)  # the rendezvous is over: nobody waits to join
     seqs = _steps(gen)
     names = {seq: set(_names(gen / f"s-{seq}")) for seq in seqs}
