@@ -225,3 +225,54 @@ def test_an_unreadable_abort_note_is_failed(tmp_path: Path) -> None:
     (gen / "abort.json").write_bytes(b"\xff\xfe not json")  # status used to crash here
     (job,) = gradsync._status.describe(tmp_path, sample_s=0.0)["jobs"]
     assert (job["state"], job["error"]) == ("failed", "(its reason is unreadable)")
+
+
+def _running_job_of_3(sync_dir: Path, strategy: str, markers: list[str]) -> None:
+    """A formed job of 3 (every rank this live process) whose latest call, 1, holds
+    ``markers``; its ranks > 0 confirmed with ``strategy``."""
+    gen = sync_dir / "gen-00000000000000aa"
+    (gen / "s-1").mkdir(parents=True)
+    nonces = ["00000000000000aa", "00000000000000bb", "00000000000000cc"]
+    members = [gradsync._liveness.MemberInfo.for_self(r, n) for r, n in enumerate(nonces)]
+    (gen / "roster.json").write_text(
+        json.dumps({"members": [m.to_json() for m in members], "world_size": 3, "run_id": None})
+    )
+    for m in members[1:]:
+        (gen / f"member-{m.rank}-{m.nonce}.json").write_text(
+            json.dumps(
+                {
+                    "member": m.to_json(),
+                    "world_size": 3,
+                    "settings": {"strategy": strategy, "wide_sum": False},
+                }
+            )
+        )
+    for name in markers:
+        (gen / "s-1" / name).touch()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "markers", "waiting"),
+    [
+        # Root: ranks 1 and 2 never publish a shard; with rank 0's out, the call is over
+        # (every rank idles between steps: evaluating, checkpointing...).
+        ("root", ["in-0", "in-1", "in-2", "out-0"], None),
+        # Root: rank 0, which reduces everything, has not published the mean yet.
+        ("root", ["in-0", "in-1", "in-2"], {"for": [0], "by": [1, 2]}),
+        # Sharded: rank 1 has not published its shard; it does not wait for itself.
+        ("sharded", ["in-0", "in-1", "in-2", "out-0", "out-2"], {"for": [1], "by": [0, 2]}),
+        # Sharded, small call (every rank reduces all: no shards), or all shards in.
+        ("sharded", ["in-0", "in-1", "in-2"], None),
+        ("sharded", ["in-0", "in-1", "in-2", "out-0", "out-1", "out-2"], None),
+    ],
+)
+def test_status_waits_only_for_ranks_that_publish_a_shard(
+    tmp_path: Path, strategy: str, markers: list[str], waiting: dict[str, list[int]] | None
+) -> None:
+    _running_job_of_3(tmp_path, strategy, markers)
+    (job,) = gradsync._status.describe(tmp_path, sample_s=0.0)["jobs"]
+    assert job["state"] == "running"
+    if waiting is None:
+        assert "waiting" not in job
+    else:
+        assert job["waiting"] == {**waiting, "what": "shards of the mean", "call": 1}

@@ -67,6 +67,18 @@ def _user_step(gen: Path, rank: int, call: int) -> int | None:
     return None
 
 
+def _strategy(gen: Path) -> str | None:
+    """The job's strategy, from the settings its ranks > 0 confirmed with (rank 0
+    admitted them only if they matched its own); None if no member file says."""
+    for name in sorted(_names(gen)):
+        if name.startswith("member-"):
+            data = _load(gen / name)
+            settings = data.get("settings") if data is not None else None
+            if isinstance(settings, dict) and isinstance(settings.get("strategy"), str):
+                return str(settings["strategy"])
+    return None
+
+
 def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
     roster = _load(gen / ROSTER)
     info: dict[str, Any] = {"path": str(gen), "id": gen.name[len(GEN_PREFIX) :]}
@@ -138,12 +150,17 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
         if missing_in and have_in:
             info["waiting"] = {"for": missing_in, "by": have_in, "what": "gradients", "call": seq}
         elif not missing_in:
-            have_out = [m.rank for m in members if f"out-{m.rank}" in present]
-            missing_out = sorted(m.rank for m in members if m.rank not in have_out)
-            if have_out and missing_out:
+            # With strategy "root" only rank 0 publishes a shard (the whole mean), on
+            # every call; otherwise every rank does, except in calls small enough for
+            # each rank to reduce all (no shard at all: nobody waits once inputs are in).
+            root = _strategy(gen) == "root"
+            publishers = [0] if root else [m.rank for m in members]
+            have_out = [r for r in publishers if f"out-{r}" in present]
+            missing_out = sorted(r for r in publishers if r not in have_out)
+            if missing_out and (have_out or root):
                 info["waiting"] = {
                     "for": missing_out,
-                    "by": sorted(m.rank for m in members),
+                    "by": sorted(m.rank for m in members if m.rank not in missing_out),
                     "what": "shards of the mean",
                     "call": seq,
                 }
