@@ -787,6 +787,16 @@ def test_unusable_grads_are_named(grads: object, message: str) -> None:
         validate_grads(grads)
 
 
+@pytest.mark.skipif(not hasattr(getattr(np, "dtypes", None), "StringDType"), reason="numpy < 2")
+def test_a_new_style_dtype_is_invalid_grads() -> None:
+    # newbyteorder raises TypeError for StringDType: it must not escape as one (a first
+    # call tells its peers only of a GradSyncError; they would wait max_wait_s).
+    grads = [np.zeros(2), np.array(["a"], np.dtypes.StringDType())]
+    message = "param 1 has dtype StringDType(); gradsync averages only float16, float32, float64"
+    with pytest.raises(gradsync.InvalidGradsError, match=f"^{re.escape(message)}$"):
+        validate_grads(grads)
+
+
 @pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
 def test_array_subclasses_are_averaged_as_their_memory() -> None:
     # np.matrix reshapes to (1, n): the step must see a plain 1-D view of its memory.

@@ -120,6 +120,10 @@ def test_resolve_dtypes_errors() -> None:
         resolve_dtypes([_FakeBuf(8), _FakeBuf(8)], [np.float32])
     with pytest.raises(InvalidGradsError, match=r"^param 0: unsupported dtype >f4"):
         resolve_dtypes([_FakeBuf(8)], ">f4" if sys.byteorder == "little" else "<f4")
+    string_dtype = getattr(getattr(np, "dtypes", None), "StringDType", None)  # numpy >= 2
+    if string_dtype is not None:
+        with pytest.raises(InvalidGradsError, match=r"^param 0: unsupported dtype StringDType"):
+            resolve_dtypes([_FakeBuf(8)], string_dtype())
 
 
 def _info(backend: str, typ: str, device: str = "gpu", device_id: int = 1) -> dict[str, Any]:

@@ -53,7 +53,9 @@ Fetch = Callable[[int, int, np.ndarray], np.ndarray]
 def check_dtype(dtype: npt.DTypeLike, where: str) -> np.dtype[Any]:
     """Return ``dtype`` normalised to native byte order, or raise if unsupported."""
     dt = np.dtype(dtype)
-    native: np.dtype[Any] = dt.newbyteorder("=")
+    # Only a non-native dtype is converted: numpy 2's new-style dtypes (StringDType)
+    # are native, and newbyteorder raises TypeError for them, not an InvalidGradsError.
+    native: np.dtype[Any] = dt if dt.isnative else dt.newbyteorder("=")
     if native not in ACCUMULATOR:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise InvalidGradsError(f"{where} has dtype {dt}; gradsync averages only {names}")

@@ -179,7 +179,8 @@ def _check_dtype(dtype: npt.DTypeLike, where: str) -> np.dtype[Any]:
         raise InvalidGradsError(
             f"{where}: {dtype!r} is not a numpy dtype; supported: float16, float32, float64"
         ) from exc
-    if dt.newbyteorder("=") not in SUPPORTED_DTYPES or not dt.isnative:
+    # isnative first: newbyteorder raises TypeError for new-style dtypes (StringDType).
+    if not dt.isnative or dt not in SUPPORTED_DTYPES:
         raise InvalidGradsError(
             f"{where}: unsupported dtype {dt}; supported: float16, float32, float64 "
             "(native byte order)"
