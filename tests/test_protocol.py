@@ -201,6 +201,21 @@ def test_one_rank_is_a_no_op_and_writes_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "sync").exists()
 
 
+def test_one_rank_with_check_finite_still_stops_a_non_finite_step(tmp_path: Path) -> None:
+    # Nothing to average, but NaN/Inf must fail the step as they do with peers: a job
+    # debugged on one rank would otherwise train on through them.
+    grads = [np.ones(3, np.float32), np.array([1.0, np.inf], np.float16), np.array([np.nan])]
+    cfg = gradsync.FileGradSyncConfig(1, 0, tmp_path / "sync", check_finite=True)
+    with gradsync.GradSync(cfg) as gs, pytest.raises(gradsync.NonFiniteGradError) as info:
+        gs.average(grads, step=7)
+    assert str(info.value) == "step 7: non-finite gradients (NaN or Inf) in rank 0 params 1, 2"
+    assert (info.value.step, info.value.ranks) == (7, (0,))
+    assert not (tmp_path / "sync").exists()
+    finite = [np.ones(3, np.float32)]
+    with gradsync.GradSync(cfg) as gs:
+        assert gs.average(finite).world_size == 1
+
+
 # -- 2. never reads another run's files ---------------------------------------------------
 
 

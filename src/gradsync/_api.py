@@ -21,7 +21,8 @@ from ._buffers import SharedBuffers
 from ._config import FileGradSyncConfig
 from ._errors import ConfigError, GradSyncError, InvalidGradsError
 from ._format import Layout
-from ._protocol import Deliver, StepEngine, validate_grads
+from ._peers import nonfinite_error
+from ._protocol import Deliver, StepEngine, nonfinite_params, validate_grads
 from ._reduce import check_dtype
 from ._rendezvous import Generation, leave, rendezvous
 from ._stats import StepStats
@@ -299,6 +300,11 @@ class GradSync:
             with self._before_step():
                 arrays = validate_grads(grads)
             if not self.cfg.enabled:
+                # One rank: nothing to average, but check_finite still stops a step with
+                # NaN/Inf, as it would with peers (a job debugged alone sees the same).
+                bad = nonfinite_params(arrays) if self.cfg.check_finite else []
+                if bad:
+                    raise nonfinite_error([(self.cfg.rank, i) for i in bad], step, None)
                 nbytes = sum(a.nbytes for a in arrays)
                 return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
         return self._started().step(grads, step, deliver)

@@ -52,7 +52,7 @@ from ._plan import Plan
 from ._rendezvous import Generation, calls_finished
 from ._transport import ChecksumError, DataReader, Transport
 
-__all__ = ["Peer", "PeerFiles", "check_inputs", "check_length", "reading"]
+__all__ = ["Peer", "PeerFiles", "check_inputs", "check_length", "nonfinite_error", "reading"]
 
 _log = logging.getLogger("gradsync")
 _LIVENESS_EVERY_S = 0.1
@@ -395,14 +395,21 @@ def check_inputs(plan: Plan, rank: int, peers: dict[int, Peer], step: int, step_
         for i in peers[q].header.full_meta(str(peers[q].path)).get("nonfinite", [])
     ]
     if bad:
-        ranks = sorted({q for q, _ in bad})
-        listing = "; ".join(_param_list(q, [i for p, i in bad if p == q]) for q in ranks)
-        raise NonFiniteGradError(
-            f"step {step}: non-finite gradients (NaN or Inf) in {listing}",
-            step=step,
-            ranks=ranks,
-            path=step_dir,
-        )
+        raise nonfinite_error(bad, step, step_dir)
+
+
+def nonfinite_error(
+    bad: Sequence[tuple[int, int]], step: int, path: Path | None
+) -> NonFiniteGradError:
+    """The error of a step whose ``(rank, param)`` pairs in ``bad`` hold NaN or Inf."""
+    ranks = sorted({q for q, _ in bad})
+    listing = "; ".join(_param_list(q, [i for p, i in bad if p == q]) for q in ranks)
+    return NonFiniteGradError(
+        f"step {step}: non-finite gradients (NaN or Inf) in {listing}",
+        step=step,
+        ranks=ranks,
+        path=path,
+    )
 
 
 def _mismatch(

@@ -78,7 +78,7 @@ from ._rendezvous import Generation
 from ._stats import StepStats
 from ._transport import ChecksumError, Transport, local_filesystem
 
-__all__ = ["Deliver", "Piece", "StepEngine", "data_name", "validate_grads"]
+__all__ = ["Deliver", "Piece", "StepEngine", "data_name", "nonfinite_params", "validate_grads"]
 
 _log = logging.getLogger("gradsync")
 # Below this many bytes per rank every rank reduces all of it: reading W small inputs
@@ -134,6 +134,11 @@ def validate_grads(grads: object) -> list[np.ndarray]:
         # array, is what is averaged.
         arrays.append(g if type(g) is np.ndarray else g.view(np.ndarray))
     return arrays
+
+
+def nonfinite_params(arrays: Sequence[np.ndarray]) -> list[int]:
+    """The indices of the arrays that hold a NaN or an Inf."""
+    return [i for i, a in enumerate(arrays) if not np.isfinite(a).all()]
 
 
 def _others(group: Group, rank: int) -> list[tuple[int, int]]:
@@ -229,11 +234,7 @@ class StepEngine:
             )
         plan = self._plan_for(_layout_of(arrays))
         flats = [a.reshape(-1) for a in arrays]
-        nonfinite = (
-            [i for i, f in enumerate(flats) if not np.isfinite(f).all()]
-            if self.cfg.check_finite
-            else []
-        )
+        nonfinite = nonfinite_params(flats) if self.cfg.check_finite else []
         shared = self._shared
         in_place = shared is not None and self._publishes_in_place(shared, plan, arrays)
         fault_point("before_publish", self.rank, self.seq)
