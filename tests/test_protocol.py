@@ -401,6 +401,10 @@ def test_world_size_mismatch_at_rendezvous(tmp_path: Path) -> None:
     [
         ("strategy", ["root", "sharded"], ("'root'", "'sharded'")),
         ("wide_sum", [True, False], ("True", "False")),
+        # Only a publisher can flag its NaN/Inf or write its CRCs: a rank that asked for
+        # the check would otherwise take a peer's unchecked data silently.
+        ("check_finite", [True, False], ("True", "False")),
+        ("checksums", [False, True], ("False", "True")),
     ],
 )
 def test_settings_mismatch_at_rendezvous(
@@ -425,8 +429,9 @@ def test_settings_mismatch_at_rendezvous(
         # A member file of a gradsync that sent no settings: it may sum differently.
         (
             {"world_size": 2},
-            r"rendezvous: rank 1 \(pid \d+ on \S+\) sent no settings \(strategy, wide_sum\) "
-            r"in \S+: it runs an older gradsync; every rank must run the same gradsync version",
+            r"rendezvous: rank 1 \(pid \d+ on \S+\) sent no settings \(strategy, wide_sum, "
+            r"check_finite, checksums\) in \S+: it runs an older gradsync; every rank must run "
+            r"the same gradsync version",
         ),
         # Settings without one of the keys this gradsync needs agreed on.
         (
@@ -447,9 +452,8 @@ def test_member_without_settings_is_refused(
         leader._check_agreement(joiner, {"member": joiner.to_json(), **data})
     assert info.value.ranks == (0, 1)
     assert info.value.path == str(tmp_path)
-    leader._check_agreement(
-        joiner, {"world_size": 2, "settings": {"strategy": "sharded", "wide_sum": False}}
-    )
+    settings = {"strategy": "sharded", "wide_sum": False, "check_finite": False}
+    leader._check_agreement(joiner, {"world_size": 2, "settings": {**settings, "checksums": False}})
 
 
 def test_two_processes_claiming_one_rank(tmp_path: Path) -> None:

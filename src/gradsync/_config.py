@@ -43,7 +43,8 @@ class FileGradSyncConfig:
             many seconds.
         check_finite: Check every published gradient for NaN/Inf and fail the step on
             every rank, naming the rank and param, if one is found. Off by default:
-            NaN/Inf then propagate into the mean as IEEE arithmetic says.
+            NaN/Inf then propagate into the mean as IEEE arithmetic says. Every rank
+            must set the same (the first call raises MismatchError otherwise).
         use_mmap: Map the data files into memory (``True``) or use ``pread``/``pwrite``
             (``False``). ``None`` (default): map them when ``sync_dir`` is on a
             filesystem local to this host (tmpfs, ext4...), where every rank sees the
@@ -52,7 +53,8 @@ class FileGradSyncConfig:
             reader before use: a truncated or garbled payload then fails the step on
             every rank (CorruptFileError naming the rank and file) instead of entering
             the mean. Off by default: about one more pass over the data per rank (see
-            the README's performance section). Headers are always checked.
+            the README's performance section). Headers are always checked. Every rank
+            must set the same (the first call raises MismatchError otherwise).
         threads: Threads per rank for the copies and the reduction of large steps
             (pieces of at least 1 MiB; smaller steps always run on the calling
             thread). ``None`` (default): this process's usable CPUs divided by the

@@ -97,9 +97,16 @@ class Generation:
 
 
 def _settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
-    """The config fields every rank must share: they decide the file layout (strategy)
-    and the maths (wide_sum). The rest may differ between ranks."""
-    return {"strategy": cfg.strategy, "wide_sum": cfg.wide_sum}
+    """The config fields every rank must share: they decide the file layout (strategy),
+    the maths (wide_sum) and what a reader can check, which only its publisher can make
+    possible (check_finite: the publisher flags NaN/Inf; checksums: it writes the CRCs).
+    The rest may differ between ranks."""
+    return {
+        "strategy": cfg.strategy,
+        "wide_sum": cfg.wide_sum,
+        "check_finite": cfg.check_finite,
+        "checksums": cfg.checksums,
+    }
 
 
 def _dump(data: dict[str, Any]) -> bytes:
@@ -365,8 +372,8 @@ class _Leader:
             # out its files as this one does, so it may not join.
             raise MismatchError(
                 f"rendezvous: rank {member.rank} ({member.describe()}) sent no settings "
-                f"(strategy, wide_sum) in {cfg.sync_dir}: it runs an older gradsync; every "
-                "rank must run the same gradsync version",
+                f"({', '.join(_settings(cfg))}) in {cfg.sync_dir}: it runs an older "
+                "gradsync; every rank must run the same gradsync version",
                 ranks=[0, member.rank],
                 path=cfg.sync_dir,
             )
