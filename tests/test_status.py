@@ -154,6 +154,27 @@ def test_status_names_the_ranks_a_rendezvous_waits_for(tmp_path: Path) -> None:
     assert "    ranks [0, 2] are waiting for ranks [1] to join" in gradsync._status._text(report)
 
 
+def test_jobs_sharing_a_directory_are_shown_with_their_run_ids(tmp_path: Path) -> None:
+    # A running job (its roster names its run id) beside one in its rendezvous (its
+    # leader file does); a job without a run id shows none.
+    gen = tmp_path / "gen-00000000000000cc"
+    gen.mkdir()
+    me = gradsync._liveness.MemberInfo.for_self(0, "00000000000000cc")
+    (gen / "roster.json").write_text(json.dumps({"members": [me.to_json()], "run_id": "alpha"}))
+    _rendezvous_of_3(tmp_path)
+    leader = tmp_path / "rdzv" / "leader-00000000000000aa.json"
+    leader.write_text(json.dumps({**json.loads(leader.read_text()), "run_id": "beta"}))
+    (tmp_path / "gen-00000000000000dd").mkdir()
+    report = gradsync._status.describe(tmp_path, sample_s=0.0)
+    assert [job.get("run_id") for job in report["jobs"]] == ["beta", "alpha", None]
+    lines = [ln for ln in gradsync._status._text(report).splitlines() if "generation" in ln]
+    assert [ln.split(",")[0] for ln in lines] == [
+        "  generation 00000000000000aa (run id 'beta'): rendezvous",
+        "  generation 00000000000000cc (run id 'alpha'): running",
+        "  generation 00000000000000dd: rendezvous",
+    ]
+
+
 def test_one_unreadable_job_is_named_and_the_others_shown(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

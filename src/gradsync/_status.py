@@ -90,6 +90,7 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
             except (KeyError, TypeError, ValueError):
                 continue
         info["state"] = "running"
+        info["run_id"] = roster.get("run_id")
     else:
         info["state"] = "rendezvous"
         for name in sorted(_names(gen)):
@@ -98,6 +99,8 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
                 if member is not None:
                     members.append(member)
         leader_data = _load(gen.parent / RDZV / f"leader-{info['id']}.json")
+        if leader_data is not None:
+            info["run_id"] = leader_data.get("run_id")
         leader = _member(leader_data)
         if leader is not None:
             members.insert(0, leader)
@@ -230,7 +233,9 @@ def describe(sync_dir: Path, *, sample_s: float = _SAMPLE_S) -> dict[str, Any]:
 def _text(report: dict[str, Any]) -> str:
     lines = [f"{report['sync_dir']}: {len(report['jobs'])} job(s), {report['disk_bytes']} bytes"]
     for job in report["jobs"]:
-        lines.append(f"  generation {job['id']}: {job['state']}, {job['disk_bytes']} bytes")
+        # Jobs sharing a directory are told apart by their run ids.
+        run = f" (run id {job['run_id']!r})" if isinstance(job.get("run_id"), str) else ""
+        lines.append(f"  generation {job['id']}{run}: {job['state']}, {job['disk_bytes']} bytes")
         if job.get("error"):
             lines.append(f"    error: {job['error']}")
         for r in job["ranks"]:
