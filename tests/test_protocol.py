@@ -546,18 +546,27 @@ def test_a_thousand_params_whose_header_outgrows_the_first_read(
         )
 
 
-@pytest.mark.parametrize("how", ["average", "buffers_like"])
-def test_bad_input_in_a_first_call_fails_the_peers_fast(tmp_path: Path, how: str) -> None:
+_INT64 = "param 0 has dtype int64; gradsync averages only float16, float32, float64"
+
+
+@pytest.mark.parametrize(
+    ("how", "error_type", "message"),
+    [
+        ("average", "InvalidGradsError", _INT64),
+        ("buffers_like", "InvalidGradsError", _INT64),
+        ("step", "ConfigError", "step must be an int, got 0.5"),
+    ],
+)
+def test_bad_input_in_a_first_call_fails_the_peers_fast(
+    tmp_path: Path, how: str, error_type: str, message: str
+) -> None:
     # The bad rank has not met its peers yet: it meets them to tell them, then raises.
     results = run_ranks(workers.bad_first_call, 2, (2, str(tmp_path), how))
-    assert results[1].error_type == "InvalidGradsError"
-    assert results[1].message == (
-        "param 0 has dtype int64; gradsync averages only float16, float32, float64"
-    )
+    assert results[1].error_type == error_type
+    assert results[1].message == message
     assert results[0].error_type == "PeerAbortedError", results[0].message
     assert re.fullmatch(
-        r"step 0: rank 1 \(pid \d+ on \S+\) gave up on this step: "
-        r"param 0 has dtype int64; gradsync averages only float16, float32, float64",
+        rf"step 0: rank 1 \(pid \d+ on \S+\) gave up on this step: {re.escape(message)}",
         results[0].message,
     ), results[0].message
     assert results[0].elapsed_s < 10

@@ -786,14 +786,14 @@ def many_params(rank: int, world: int, sync_dir: str, kw: dict[str, Any]) -> Any
 
 
 def bad_first_call(rank: int, world: int, sync_dir: str, how: str) -> Any:
-    """The last rank's first call has int64 gradients (``how``: in ``average`` or in
-    ``buffers_like``); the others' are fine."""
+    """The last rank's first call is bad; the others' are fine. ``how``: int64 gradients
+    in ``average`` or in ``buffers_like``, or ``"step"``: a step of 0.5."""
     bad = rank == world - 1
-    like = [np.zeros(3, np.int64 if bad else np.float32)]
+    like = [np.zeros(3, np.int64 if bad and how != "step" else np.float32)]
     with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=30.0)) as gs:
         if how == "buffers_like":
             like = gs.buffers_like(like)
-        gs.average(like, step=0)
+        gs.average(like, step=0.5 if bad and how == "step" else 0)  # type: ignore[arg-type]
 
 
 def recover_after_failure(rank: int, world: int, sync_dir: str, how: str) -> Any:

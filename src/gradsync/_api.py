@@ -142,7 +142,8 @@ class GradSync:
             ConfigError: ``step`` is not an int in the signed 64-bit range.
             InvalidGradsError: the gradients cannot be averaged in place.
             MismatchError: ranks passed different layouts or step numbers, or (first
-                call) were configured with different world sizes, strategies or wide_sum.
+                call) were configured with different world sizes, strategy, wide_sum,
+                check_finite or checksums.
             NonFiniteGradError: with ``check_finite``, a rank's gradients hold NaN/Inf.
             PeerLostError: a peer died; PeerTimeoutError: live peers did not publish
                 within ``max_wait_s``; PeerAbortedError: a peer failed the step.
@@ -155,13 +156,8 @@ class GradSync:
         self._check_process()
         with self._call():
             self._check_usable()
-            if step is None:
-                step = self._next_step
-            elif isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-                raise ConfigError(f"step must be an int, got {step!r}")
-            step = int(step)
-            if not -(2**63) <= step < 2**63:  # headers keep it as a signed 64-bit integer
-                raise ConfigError(f"step must fit in a signed 64-bit integer, got {step}")
+            with self._before_step():  # peers would wait max_wait_s for a rank failing here
+                step = _checked_step(self._next_step if step is None else step)
             self._next_step = step + 1
             try:
                 if device is None:
@@ -485,6 +481,16 @@ def _close_all() -> None:
             sync.close()
         except Exception:  # at exit, one failure must not hide the others
             _log.exception("closing %r at exit failed", sync)
+
+
+def _checked_step(step: object) -> int:
+    """``step`` as an int, or ConfigError: headers keep it as a signed 64-bit integer."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise ConfigError(f"step must be an int, got {step!r}")
+    value = int(step)
+    if not -(2**63) <= value < 2**63:
+        raise ConfigError(f"step must fit in a signed 64-bit integer, got {value}")
+    return value
 
 
 def _as_array(x: object, i: int) -> np.ndarray:
