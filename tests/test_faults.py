@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 import fault_workers
 import gradsync
+from gradsync import _jobfiles, _reaping
 from gradsync import _rendezvous as rdzv
 from gradsync._format import FIXED_SIZE
 from gradsync._liveness import MemberInfo
@@ -728,7 +729,7 @@ def _file(directory: Path, name: str, content: bytes) -> Path:
 @given(st.one_of(st.binary(max_size=300), json_values.map(lambda v: json.dumps(v).encode())))
 def test_fuzz_rendezvous_load_returns_a_dict_or_none(content: bytes) -> None:
     with tempfile.TemporaryDirectory() as d:
-        data = rdzv._load(_file(Path(d), "x.json", content))
+        data = _jobfiles.load(_file(Path(d), "x.json", content))
     assert data is None or isinstance(data, dict)
 
 
@@ -736,7 +737,9 @@ def test_fuzz_rendezvous_load_returns_a_dict_or_none(content: bytes) -> None:
 @given(st.one_of(json_values, member_dicts, st.builds(lambda m: {"member": m}, member_dicts)))
 def test_fuzz_rendezvous_member_returns_member_or_none(value: Any) -> None:
     with tempfile.TemporaryDirectory() as d:
-        member = rdzv._member(rdzv._load(_file(Path(d), "m.json", json.dumps(value).encode())))
+        member = _jobfiles.member_of(
+            _jobfiles.load(_file(Path(d), "m.json", json.dumps(value).encode()))
+        )
     assert member is None or isinstance(member, MemberInfo)
 
 
@@ -762,20 +765,25 @@ def test_fuzz_roster_readers_raise_only_gradsync_errors(roster: Any) -> None:
         if isinstance(roster, dict):
             with contextlib.suppress(gradsync.RendezvousError, gradsync.MismatchError):
                 rdzv._accept(cfg, me, gen, roster)
-        members = rdzv._members_of(gen)
+        members = _reaping.members_of(gen)
         assert members is None or all(isinstance(m, MemberInfo) for m in members), members
         # Any cross-host member is judged later, in a daemon thread: make that at once.
-        rdzv._reap_stale_generations(sync, sync / "gen-keep", 0.0)
+        _reaping.reap_stale_generations(sync, sync / "gen-keep", 0.0)
 
 
-ROSTER_READERS = ("_check_not_taken", "_members_of", "_reap_stale_generations", "_accept")
+ROSTER_READERS = (
+    (rdzv, "_check_not_taken"),
+    (rdzv, "_accept"),
+    (_reaping, "members_of"),
+    (_reaping, "reap_stale_generations"),
+)
 
 
 def _need_roster_readers() -> None:
     # An AttributeError from a renamed helper must not pass for a crash of the helper.
-    missing = [f for f in ROSTER_READERS if not hasattr(rdzv, f)]
+    missing = [f"{m.__name__}.{f}" for m, f in ROSTER_READERS if not hasattr(m, f)]
     if missing:
-        pytest.fail(f"gradsync._rendezvous no longer has {missing}: adapt these tests")
+        pytest.fail(f"{missing} no longer exist: adapt these tests")
 
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -784,12 +792,12 @@ INF_MEMBERS = json.dumps({"members": [{**SELF, "rank": float("inf")}] * 2, "run_
 
 
 def test_deeply_nested_rendezvous_file_loads_as_none(tmp_path: Path) -> None:
-    assert rdzv._load(_file(tmp_path, "join-1-00.json", DEEP)) is None
+    assert _jobfiles.load(_file(tmp_path, "join-1-00.json", DEEP)) is None
 
 
 def test_member_with_infinite_rank_is_none(tmp_path: Path) -> None:
     content = json.dumps({"member": {**SELF, "rank": float("inf")}}).encode()
-    assert rdzv._member(rdzv._load(_file(tmp_path, "m.json", content))) is None
+    assert _jobfiles.member_of(_jobfiles.load(_file(tmp_path, "m.json", content))) is None
 
 
 @pytest.mark.parametrize("entry", [[1], "x", None, {**SELF, "rank": float("inf")}])
@@ -814,10 +822,10 @@ def test_garbled_roster_entries_are_not_crashes(
         assert rdzv._check_not_taken(cfg, me, rdzv.HeartbeatWatch(1.0)) is None
     elif reader == "members_of":
         # Unreadable members: unknown (None), never an empty list (which means "all gone").
-        assert rdzv._members_of(gen) is None
+        assert _reaping.members_of(gen) is None
     elif reader == "reap":
         # Members unknown: the generation may be alive, so it is kept.
-        rdzv._reap_stale_generations(tmp_path, tmp_path / "gen-keep", 0.0)
+        _reaping.reap_stale_generations(tmp_path, tmp_path / "gen-keep", 0.0)
         time.sleep(0.05)  # (a reaper thread, had one been started, acts at once)
         assert (gen / "roster.json").read_bytes() == content
     else:
@@ -983,7 +991,7 @@ def test_one_reaper_thread_however_many_rendezvous_leave_a_generation_pending(
     far["host_id"] = "elsewhere/boot/pidns"
     (gen / "roster.json").write_text(json.dumps({"members": [far], "run_id": None}))
     for _ in range(5):
-        rdzv._reap_stale_generations(tmp_path, tmp_path / "gen-keep", 0.3)
+        _reaping.reap_stale_generations(tmp_path, tmp_path / "gen-keep", 0.3)
     reapers = [t for t in threading.enumerate() if t.name == "gradsync-reaper"]
     assert len(reapers) == 1
     reapers[0].join(10)

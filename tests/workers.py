@@ -377,7 +377,7 @@ def rank_0_fails_and_its_generation_goes(rank: int, world: int, sync_dir: str) -
     confirmed; rank 1 never sees its abort note, and the generation is removed (as the
     next job's rank 0 would); rank 0 exits 1 s later. Rank 1 must hear that rank 0 is
     gone, not wait out max_wait_s for a new offer."""
-    from gradsync import _rendezvous  # noqa: PLC0415
+    from gradsync import _reaping, _rendezvous  # noqa: PLC0415
 
     if rank == 1:
         real_read = _rendezvous.read_small
@@ -394,7 +394,7 @@ def rank_0_fails_and_its_generation_goes(rank: int, world: int, sync_dir: str) -
         with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:
             gs.average([np.ones(4)], step=0)
     except KeyboardInterrupt:
-        _rendezvous._reap_stale_generations(Path(sync_dir), Path(sync_dir) / "gen-none", 15.0)
+        _reaping.reap_stale_generations(Path(sync_dir), Path(sync_dir) / "gen-none", 15.0)
         time.sleep(1.0)
     return None
 
@@ -403,11 +403,16 @@ def joiner_closed_as_the_roster_appears(rank: int, world: int, sync_dir: str) ->
     """Rank 1's session is closed from another thread the moment rank 0 writes the
     roster: in its rendezvous or just after, it must leave, and rank 0 hear of it."""
     gs = gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0))
+    closed = threading.Event()
     if rank == 1:
-        _on_first(sync_dir, "gen-*/roster.json", gs.close)
+        _on_first(sync_dir, "gen-*/roster.json", lambda: (gs.close(), closed.set()))
     start = time.monotonic()
     try:
         gs.average([np.ones(4)], step=0)
+        if rank == 1:
+            # On a loaded machine the watcher may only get a core once step 0 is done:
+            # step 1 then meets the closed session (the close lands "just after").
+            closed.wait(10)
         gs.average([np.ones(4)], step=1)
     except gradsync.GradSyncError as exc:
         return type(exc).__name__, time.monotonic() - start
@@ -439,17 +444,17 @@ def dropped_without_close(rank: int, world: int, sync_dir: str) -> Any:
 
 def membership_not_written(rank: int, world: int, sync_dir: str) -> Any:
     """Rank 1 is offered a place, then cannot write its membership file (ENOSPC)."""
-    from gradsync import _rendezvous  # noqa: PLC0415
+    from gradsync import _jobfiles  # noqa: PLC0415
 
     if rank == 1:
-        write = _rendezvous.write_atomic
+        write = _jobfiles.write_atomic
 
         def failing(path: Path, chunks: Any) -> int:
             if path.name.startswith("member-"):
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
             return write(path, chunks)
 
-        _rendezvous.write_atomic = failing  # type: ignore[assignment]
+        _jobfiles.write_atomic = failing  # type: ignore[assignment]
     with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:
         gs.average([np.ones(4)], step=0)
 

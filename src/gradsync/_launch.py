@@ -28,7 +28,7 @@ from types import FrameType
 from typing import IO, Any
 
 from ._errors import ConfigError
-from ._rendezvous import remove_dead_jobs
+from ._reaping import remove_dead_jobs
 
 __all__ = ["launch"]
 

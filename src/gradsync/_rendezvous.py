@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 import os
 import secrets
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,20 +49,26 @@ from ._fsio import (
     read_small,
     remove_tree,
     translate_oserror,
-    write_atomic,
     write_note,
 )
-from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo, read_counter
+from ._jobfiles import (
+    ABORT,
+    GAVE_UP,
+    GEN_PREFIX,
+    RDZV,
+    ROSTER,
+    dump,
+    leader_file,
+    load,
+    member_of,
+    write_json,
+)
+from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo
+from ._reaping import reap_stale_generations, remove_dead_joins
 
-__all__ = ["Generation", "calls_finished", "leave", "remove_dead_jobs", "rendezvous"]
+__all__ = ["Generation", "calls_finished", "leave", "rendezvous"]
 
 _log = logging.getLogger("gradsync")
-RDZV = "rdzv"
-GEN_PREFIX = "gen-"
-ROSTER = "roster.json"
-ABORT = "abort.json"
-# gave-up-<rank>-<nonce>.json: a rank that was offered a place, then failed, says why.
-GAVE_UP = "gave-up-"
 _CHECK_EVERY_S = 0.2
 
 
@@ -109,36 +113,6 @@ def _settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
     }
 
 
-def _dump(data: dict[str, Any]) -> bytes:
-    return json.dumps(data, separators=(",", ":")).encode()
-
-
-def _load(path: Path) -> dict[str, Any] | None:
-    """A JSON object from ``path``; None if missing or not one (torn writes never happen)."""
-    try:
-        raw = read_small(path)
-    except OSError:
-        return None
-    return None if raw is None else _parse(raw)
-
-
-def _parse(raw: bytes) -> dict[str, Any] | None:
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _member(data: dict[str, Any] | None) -> MemberInfo | None:
-    if data is None or not isinstance(data.get("member"), dict):
-        return None
-    try:
-        return MemberInfo.from_json(data["member"])
-    except ValueError:
-        return None
-
-
 def rendezvous(cfg: FileGradSyncConfig, closing: threading.Event | None = None) -> Generation:
     """Form a new generation with ``cfg.world_size`` live ranks; block until it exists
     (or ``closing`` is set: GradSync.close() from another thread).
@@ -175,13 +149,6 @@ def _check_closing(cfg: FileGradSyncConfig, closing: threading.Event | None) -> 
         )
 
 
-def _write(path: Path, data: dict[str, Any], what: str) -> None:
-    try:
-        write_atomic(path, [_dump(data)])
-    except OSError as exc:
-        raise translate_oserror(exc, what, path) from exc
-
-
 class _Leader:
     def __init__(
         self, cfg: FileGradSyncConfig, me: MemberInfo, closing: threading.Event | None = None
@@ -191,7 +158,7 @@ class _Leader:
         self.closing = closing
         self.rdzv = cfg.sync_dir / RDZV
         self.gen_path = cfg.sync_dir / f"{GEN_PREFIX}{me.nonce}"
-        self.leader_file = self.rdzv / f"leader-{me.nonce}.json"
+        self.leader_file = leader_file(cfg.sync_dir, me.nonce)
         self.offered: set[str] = set()
         self.confirmed: dict[int, MemberInfo] = {}
         self.rivals: dict[str, MemberInfo] = {}
@@ -216,8 +183,8 @@ class _Leader:
         try:
             # First thing, so that the look at dead runs' heartbeats starts early, and
             # before this run writes anything more: on a full disk it frees their space.
-            _reap_stale_generations(self.cfg.sync_dir, self.gen_path, self.cfg.heartbeat_timeout_s)
-            _write(self.leader_file, self._info(), "registering rank 0 in")
+            reap_stale_generations(self.cfg.sync_dir, self.gen_path, self.cfg.heartbeat_timeout_s)
+            write_json(self.leader_file, self._info(), "registering rank 0 in")
         except BaseException:
             heartbeat.stop()
             # Nobody can have joined a generation without a leader file: remove it now,
@@ -237,7 +204,7 @@ class _Leader:
         except BaseException as exc:  # an interrupt too: the joiners must not wait it out
             # Requesters that already confirmed learn the reason instead of timing out.
             with contextlib.suppress(OSError):
-                write_note(self.gen_path / ABORT, _dump(error_note(exc)))
+                write_note(self.gen_path / ABORT, dump(error_note(exc)))
             # Rank 0 has left: nobody's rival now, and the next rank 0 on this host
             # removes the directory at once (as a generation whose members are gone).
             with contextlib.suppress(OSError):
@@ -285,7 +252,7 @@ class _Leader:
             "world_size": cfg.world_size,
             "run_id": cfg.run_id,
         }
-        _write(self.gen_path / ROSTER, roster, "publishing the roster to")
+        write_json(self.gen_path / ROSTER, roster, "publishing the roster to")
         self._tidy()
         return Generation(self.gen_path, self.me.nonce, members, 0)
 
@@ -296,11 +263,11 @@ class _Leader:
             nonce = name[:-5].rsplit("-", 1)[-1]
             if nonce in self.offered:
                 continue
-            data = _load(self.rdzv / name)
+            data = load(self.rdzv / name)
             if data is None or data.get("run_id") != self.cfg.run_id:
                 continue
             offer = {"gen": self.me.nonce, "member": self.me.to_json(), "run_id": self.cfg.run_id}
-            _write(self.rdzv / f"offer-{nonce}.json", offer, "answering a join in")
+            write_json(self.rdzv / f"offer-{nonce}.json", offer, "answering a join in")
             self.offered.add(nonce)
 
     def _collect(self) -> None:
@@ -310,8 +277,8 @@ class _Leader:
                 self._raise_gave_up(self.gen_path / name)
             if not name.startswith("member-") or not name.endswith(".json"):
                 continue
-            data = _load(self.gen_path / name)
-            member = _member(data)
+            data = load(self.gen_path / name)
+            member = member_of(data)
             if data is None or member is None:
                 continue
             known = self.confirmed.get(member.rank)
@@ -353,7 +320,7 @@ class _Leader:
             raw = None
         note = parse_note(raw or b"")
         rank = path.name[len(GAVE_UP) :].split("-")[0]
-        member = _member(note) if isinstance(note, dict) else None
+        member = member_of(note) if isinstance(note, dict) else None
         who = f"rank {rank}" + ("" if member is None else f" ({member.describe()})")
         message = f"rendezvous: {who} gave up joining: {note_reason(note)}"
         # A problem of the whole job (a rank that never came, a mismatch) keeps its type
@@ -404,8 +371,8 @@ class _Leader:
             if not name.startswith("leader-") or name == self.leader_file.name:
                 continue
             path = self.rdzv / name
-            data = _load(path)
-            member = _member(data)
+            data = load(path)
+            member = member_of(data)
             if data is None or member is None:
                 continue
             if data.get("run_id") != self.cfg.run_id or _left(self.cfg.sync_dir, data):
@@ -435,188 +402,7 @@ class _Leader:
             for name in (f"join-{member.rank}-{member.nonce}.json", f"offer-{member.nonce}.json"):
                 with contextlib.suppress(OSError):
                     (self.rdzv / name).unlink()
-        _remove_dead_joins(self.rdzv)
-
-
-def _remove_dead_joins(rdzv: Path) -> None:
-    """Remove the join files of dead processes of this host, and offers without a join."""
-    names = list_names(rdzv)
-    waiting = set()  # nonces of joins whose process may still read its offer
-    for name in names:
-        if name.startswith("join-") and name.endswith(".json"):
-            stale = _member(_load(rdzv / name))
-            if stale is not None and stale.local_death() is not None:
-                with contextlib.suppress(OSError):
-                    (rdzv / name).unlink()
-            else:
-                waiting.add(name[:-5].rsplit("-", 1)[-1])
-    for name in names:
-        # An offer names rank 0, not the joiner: it is stale once its join is gone.
-        if name.startswith("offer-") and name[6:-5] not in waiting:
-            with contextlib.suppress(OSError):
-                (rdzv / name).unlink()
-
-
-def remove_dead_jobs(sync_dir: Path) -> None:
-    """Remove what jobs whose every member ran on this host, and is gone, left in
-    ``sync_dir``: ranks stopped by a signal never close their session. Jobs with
-    members on other hosts are left to the next rank 0, which waits out their
-    heartbeats. Never raises: it only tidies."""
-    try:
-        names = list_names(sync_dir)
-        for name in names:
-            gen_path = sync_dir / name
-            if not name.startswith(GEN_PREFIX):
-                continue
-            members = _members_of(gen_path)
-            if members and all(
-                (gen_path / f"left-{m.rank}").exists()
-                or (m.same_host and m.local_death() is not None)
-                for m in members
-            ):
-                _remove(gen_path)
-        if RDZV in names:
-            _remove_dead_joins(sync_dir / RDZV)
-    except OSError as exc:
-        _log.debug("tidying %s stopped: %s", sync_dir, exc)
-
-
-def _members_of(gen_path: Path) -> list[MemberInfo] | None:
-    """The members of an old generation (just its rank 0 before the roster), or None."""
-    roster = _load(gen_path / ROSTER)
-    if roster is None:
-        gen_id = gen_path.name[len(GEN_PREFIX) :]
-        leader = _member(_load(gen_path.parent / RDZV / f"leader-{gen_id}.json"))
-        return [leader] if leader is not None else []
-    raw = roster.get("members")
-    if not isinstance(raw, list):
-        return None
-    try:
-        return [MemberInfo.from_json(m) for m in raw]
-    except ValueError:
-        return None
-
-
-def _remove(gen_path: Path) -> None:
-    _log.debug("removing %s: every member of that run is gone", gen_path)
-    with contextlib.suppress(OSError):
-        (gen_path.parent / RDZV / f"leader-{gen_path.name[len(GEN_PREFIX) :]}.json").unlink()
-    remove_tree(gen_path)
-
-
-def _silent_since_last_look(gen_path: Path, beats: list[Path], timeout_s: float) -> bool:
-    """Whether an earlier look from this host saw the same counters ``timeout_s`` ago.
-
-    The note is keyed by host and boot, so the monotonic clock it holds is only ever
-    compared with the same clock: no wall-clock times cross hosts.
-    """
-    counters = {hb.name: read_counter(hb) for hb in beats}
-    key = hashlib.blake2b(MemberInfo.for_self(0, "").host_id.encode(), digest_size=8).hexdigest()
-    note_path = gen_path / f"seen-{key}.json"
-    note = _load(note_path)
-    now = time.monotonic()
-    if note is not None and note.get("counters") == counters:
-        seen_at = note.get("monotonic")
-        return isinstance(seen_at, (int, float)) and now - seen_at >= timeout_s
-    with contextlib.suppress(OSError):
-        write_atomic(note_path, [_dump({"counters": counters, "monotonic": now})])
-    return False
-
-
-def _reap_stale_generations(sync_dir: Path, keep: Path, timeout_s: float) -> None:
-    """Remove generations of earlier runs whose every member is gone.
-
-    Members on this host are judged at once by their process; members on other
-    hosts by a heartbeat that stays still for ``timeout_s`` of this host's clock,
-    which a daemon thread waits out so that this job starts without delay. Jobs
-    shorter than that still get there: each leaves a note of what it saw, which the
-    next rank 0 on the same host compares with its own look.
-    """
-    pending: list[tuple[Path, list[Path]]] = []
-    watch = HeartbeatWatch(timeout_s)
-    for name in list_names(sync_dir):
-        gen_path = sync_dir / name
-        if not name.startswith(GEN_PREFIX) or gen_path == keep:
-            continue
-        members = _members_of(gen_path)
-        if members is None:
-            continue
-        gen_id = name[len(GEN_PREFIX) :]
-        beats: list[Path] = [gen_path / f"hb-{gen_id}"] if not members else []
-        alive = False
-        for m in members:
-            if (gen_path / f"left-{m.rank}").exists():
-                continue
-            if m.same_host:
-                alive = alive or m.local_death() is None
-            else:
-                beats.append(gen_path / f"hb-{m.nonce}")
-        if alive:
-            continue
-        if not beats:
-            _remove(gen_path)
-            continue
-        for hb in beats:
-            watch.silent_for_s(hb)
-        if _silent_since_last_look(gen_path, beats, timeout_s):
-            _remove(gen_path)
-            continue
-        pending.append((gen_path, beats))
-    if pending:
-        _reaper.add(pending, watch, timeout_s)
-
-
-class _Reaper:
-    """One daemon thread per process that removes, once their heartbeats have stayed
-    silent long enough, the generations a rendezvous left pending (a thread per
-    rendezvous piled up in a loop of retries)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        # generation -> (its heartbeat files, the watch that first saw them, timeout, due)
-        self._pending: dict[Path, tuple[list[Path], HeartbeatWatch, float, float]] = {}
-        self._thread: threading.Thread | None = None
-
-    def add(
-        self, pending: list[tuple[Path, list[Path]]], watch: HeartbeatWatch, timeout_s: float
-    ) -> None:
-        due = time.monotonic() + timeout_s * 1.1
-        with self._lock:
-            for gen_path, beats in pending:
-                self._pending.setdefault(gen_path, (beats, watch, timeout_s, due))
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="gradsync-reaper", daemon=True
-                )
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                now = time.monotonic()
-                ready = {g: v for g, v in self._pending.items() if v[3] <= now}
-                for gen_path in ready:
-                    del self._pending[gen_path]
-                if not self._pending and not ready:
-                    self._thread = None
-                    return
-                next_due = min((v[3] for v in self._pending.values()), default=now)
-            for gen_path, (beats, watch, timeout_s, _) in ready.items():
-                if all(watch.silent_for_s(hb) >= timeout_s for hb in beats):
-                    _remove(gen_path)
-            if not ready:
-                time.sleep(max(next_due - now, 0.01))
-
-
-_reaper = _Reaper()
-
-
-def _new_reaper() -> None:
-    global _reaper  # a fork has none of the parent's threads, and maybe its lock held
-    _reaper = _Reaper()
-
-
-os.register_at_fork(after_in_child=_new_reaper)
+        remove_dead_joins(self.rdzv)
 
 
 def _join(
@@ -625,7 +411,7 @@ def _join(
     rdzv = cfg.sync_dir / RDZV
     join = rdzv / f"join-{cfg.rank}-{me.nonce}.json"
     offer_path = rdzv / f"offer-{me.nonce}.json"
-    _write(
+    write_json(
         join,
         {"member": me.to_json(), "world_size": cfg.world_size, "run_id": cfg.run_id},
         "registering a join in",
@@ -644,14 +430,14 @@ def _join(
             _check_closing(cfg, closing)
             elapsed = backoff.elapsed_s()
             if gen_path is None:
-                offer = _load(offer_path)
+                offer = load(offer_path)
                 if offer is not None and offer.get("run_id") == cfg.run_id:
-                    leader = _member(offer)
+                    leader = member_of(offer)
                     candidate = cfg.sync_dir / f"{GEN_PREFIX}{offer.get('gen')}"
                     if leader is not None and candidate.is_dir():
                         gen_path = candidate
                         heartbeat = Heartbeat(gen_path / f"hb-{me.nonce}", cfg.heartbeat_interval_s)
-                        _write(
+                        write_json(
                             gen_path / f"member-{cfg.rank}-{me.nonce}.json",
                             {
                                 "member": me.to_json(),
@@ -672,7 +458,7 @@ def _join(
                     abort = None
                 if abort is not None:  # empty where rank 0's disk was full: still a note
                     _raise_abort(parse_note(abort), gen_path)
-                roster = _load(gen_path / ROSTER)
+                roster = load(gen_path / ROSTER)
                 if roster is not None:
                     accepted = _accept(cfg, me, gen_path, roster)
                     _unlink_all(join, offer_path)  # here, not in a finally an interrupt may skip
@@ -713,14 +499,14 @@ def _join(
             # max_wait_s for it (its join file goes below): tell it why.
             note = {**error_note(exc), "member": me.to_json()}
             with contextlib.suppress(OSError):
-                write_note(gen_path / f"{GAVE_UP}{cfg.rank}-{me.nonce}.json", _dump(note))
+                write_note(gen_path / f"{GAVE_UP}{cfg.rank}-{me.nonce}.json", dump(note))
         _unlink_all(join, offer_path)
         raise
 
 
 def _rostered(cfg: FileGradSyncConfig, me: MemberInfo, gen_path: Path) -> Generation | None:
     """The generation at ``gen_path`` if its roster (written meanwhile) lists this rank."""
-    roster = _load(gen_path / ROSTER)
+    roster = load(gen_path / ROSTER)
     if roster is None:
         return None
     try:
@@ -781,7 +567,7 @@ def _check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWa
         if not name.startswith(GEN_PREFIX):
             continue
         gen_path = cfg.sync_dir / name
-        roster = _load(gen_path / ROSTER)
+        roster = load(gen_path / ROSTER)
         if roster is None or roster.get("run_id") != cfg.run_id:
             continue
         members = roster.get("members")
@@ -798,8 +584,8 @@ def _check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWa
             continue  # the rank, or the job's rank 0, has left (after a failure, say)
         # The last rank to leave a job unlinks its leader file before the rest: a job
         # without one is being removed (its "left" files may be gone already).
-        leader_file = cfg.sync_dir / RDZV / f"leader-{name[len(GEN_PREFIX) :]}.json"
-        if all(_is_alive(m, gen_path, watch) for m in (leader, holder)) and leader_file.exists():
+        registered = leader_file(cfg.sync_dir, name[len(GEN_PREFIX) :]).exists()
+        if all(_is_alive(m, gen_path, watch) for m in (leader, holder)) and registered:
             raise _taken(cfg.rank, holder, me, gen_path)
 
 
@@ -899,7 +685,7 @@ def leave(gen: Generation, calls: int) -> None:
         return  # not knowing who is left, leave the directory to the last rank
     if all(f"left-{r}" in names for r in range(len(gen.members))):
         with contextlib.suppress(OSError):
-            (gen.path.parent / RDZV / f"leader-{gen.gen_id}.json").unlink()
+            leader_file(gen.path.parent, gen.gen_id).unlink()
         remove_tree(gen.path)
 
 

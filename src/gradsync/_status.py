@@ -13,9 +13,9 @@ from typing import Any
 from ._errors import CorruptFileError, note_reason, parse_note
 from ._format import HEADER_READ_BYTES, decode_header, header_length
 from ._fsio import read_small
+from ._jobfiles import ABORT, GEN_PREFIX, ROSTER, leader_file, load, member_of
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
 from ._protocol import data_name
-from ._rendezvous import ABORT, GEN_PREFIX, RDZV, ROSTER, _load, _member
 
 __all__ = ["describe", "status_main"]
 
@@ -72,7 +72,7 @@ def _strategy(gen: Path) -> str | None:
     admitted them only if they matched its own); None if no member file says."""
     for name in sorted(_names(gen)):
         if name.startswith("member-"):
-            data = _load(gen / name)
+            data = load(gen / name)
             settings = data.get("settings") if data is not None else None
             if isinstance(settings, dict) and isinstance(settings.get("strategy"), str):
                 return str(settings["strategy"])
@@ -80,7 +80,7 @@ def _strategy(gen: Path) -> str | None:
 
 
 def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
-    roster = _load(gen / ROSTER)
+    roster = load(gen / ROSTER)
     info: dict[str, Any] = {"path": str(gen), "id": gen.name[len(GEN_PREFIX) :]}
     members: list[MemberInfo] = []
     if roster is not None and isinstance(roster.get("members"), list):
@@ -95,13 +95,13 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
         info["state"] = "rendezvous"
         for name in sorted(_names(gen)):
             if name.startswith("member-"):
-                member = _member(_load(gen / name))
+                member = member_of(load(gen / name))
                 if member is not None:
                     members.append(member)
-        leader_data = _load(gen.parent / RDZV / f"leader-{info['id']}.json")
+        leader_data = load(leader_file(gen.parent, info["id"]))
         if leader_data is not None:
             info["run_id"] = leader_data.get("run_id")
-        leader = _member(leader_data)
+        leader = member_of(leader_data)
         if leader is not None:
             members.insert(0, leader)
         world = leader_data.get("world_size") if leader_data is not None else None

@@ -1,0 +1,83 @@
+"""The names of a job's files in the sync directory, and the small JSON files among them.
+
+Read by the rendezvous, by whoever removes dead runs' files, and by ``gradsync
+status``: one place says where each file lives and what an unreadable one counts as.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ._fsio import read_small, translate_oserror, write_atomic
+from ._liveness import MemberInfo
+
+__all__ = [
+    "ABORT",
+    "GAVE_UP",
+    "GEN_PREFIX",
+    "RDZV",
+    "ROSTER",
+    "dump",
+    "leader_file",
+    "load",
+    "member_of",
+    "parse",
+    "write_json",
+]
+
+RDZV = "rdzv"
+GEN_PREFIX = "gen-"
+ROSTER = "roster.json"
+ABORT = "abort.json"
+# gave-up-<rank>-<nonce>.json: a rank that was offered a place, then failed, says why.
+GAVE_UP = "gave-up-"
+
+
+def leader_file(sync_dir: Path, gen_id: str) -> Path:
+    """Rank 0's registration for generation ``gen_id``: it stays until the job is removed."""
+    return sync_dir / RDZV / f"leader-{gen_id}.json"
+
+
+def dump(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    """A JSON object from ``path``; None if missing or not one (torn writes never happen)."""
+    try:
+        raw = read_small(path)
+    except OSError:
+        return None
+    return None if raw is None else parse(raw)
+
+
+def parse(raw: bytes) -> dict[str, Any] | None:
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def member_of(data: dict[str, Any] | None) -> MemberInfo | None:
+    """The member a join, member or leader file describes; None if it describes none."""
+    if data is None or not isinstance(data.get("member"), dict):
+        return None
+    try:
+        return MemberInfo.from_json(data["member"])
+    except ValueError:
+        return None
+
+
+def write_json(path: Path, data: dict[str, Any], what: str) -> None:
+    """Write ``data`` to ``path`` atomically.
+
+    Raises:
+        SyncDirError: naming ``what`` was being done and the path.
+    """
+    try:
+        write_atomic(path, [dump(data)])
+    except OSError as exc:
+        raise translate_oserror(exc, what, path) from exc

@@ -1,0 +1,212 @@
+"""Removing what dead runs left in a sync directory.
+
+Ranks killed by a signal never close their sessions, and a job whose hosts all died
+leaves everything: its generation directory, its leader file, joins that got no
+answer. Each new rank 0 removes, before it registers (on a full disk that frees
+space first), every generation whose members are all gone; the launcher does the
+same after a job it ran in a given directory. Members on this host are judged at
+once by their process; members on other hosts by a heartbeat that stays still for
+``heartbeat_timeout_s``, which a daemon thread waits out so that no job waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from ._fsio import list_names, remove_tree, write_atomic
+from ._jobfiles import GEN_PREFIX, RDZV, ROSTER, dump, leader_file, load, member_of
+from ._liveness import HeartbeatWatch, MemberInfo, read_counter
+
+__all__ = ["members_of", "reap_stale_generations", "remove_dead_jobs", "remove_dead_joins"]
+
+_log = logging.getLogger("gradsync")
+
+
+def remove_dead_joins(rdzv: Path) -> None:
+    """Remove the join files of dead processes of this host, and offers without a join."""
+    names = list_names(rdzv)
+    waiting = set()  # nonces of joins whose process may still read its offer
+    for name in names:
+        if name.startswith("join-") and name.endswith(".json"):
+            stale = member_of(load(rdzv / name))
+            if stale is not None and stale.local_death() is not None:
+                with contextlib.suppress(OSError):
+                    (rdzv / name).unlink()
+            else:
+                waiting.add(name[:-5].rsplit("-", 1)[-1])
+    for name in names:
+        # An offer names rank 0, not the joiner: it is stale once its join is gone.
+        if name.startswith("offer-") and name[6:-5] not in waiting:
+            with contextlib.suppress(OSError):
+                (rdzv / name).unlink()
+
+
+def remove_dead_jobs(sync_dir: Path) -> None:
+    """Remove what jobs whose every member ran on this host, and is gone, left in
+    ``sync_dir``: ranks stopped by a signal never close their session. Jobs with
+    members on other hosts are left to the next rank 0, which waits out their
+    heartbeats. Never raises: it only tidies."""
+    try:
+        names = list_names(sync_dir)
+        for name in names:
+            gen_path = sync_dir / name
+            if not name.startswith(GEN_PREFIX):
+                continue
+            members = members_of(gen_path)
+            if members and all(_gone(gen_path, m) for m in members):
+                _remove(gen_path)
+        if RDZV in names:
+            remove_dead_joins(sync_dir / RDZV)
+    except OSError as exc:
+        _log.debug("tidying %s stopped: %s", sync_dir, exc)
+
+
+def _gone(gen_path: Path, member: MemberInfo) -> bool | None:
+    """Whether ``member`` of the generation at ``gen_path`` is gone: it left, or its
+    process on this host has ended (True), or lives (False); None for a member on
+    another host that has not left: only its heartbeat can tell."""
+    if (gen_path / f"left-{member.rank}").exists():
+        return True
+    if member.same_host:
+        return member.local_death() is not None
+    return None
+
+
+def members_of(gen_path: Path) -> list[MemberInfo] | None:
+    """The members of an old generation (just its rank 0 before the roster), or None."""
+    roster = load(gen_path / ROSTER)
+    if roster is None:
+        gen_id = gen_path.name[len(GEN_PREFIX) :]
+        leader = member_of(load(leader_file(gen_path.parent, gen_id)))
+        return [leader] if leader is not None else []
+    raw = roster.get("members")
+    if not isinstance(raw, list):
+        return None
+    try:
+        return [MemberInfo.from_json(m) for m in raw]
+    except ValueError:
+        return None
+
+
+def _remove(gen_path: Path) -> None:
+    _log.debug("removing %s: every member of that run is gone", gen_path)
+    with contextlib.suppress(OSError):
+        leader_file(gen_path.parent, gen_path.name[len(GEN_PREFIX) :]).unlink()
+    remove_tree(gen_path)
+
+
+def _silent_since_last_look(gen_path: Path, beats: list[Path], timeout_s: float) -> bool:
+    """Whether an earlier look from this host saw the same counters ``timeout_s`` ago.
+
+    The note is keyed by host and boot, so the monotonic clock it holds is only ever
+    compared with the same clock: no wall-clock times cross hosts.
+    """
+    counters = {hb.name: read_counter(hb) for hb in beats}
+    key = hashlib.blake2b(MemberInfo.for_self(0, "").host_id.encode(), digest_size=8).hexdigest()
+    note_path = gen_path / f"seen-{key}.json"
+    note = load(note_path)
+    now = time.monotonic()
+    if note is not None and note.get("counters") == counters:
+        seen_at = note.get("monotonic")
+        return isinstance(seen_at, (int, float)) and now - seen_at >= timeout_s
+    with contextlib.suppress(OSError):
+        write_atomic(note_path, [dump({"counters": counters, "monotonic": now})])
+    return False
+
+
+def reap_stale_generations(sync_dir: Path, keep: Path, timeout_s: float) -> None:
+    """Remove generations of earlier runs whose every member is gone.
+
+    Members on this host are judged at once by their process; members on other
+    hosts by a heartbeat that stays still for ``timeout_s`` of this host's clock,
+    which a daemon thread waits out so that this job starts without delay. Jobs
+    shorter than that still get there: each leaves a note of what it saw, which the
+    next rank 0 on the same host compares with its own look.
+    """
+    pending: list[tuple[Path, list[Path]]] = []
+    watch = HeartbeatWatch(timeout_s)
+    for name in list_names(sync_dir):
+        gen_path = sync_dir / name
+        if not name.startswith(GEN_PREFIX) or gen_path == keep:
+            continue
+        members = members_of(gen_path)
+        if members is None:
+            continue
+        gen_id = name[len(GEN_PREFIX) :]
+        beats: list[Path] = [gen_path / f"hb-{gen_id}"] if not members else []
+        gone = [_gone(gen_path, m) for m in members]
+        if False in gone:
+            continue
+        beats += [
+            gen_path / f"hb-{m.nonce}" for m, g in zip(members, gone, strict=True) if g is None
+        ]
+        if not beats:
+            _remove(gen_path)
+            continue
+        for hb in beats:
+            watch.silent_for_s(hb)
+        if _silent_since_last_look(gen_path, beats, timeout_s):
+            _remove(gen_path)
+            continue
+        pending.append((gen_path, beats))
+    if pending:
+        _reaper.add(pending, watch, timeout_s)
+
+
+class _Reaper:
+    """One daemon thread per process that removes, once their heartbeats have stayed
+    silent long enough, the generations a rendezvous left pending (a thread per
+    rendezvous piled up in a loop of retries)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # generation -> (its heartbeat files, the watch that first saw them, timeout, due)
+        self._pending: dict[Path, tuple[list[Path], HeartbeatWatch, float, float]] = {}
+        self._thread: threading.Thread | None = None
+
+    def add(
+        self, pending: list[tuple[Path, list[Path]]], watch: HeartbeatWatch, timeout_s: float
+    ) -> None:
+        due = time.monotonic() + timeout_s * 1.1
+        with self._lock:
+            for gen_path, beats in pending:
+                self._pending.setdefault(gen_path, (beats, watch, timeout_s, due))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="gradsync-reaper", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                ready = {g: v for g, v in self._pending.items() if v[3] <= now}
+                for gen_path in ready:
+                    del self._pending[gen_path]
+                if not self._pending and not ready:
+                    self._thread = None
+                    return
+                next_due = min((v[3] for v in self._pending.values()), default=now)
+            for gen_path, (beats, watch, timeout_s, _) in ready.items():
+                if all(watch.silent_for_s(hb) >= timeout_s for hb in beats):
+                    _remove(gen_path)
+            if not ready:
+                time.sleep(max(next_due - now, 0.01))
+
+
+_reaper = _Reaper()
+
+
+def _new_reaper() -> None:
+    global _reaper  # a fork has none of the parent's threads, and maybe its lock held
+    _reaper = _Reaper()
+
+
+os.register_at_fork(after_in_child=_new_reaper)
