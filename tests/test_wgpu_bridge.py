@@ -551,6 +551,27 @@ def test_resolve_remembers_the_last_buffer_set(device: Any, bridge: WgpuBridge) 
 
 
 @pytest.mark.wgpu
+def test_resolve_never_takes_none_for_a_remembered_float64(device: Any, bridge: WgpuBridge) -> None:
+    # None is float32 here, but numpy reads it as float64: np.dtype("f8") == None, and
+    # so (None,) == (np.dtype("f8"),). Either way round, the same buffer set must get
+    # the dtypes asked for, not the last call's.
+    buf = _buffer(device, np.arange(4, dtype=np.float32))
+    f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
+    assert bridge._resolve([buf], [f64]) == [f64]
+    assert bridge._resolve([buf], [None]) == [f32]
+    assert bridge._resolve([buf], [f64]) == [f64]
+    assert bridge._resolve([buf], f64) == [f64]
+    assert bridge._resolve([buf], None) == [f32]
+    # numpy also takes some tuples for one dtype: np.dtype("f4") == ("f4", "f4").
+    two = [buf, _buffer(device, np.ones(4, np.float32))]
+    assert bridge._resolve(two, f32) == [f32, f32]
+    with pytest.raises(InvalidGradsError, match=r"^param 1: unsupported dtype int32"):
+        bridge._resolve(two, ("float32", "int32"))
+    (host,) = bridge.download([buf], [None])
+    np.testing.assert_array_equal(host, np.arange(4, dtype=np.float32))
+
+
+@pytest.mark.wgpu
 def test_layout_found_without_a_key_for_the_same_set(device: Any, bridge: WgpuBridge) -> None:
     a = _buffer(device, np.ones(4, np.float32))
     b = _buffer(device, np.ones(6, np.float16))

@@ -188,6 +188,16 @@ def _check_dtype(dtype: npt.DTypeLike, where: str) -> np.dtype[Any]:
     return dt
 
 
+def _dtype_spec(dtype: object) -> object:
+    """``dtype`` as :meth:`WgpuBridge._resolve` compares it with the last call's: a list
+    by value (the caller may have changed it since), and None as float32, its meaning
+    here. numpy reads None as float64, so np.dtype("f8") == None: compared as given, a
+    None after a float64 (or the reverse) would reuse the other's dtypes."""
+    if isinstance(dtype, list | tuple):
+        return tuple(np.float32 if d is None else d for d in dtype)
+    return np.float32 if dtype is None else dtype
+
+
 def resolve_dtypes(
     buffers: Sequence[wgpu.GPUBuffer],
     dtype: npt.DTypeLike | Sequence[npt.DTypeLike] = np.float32,
@@ -418,14 +428,15 @@ class WgpuBridge:
                 f"grads must be a list or tuple of wgpu GPUBuffers, got {type(buffers).__name__}"
             )
         key = tuple(buffers)
-        # A list of dtypes is compared by value: the caller may have changed it since.
-        spec = tuple(dtype) if isinstance(dtype, list | tuple) else dtype
+        spec = _dtype_spec(dtype)
         memo = self._resolved
         if memo is not None and key == memo[0]:
             if dtype is memo[2]:
                 return memo[2]
             try:
-                if bool(spec == memo[1]):
+                # A per-buffer spec is never compared with one dtype: numpy takes some
+                # tuples for a dtype (np.dtype("f4") == ("f4", "i4") is True).
+                if isinstance(spec, tuple) == isinstance(memo[1], tuple) and bool(spec == memo[1]):
                     return memo[2]
             except (TypeError, ValueError):
                 pass  # not comparable: resolved again below, and refused there if bad
