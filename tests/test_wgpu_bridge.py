@@ -572,6 +572,19 @@ def test_resolve_never_takes_none_for_a_remembered_float64(device: Any, bridge: 
 
 
 @pytest.mark.wgpu
+def test_an_array_among_the_buffers_after_a_first_call_is_named(
+    device: Any, bridge: WgpuBridge
+) -> None:
+    # The last buffer set is remembered; the new one must be compared with it by
+    # identity: GPUBuffer == ndarray is an array, whose truth value is a ValueError.
+    a = _buffer(device, np.ones(4, np.float32))
+    b = _buffer(device, np.ones(4, np.float32))
+    assert bridge._resolve([a, b], np.float32) == [np.dtype(np.float32)] * 2
+    with pytest.raises(InvalidGradsError, match=r"^param 1 is a ndarray, not a wgpu GPUBuffer"):
+        bridge._resolve([a, np.ones(4, np.float32)], np.float32)
+
+
+@pytest.mark.wgpu
 def test_layout_found_without_a_key_for_the_same_set(device: Any, bridge: WgpuBridge) -> None:
     a = _buffer(device, np.ones(4, np.float32))
     b = _buffer(device, np.ones(6, np.float16))

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import operator
 import time
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -430,7 +431,9 @@ class WgpuBridge:
         key = tuple(buffers)
         spec = _dtype_spec(dtype)
         memo = self._resolved
-        if memo is not None and key == memo[0]:
+        # Buffers by identity: == would compare a numpy array (or a tensor) passed by
+        # mistake element-wise, and its truth value raises ValueError.
+        if memo is not None and len(key) == len(memo[0]) and all(map(operator.is_, key, memo[0])):
             if dtype is memo[2]:
                 return memo[2]
             try:
