@@ -783,6 +783,15 @@ def test_one_rank_checks_the_buffers_as_more_ranks_would(device: Any, tmp_path: 
 
 
 @pytest.mark.wgpu
+def test_one_rank_refuses_an_empty_buffer_list_as_more_ranks_would(
+    device: Any, tmp_path: Path
+) -> None:
+    cfg = gradsync.FileGradSyncConfig(1, 0, tmp_path)
+    with gradsync.GradSync(cfg) as gs, pytest.raises(InvalidGradsError, match=r"^grads is empty"):
+        gs.average([], device=device)
+
+
+@pytest.mark.wgpu
 def test_buffer_from_another_device(device: Any, bridge: WgpuBridge) -> None:
     other = request_device_for_rank(local_rank=0)
     buf = _buffer(other, np.ones(4, np.float32), "emb")

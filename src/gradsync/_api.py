@@ -332,6 +332,10 @@ class GradSync:
         from ._wgpu import WgpuBridge  # noqa: PLC0415
 
         with self._before_step():
+            # As validate_grads would at the step: checked first, because one rank has no
+            # step, and more ranks would otherwise copy nothing from the GPU to find out.
+            if isinstance(buffers, list | tuple) and not buffers:
+                raise InvalidGradsError("grads is empty: pass at least one gradient buffer")
             if self._session.bridge is None or self._session.bridge.device is not device:
                 if self._session.bridge is not None:
                     self._session.bridge.close()
