@@ -792,6 +792,22 @@ def test_one_rank_refuses_an_empty_buffer_list_as_more_ranks_would(
 
 
 @pytest.mark.wgpu
+def test_one_rank_check_finite_stops_a_gpu_step_with_nan(device: Any, tmp_path: Path) -> None:
+    # As for numpy arrays with one rank, and for GPU buffers with more: a job debugged
+    # alone sees the same.
+    cfg = gradsync.FileGradSyncConfig(1, 0, tmp_path, check_finite=True)
+    bufs = [_buffer(device, np.ones(4, np.float32)), _buffer(device, np.array([1, np.nan]))]
+    nan_in_param_1 = r"^step 7: non-finite gradients \(NaN or Inf\) in rank 0 param 1$"
+    with (
+        gradsync.GradSync(cfg) as gs,
+        pytest.raises(gradsync.NonFiniteGradError, match=nan_in_param_1),
+    ):
+        gs.average(bufs, step=7, device=device, dtype=["float32", "float64"])
+    with gradsync.GradSync(cfg) as gs:
+        gs.average(bufs[:1], device=device)  # finite: nothing to stop
+
+
+@pytest.mark.wgpu
 def test_buffer_from_another_device(device: Any, bridge: WgpuBridge) -> None:
     other = request_device_for_rank(local_rank=0)
     buf = _buffer(other, np.ones(4, np.float32), "emb")

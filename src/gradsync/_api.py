@@ -341,12 +341,19 @@ class GradSync:
                     self._session.bridge.close()
                 self._session.bridge = WgpuBridge(device)
             dtypes = self._session.bridge._resolve(buffers, np.float32 if dtype is None else dtype)
+            bridge = self._session.bridge
             if not self.cfg.enabled:
                 # One rank: the mean is the input; still check the buffers, copy nothing.
-                self._session.bridge._check_without_copying(buffers)
+                bridge._check_without_copying(buffers)
+                if self.cfg.check_finite:
+                    # Except to look for NaN/Inf, which stop the step as they would with
+                    # peers (and as _average_host does for arrays).
+                    host = bridge._download(buffers, dtypes, None)
+                    bad = nonfinite_params(host)
+                    if bad:
+                        raise nonfinite_error([(self.cfg.rank, i) for i in bad], step, None)
                 nbytes = sum(int(b.size) for b in buffers)
                 return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
-            bridge = self._session.bridge
             bridge._check_upload_target(buffers)  # before the step, which the peers join
             shared = self._device_arrays(bridge, buffers, dtypes)
             t0 = time.perf_counter()
