@@ -737,6 +737,12 @@ def test_destroyed_buffer(device: Any, bridge: WgpuBridge) -> None:
         ("array", "grads", r"^param 0 is a ndarray, not a wgpu GPUBuffer \(numpy arrays are "),
         ("none", "grads", r"^param 1 is a NoneType, not a wgpu GPUBuffer "),
         (
+            "no device",
+            "device",
+            r"^param 0 is a wgpu GPUBuffer, not a numpy array: GPU buffers are averaged with "
+            r"device=<the GPUDevice that owns them>$",
+        ),
+        (
             "generator",
             "grads",
             r"^grads must be a list or tuple of wgpu GPUBuffers, got generator$",
@@ -764,10 +770,12 @@ def test_what_is_not_a_gpu_buffer_or_device_is_named(
         "generator": (b for b in [buf]),
         "one buffer": buf,
         "list": [buf],
+        "no device": [buf],
     }[grads]
     cfg = gradsync.FileGradSyncConfig(1, 0, tmp_path)
+    given_device = {"list": "gpu", "no device": None}.get(grads, device)
     with gradsync.GradSync(cfg) as gs, pytest.raises(InvalidGradsError, match=message):
-        gs.average(given, device="gpu" if where == "device" else device)
+        gs.average(given, device=given_device)
 
 
 @pytest.mark.wgpu

@@ -110,6 +110,12 @@ def validate_grads(grads: object) -> list[np.ndarray]:
     arrays: list[np.ndarray] = []
     for i, g in enumerate(grads):
         if not isinstance(g, np.ndarray):
+            # Told by its module: the numpy path never imports wgpu.
+            if type(g).__module__.split(".")[0] == "wgpu":
+                raise InvalidGradsError(
+                    f"param {i} is a wgpu {type(g).__name__}, not a numpy array: GPU buffers "
+                    "are averaged with device=<the GPUDevice that owns them>"
+                )
             raise InvalidGradsError(
                 f"param {i} is a {type(g).__name__}, not a numpy array (averaging is in place, "
                 "so a converted copy would never reach you)"
