@@ -585,6 +585,17 @@ def test_an_array_among_the_buffers_after_a_first_call_is_named(
 
 
 @pytest.mark.wgpu
+def test_upload_names_what_is_not_a_gpu_buffer(device: Any, bridge: WgpuBridge) -> None:
+    # A numpy array has a size too (in elements): it must not be taken for the buffer's.
+    ok = _buffer(device, np.ones(4, np.float32))
+    for bad in (np.zeros(4, np.float32), None):
+        with pytest.raises(
+            InvalidGradsError, match=rf"^param 1 is a {type(bad).__name__}, not a wgpu GPUBuffer"
+        ):
+            bridge.upload([ok, bad], [np.zeros(4, np.float32)] * 2)
+
+
+@pytest.mark.wgpu
 def test_layout_found_without_a_key_for_the_same_set(device: Any, bridge: WgpuBridge) -> None:
     a = _buffer(device, np.ones(4, np.float32))
     b = _buffer(device, np.ones(6, np.float16))

@@ -168,6 +168,17 @@ def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
+def _check_types(buffers: Sequence[Any]) -> None:
+    """Raise InvalidGradsError naming the first of ``buffers`` that is no GPUBuffer."""
+    gpu_buffer = import_wgpu().GPUBuffer
+    for i, buf in enumerate(buffers):
+        if not isinstance(buf, gpu_buffer):
+            raise InvalidGradsError(
+                f"param {i} is a {type(buf).__name__}, not a wgpu GPUBuffer (numpy "
+                "arrays are averaged with device=None)"
+            )
+
+
 def _describe(index: int, buffer: Any) -> str:
     label = getattr(buffer, "label", "") or ""
     return f"param {index} (label {label!r})" if label else f"param {index}"
@@ -443,13 +454,7 @@ class WgpuBridge:
                     return memo[2]
             except (TypeError, ValueError):
                 pass  # not comparable: resolved again below, and refused there if bad
-        gpu_buffer = import_wgpu().GPUBuffer
-        for i, buf in enumerate(buffers):
-            if not isinstance(buf, gpu_buffer):
-                raise InvalidGradsError(
-                    f"param {i} is a {type(buf).__name__}, not a wgpu GPUBuffer (numpy "
-                    "arrays are averaged with device=None)"
-                )
+        _check_types(buffers)
         dtypes = resolve_dtypes(buffers, dtype)
         self._resolved = (key, spec, dtypes)
         return dtypes
@@ -609,6 +614,8 @@ class WgpuBridge:
         self._check_open()
         if len(arrays) != len(buffers):
             raise InvalidGradsError(f"got {len(arrays)} arrays for {len(buffers)} buffers")
+        # Before buffer.size is read: a numpy array has one too (in elements).
+        _check_types(buffers)
         host: list[npt.NDArray[Any]] = []
         for i, (buf, arr) in enumerate(zip(buffers, arrays, strict=True)):
             a = np.asarray(arr)
