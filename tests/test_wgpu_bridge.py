@@ -187,6 +187,9 @@ def test_select_adapter_uses_local_rank_env(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(ConfigError, match=r"^LOCAL_RANK must be an integer, got 'x'$"):
         select_adapter()
+    monkeypatch.setenv("LOCAL_RANK", "-1")  # the variable is named, not an argument never passed
+    with pytest.raises(ConfigError, match=r"^LOCAL_RANK must be >= 0, got '-1'$"):
+        select_adapter()
 
 
 @pytest.mark.parametrize("bad", ["x", 1.5, True, -1])

@@ -98,9 +98,12 @@ def _local_rank_from_env() -> int:
     if not raw:
         return 0
     try:
-        return int(raw)
+        rank = int(raw)
     except ValueError:
         raise ConfigError(f"LOCAL_RANK must be an integer, got {raw!r}") from None
+    if rank < 0:  # named here: the caller passed no local_rank of its own
+        raise ConfigError(f"LOCAL_RANK must be >= 0, got {raw!r}")
+    return rank
 
 
 def select_adapter(
