@@ -835,13 +835,13 @@ def test_garbled_roster_entries_are_not_crashes(
         assert isinstance(info.value.__cause__, ValueError)
 
 
-def _engine(sync: Path, max_wait_s: float) -> StepEngine:
+def _engine(sync: Path, max_wait_s: float, **kw: Any) -> StepEngine:
     """Rank 0 of a 2-rank generation whose rank 1 (this process too) never publishes."""
     gen_path = sync / "gen-00000000000000ab"
     gen_path.mkdir()
     members = (MemberInfo.for_self(0, "00000000000000ab"), MemberInfo.for_self(1, "cd" * 8))
     gen = rdzv.Generation(gen_path, "00000000000000ab", members, 0)
-    return StepEngine(gradsync.FileGradSyncConfig(2, 0, sync, max_wait_s=max_wait_s), gen)
+    return StepEngine(gradsync.FileGradSyncConfig(2, 0, sync, max_wait_s=max_wait_s, **kw), gen)
 
 
 def _first_call_raises(engine: StepEngine, error: type[BaseException], match: str) -> None:
@@ -921,6 +921,72 @@ def test_a_peer_that_left_after_finishing_this_call_is_waited_for(tmp_path: Path
     engine = _engine(tmp_path, 1.0)
     _file(engine.gen.path, "left-1", b'{"calls": 1}')
     _first_call_raises(engine, gradsync.PeerTimeoutError, match=r"^step 0: ranks \[1\] published")
+
+
+@pytest.mark.parametrize("where", ["data", "abort"])
+@pytest.mark.parametrize("use_mmap", [False, True], ids=["pread", "mmap"])
+def test_a_fifo_in_place_of_a_peers_file_is_an_error_not_a_hang(
+    tmp_path: Path, where: str, use_mmap: bool
+) -> None:
+    # Opening a FIFO for reading waits for a writer: without O_NONBLOCK every rank would
+    # hang in open(), past max_wait_s and deaf to close().
+    engine = _engine(tmp_path, 20.0, use_mmap=use_mmap)
+    step_dir = engine.gen.path / "s-1"
+    step_dir.mkdir()
+    fifo = engine.gen.path / "d-1-1.in" if where == "data" else step_dir / "abort-1"
+    os.mkfifo(fifo)
+    if where == "data":
+        _file(step_dir, "in-1", b"")
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            engine.step([grads_for(0, 0)[0]], 0)
+        except BaseException as exc:  # handed to the test thread
+            raised.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(5.0)
+    try:
+        if thread.is_alive():
+            # Let the blocked open() return (a writer appears and goes) before failing.
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            thread.join(5.0)
+            pytest.fail(f"the step hung opening the FIFO {fifo}")
+    finally:
+        engine.close()
+    (exc,) = raised
+    if where == "data":
+        assert type(exc) is gradsync.CorruptFileError, exc
+        assert str(exc) == (
+            f"step 0: rank 1's file is unusable: {fifo} is a FIFO, not a regular file"
+        )
+        assert (exc.step, exc.ranks, exc.path) == (0, (1,), str(fifo))
+    else:
+        assert type(exc) is gradsync.PeerAbortedError, exc
+        assert re.fullmatch(
+            rf"step 0: rank 1 \({PID}\) gave up on this step: \(its reason is unreadable\)",
+            str(exc),
+        ), str(exc)
+
+
+@pytest.mark.parametrize("use_mmap", [False, True], ids=["pread", "mmap"])
+def test_a_directory_in_place_of_a_peers_file_names_the_rank(
+    tmp_path: Path, use_mmap: bool
+) -> None:
+    engine = _engine(tmp_path, 20.0, use_mmap=use_mmap)
+    step_dir = engine.gen.path / "s-1"
+    step_dir.mkdir()
+    (engine.gen.path / "d-1-1.in").mkdir()
+    _file(step_dir, "in-1", b"")
+    path = engine.gen.path / "d-1-1.in"
+    _first_call_raises(
+        engine,
+        gradsync.CorruptFileError,
+        match=rf"^step 0: rank 1's file is unusable: {re.escape(str(path))} is a directory, "
+        "not a regular file$",
+    )
 
 
 def _step_with_abort_note(engine: StepEngine, note: bytes) -> BaseException:

@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -217,12 +218,20 @@ def read_exact_into(fd: int, offset: int, buf: memoryview, path: str | Path) -> 
 
 
 def read_small(path: Path, limit: int = 1 << 20) -> bytes | None:
-    """Read a whole small file, or return ``None`` if it does not exist."""
+    """Read a whole small file, or return ``None`` if it does not exist.
+
+    Raises:
+        OSError: it could not be read, is larger than ``limit`` bytes, or is not a
+            regular file (a FIFO in its place would otherwise block the open forever).
+    """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
         parts = []
         size = 0
         while True:

@@ -46,11 +46,11 @@ from ._format import (
     decode_header,
     header_length,
 )
-from ._fsio import Backoff, list_names, translate_oserror
+from ._fsio import Backoff, list_names, read_small, translate_oserror
 from ._liveness import HeartbeatWatch, exact_process_checks
 from ._plan import Plan
 from ._rendezvous import Generation, calls_finished
-from ._transport import ChecksumError, DataReader, Transport
+from ._transport import ChecksumError, DataReader, NotAFileError, Transport
 
 __all__ = ["Peer", "PeerFiles", "check_inputs", "check_length", "nonfinite_error", "reading"]
 
@@ -249,6 +249,8 @@ class PeerFiles:
     def _open(self, path: Path, rank: int, kind: int, step: int, seq: int) -> Peer:
         try:
             reader = self._transport.open(path)
+        except NotAFileError as exc:
+            raise _unusable(step, rank, path, f"is unusable: {exc.strerror}") from exc
         except OSError as exc:
             raise translate_oserror(exc, "opening", path, step=step) from exc
         try:
@@ -283,9 +285,11 @@ class PeerFiles:
     def _raise_abort(self, step_dir: Path, rank: int, step: int) -> None:
         path = step_dir / f"abort-{rank}"
         try:
-            note = parse_note(path.read_bytes())
+            # Bounded, and never waiting on a FIFO: a note is at most a few KiB.
+            raw = read_small(path)
         except OSError:
-            note = None
+            raw = None
+        note = None if raw is None else parse_note(raw)
         shared = job_wide_error(note, step=step, path=step_dir)
         if shared is not None:
             raise shared
