@@ -31,7 +31,15 @@ import fault_workers
 import gradsync
 from gradsync import _jobfiles, _reaping
 from gradsync import _rendezvous as rdzv
-from gradsync._format import FIXED_SIZE
+from gradsync._format import (
+    FIXED_SIZE,
+    FLAG_NONFINITE,
+    KIND_INPUT,
+    encode_header,
+    encode_meta,
+    layout_hash,
+    layout_json,
+)
 from gradsync._liveness import MemberInfo
 from gradsync._protocol import StepEngine
 from ranks import Outcome, run_ranks
@@ -987,6 +995,66 @@ def test_a_directory_in_place_of_a_peers_file_names_the_rank(
         match=rf"^step 0: rank 1's file is unusable: {re.escape(str(path))} is a directory, "
         "not a regular file$",
     )
+
+
+def _crafted_input(
+    engine: StepEngine, digest: bytes | None, meta: bytes | None, flags: int
+) -> Path:
+    """Rank 1's input of call 1 for rank 0's first call (grads_for(0, 0)[0]), with a
+    valid header CRC but the given layout digest, meta and flags, and its marker."""
+    grad = grads_for(0, 0)[0]
+    layout = ((grad.dtype.str, grad.shape),)
+    head = encode_header(
+        kind=KIND_INPUT,
+        rank=1,
+        world_size=2,
+        seq=1,
+        step=0,
+        generation=engine.gen.header_id,
+        layout_digest=layout_hash(layout) if digest is None else digest,
+        meta=encode_meta(layout_json(layout)) if meta is None else meta,
+        payload_len=grad.nbytes,
+        flags=flags,
+    )
+    step_dir = engine.gen.path / "s-1"
+    step_dir.mkdir()
+    path = _file(engine.gen.path, "d-1-1.in", head + grad.tobytes())
+    _file(step_dir, "in-1", b"")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("digest", "meta", "flags", "detail"),
+    [
+        # Its layout is rank 0's, its digest another's: no param differs to be named.
+        (b"x" * 16, None, 0, "{path} has a layout digest that is not its layout's"),
+        (b"x" * 16, b'{"layout":5}', 0, "is unusable: {path} has a malformed header meta"),
+        (
+            None,
+            b'{"nonfinite":"x"}',
+            FLAG_NONFINITE,
+            "is unusable: {path} has a malformed header meta",
+        ),
+    ],
+    ids=["digest", "layout-meta", "nonfinite-meta"],
+)
+def test_a_self_contradicting_header_is_a_corrupt_file_naming_the_rank(
+    tmp_path: Path, digest: bytes | None, meta: bytes | None, flags: int, detail: str
+) -> None:
+    # The meta is parsed only when the layouts differ or non-finite params are flagged:
+    # what it says then must be reported as rank 1's corrupt file, not a StopIteration
+    # (no param differs) or an error naming neither the step nor the rank.
+    engine = _engine(tmp_path, 20.0)
+    path = _crafted_input(engine, digest, meta, flags)
+    grads = [grads_for(0, 0)[0]]
+    try:
+        with pytest.raises(gradsync.CorruptFileError) as info:
+            engine.step(grads, 0)
+    finally:
+        engine.close()
+    assert str(info.value) == f"step 0: rank 1's file {detail.format(path=path)}"
+    assert (info.value.step, info.value.ranks, info.value.path) == (0, (1,), str(path))
+    assert grads[0].tobytes() == grads_for(0, 0)[0].tobytes()
 
 
 def _step_with_abort_note(engine: StepEngine, note: bytes) -> BaseException:

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -55,6 +56,7 @@ from ._transport import ChecksumError, DataReader, NotAFileError, Transport
 __all__ = ["Peer", "PeerFiles", "check_inputs", "check_length", "nonfinite_error", "reading"]
 
 _log = logging.getLogger("gradsync")
+_T = TypeVar("_T")
 _LIVENESS_EVERY_S = 0.1
 # A peer missing at the first look is nearly always microseconds behind; checking at
 # once whether it died (a listing of the generation directory, /proc) cost 33 us in
@@ -390,16 +392,35 @@ def check_inputs(plan: Plan, rank: int, peers: dict[int, Peer], step: int, step_
     for q in range(len(peers)):
         other = peers[q].header
         if other.layout_digest != plan.digest:
-            raise _mismatch(plan.layout, other.layout(str(peers[q].path)), rank, q, step, step_dir)
+            theirs = _checked_meta(peers[q], q, step, Header.layout)
+            if theirs == plan.layout:
+                # Equal layouts have equal digests: the header contradicts itself (its
+                # CRC holds, so it was written so), and there is no differing param to name.
+                raise _unusable(
+                    step,
+                    q,
+                    peers[q].path,
+                    f"{peers[q].path} has a layout digest that is not its layout's",
+                )
+            raise _mismatch(plan.layout, theirs, rank, q, step, step_dir)
         check_length(peers[q], q, plan.in_len, step)
     bad = [
         (q, i)
         for q in range(len(peers))
         if peers[q].header.flags & FLAG_NONFINITE
-        for i in peers[q].header.full_meta(str(peers[q].path)).get("nonfinite", [])
+        for i in _checked_meta(peers[q], q, step, Header.full_meta).get("nonfinite", [])
     ]
     if bad:
         raise nonfinite_error(bad, step, step_dir)
+
+
+def _checked_meta(peer: Peer, rank: int, step: int, read: Callable[[Header, str], _T]) -> _T:
+    """``read(header, path)`` of ``rank``'s file, which parses its meta (skipped when the
+    file was opened): a malformed meta is a CorruptFileError naming the rank and step."""
+    try:
+        return read(peer.header, str(peer.path))
+    except CorruptFileError as exc:
+        raise _unusable(step, rank, peer.path, f"is unusable: {exc}") from exc
 
 
 def nonfinite_error(
