@@ -105,8 +105,10 @@ def corrupt_own_file(
     how: str,
     call: int,
     checksums: bool = False,
+    steps: int = 2,
 ) -> dict[str, Any]:
-    """Average 2 steps (``SHAPES_BIG``); ``victim`` publishes a damaged ``name`` on call ``call``.
+    """Average ``steps`` steps (``SHAPES_BIG``); ``victim`` publishes a damaged ``name`` on
+    call ``call``.
 
     ``name`` is ``in`` or ``out``: the victim's data file (``d-<victim>.<name>``: one file a rank)
     is replaced by a damaged copy after it is written and closed, just before its marker
@@ -131,7 +133,7 @@ def corrupt_own_file(
 
         StepEngine._write = write  # type: ignore[method-assign]
     kw = {"max_wait_s": 20.0, "checksums": checksums}
-    result = steps_until_error(rank, world, sync_dir, 2, kw, big=True)
+    result = steps_until_error(rank, world, sync_dir, steps, kw, big=True)
     result["damaged"] = damaged[0] if damaged else None
     return result
 

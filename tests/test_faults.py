@@ -442,6 +442,24 @@ def test_corrupt_file_is_detected_by_every_reader(
         assert re.fullmatch(message, rec["message"]), rec["message"]
 
 
+def test_a_rank_whose_shard_its_peers_cannot_read_hears_why(tmp_path: Path) -> None:
+    # Ranks 0 and 2 fail reading rank 1's damaged shard of the mean in step 1, when rank 1
+    # already has all it needs of them: it finishes step 1 (with the right mean, from its
+    # own mapping). Its next call used to say only that they "closed their sessions".
+    results = run_ranks(
+        fault_workers.corrupt_own_file, 3, (3, str(tmp_path), 1, "out", "truncate", 2, False, 3)
+    )
+    path = re.escape(_damaged_file(results, tmp_path, "out"))
+    message = rf"step 1: rank 1's file {path} is \d+ bytes, its header promises \d+"
+    for r in range(3):
+        recs = records(results[r])
+        check_arrays(r, recs, 3, big=True)
+        rec = failure(recs)
+        assert rec["type"] == "CorruptFileError", rec["message"]
+        assert re.fullmatch(message, rec["message"]), rec["message"]
+        assert rec["ranks"] == (1,)
+
+
 @pytest.mark.parametrize("name", ["in", "out"])
 def test_flipped_payload_byte_is_detected_with_checksums(tmp_path: Path, name: str) -> None:
     results = run_ranks(
@@ -1059,7 +1077,8 @@ def test_a_self_contradicting_header_is_a_corrupt_file_naming_the_rank(
 
 def _step_with_abort_note(engine: StepEngine, note: bytes) -> BaseException:
     step_dir = engine.gen.path / f"s-{engine.seq + 1}"
-    step_dir.mkdir()
+    # The engine's own failed call (hypothesis reuses it) told peers of it there too.
+    step_dir.mkdir(exist_ok=True)
     _file(step_dir, "abort-1", note)
     grads = [grads_for(0, 0)[0]]
     start = time.monotonic()

@@ -7,7 +7,7 @@ a test resumes it with SIGCONT), ``exit`` (``os._exit(17)``) or ``sigint`` (the
 process interrupts itself, as Ctrl-C does, the first time only). Phases, in order:
 
     before_publish   nothing of this step written yet
-    mid_publish      half of this rank's input file written (to its temporary name)
+    mid_publish      half of this rank's input file written (in place: readers wait for its marker)
     after_publish    input published, peers' inputs not yet read
     mid_output       half of this rank's reduced shard written
     after_output     reduced shard published, peers' shards not yet read

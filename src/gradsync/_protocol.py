@@ -170,6 +170,9 @@ class StepEngine:
         self.seq = 0
         self.completed = 0  # calls that ended without an error (told to peers on leaving)
         self._has_mean = False  # this call's mean is all in this rank's arrays or buffers
+        # Every file the peers read of this rank in this call is published: they can
+        # finish the call without it.
+        self._peers_served = False
         self._plan: Plan | None = None
         self._data_paths: dict[tuple[int, str, int | None], Path] = {}
         self._shared: SharedBuffers | None = None
@@ -206,15 +209,23 @@ class StepEngine:
         """
         self.seq += 1
         step_dir = self.gen.path / f"s-{self.seq}"
-        self._has_mean = False
+        self._has_mean = self._peers_served = False
         try:
             stats = self._step(validate_grads(grads), step, step_dir, deliver)
         except BaseException as exc:
             # A rank interrupted once it has the whole mean lets its peers, which had all
             # they needed of it, finish the call too (whether they would see a note now
-            # is a race): they hear of it at the next call. Otherwise nobody may finish.
-            note_dir = self.gen.path / f"s-{self.seq + 1}" if self._has_mean else step_dir
-            self._tell_peers(note_dir, exc)
+            # is a race): they hear of it at the next call. Otherwise the peers fail this
+            # call with it; those that had all they needed of it (it failed reading a
+            # peer's shard, say) may have finished it already, and hear why at their next
+            # call rather than only that it closed its session.
+            later = self.gen.path / f"s-{self.seq + 1}"
+            if self._has_mean:
+                note_dirs = [later]
+            else:
+                note_dirs = [step_dir, later] if self._peers_served else [step_dir]
+            for note_dir in note_dirs:
+                self._tell_peers(note_dir, exc)
             raise
         self.completed = self.seq
         return stats
@@ -246,6 +257,8 @@ class StepEngine:
         fault_point("before_publish", self.rank, self.seq)
         self._publish(step_dir, plan, flats, step, nonfinite, shared if in_place else None)
         fault_point("after_publish", self.rank, self.seq)
+        # Its input is all the peers read of a rank that publishes no shard of the mean.
+        self._peers_served = plan.replicated or not plan.out_lens[self.rank]
         t1 = time.perf_counter()
         peers: dict[int, Peer] = {}
         outs: dict[int, Peer] = {}
@@ -257,6 +270,7 @@ class StepEngine:
             # the gather take one run of elements per dtype group, not a piece per param.
             work, runs = (plan.runs, list(shared.runs)) if in_place and shared else (plan, flats)
             shard = self._reduce_and_publish(work, runs, peers, step, step_dir)
+            self._peers_served = True
             fault_point("after_output", self.rank, self.seq)
             t3 = time.perf_counter()
             publishers = [
