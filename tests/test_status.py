@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -297,3 +298,36 @@ def test_status_waits_only_for_ranks_that_publish_a_shard(
         assert "waiting" not in job
     else:
         assert job["waiting"] == {**waiting, "what": "shards of the mean", "call": 1}
+
+
+def _unblocked(fn: Callable[[], object], fifo: Path) -> object:
+    """``fn()``, failing the test if it is still blocked after 5 s (then a writer opens
+    ``fifo`` and goes, so that the blocked open returns)."""
+    out: list[object] = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(5.0)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(5.0)
+        pytest.fail(f"blocked opening the FIFO {fifo}")
+    (result,) = out
+    return result
+
+
+def test_a_fifo_in_place_of_a_data_file_or_heartbeat_is_no_hang(tmp_path: Path) -> None:
+    # The ranks refuse a FIFO in place of a peer's data file (O_NONBLOCK, then fstat);
+    # status read that same file, and every reader a heartbeat, with a plain open, which
+    # waits for a writer forever: the tool that names a stuck rank hung itself.
+    _running_job_of_3(tmp_path, "sharded", ["in-0", "in-1"])
+    gen = tmp_path / "gen-00000000000000aa"
+    fifo = gen / "d-1.in"
+    os.mkfifo(fifo)
+    report = _unblocked(lambda: gradsync._status.describe(tmp_path, sample_s=0.0), fifo)
+    (job,) = report["jobs"]  # type: ignore[index]
+    assert (job["ranks"][1]["last_call"], job["ranks"][1]["last_step"]) == (1, None)
+    hb = gen / "hb-00000000000000bb"
+    os.mkfifo(hb)
+    assert _unblocked(lambda: gradsync._liveness.read_counter(hb), hb) is None
+    # wait_for_path promises an answer within max_wait_s: a FIFO can be opened, at once.
+    assert _unblocked(lambda: gradsync.wait_for_path(hb, 0.5), hb) is True

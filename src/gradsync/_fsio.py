@@ -27,6 +27,7 @@ __all__ = [
     "atomic_write_bytes",
     "create_marker",
     "list_names",
+    "open_regular",
     "place_marker",
     "read_exact_into",
     "read_small",
@@ -217,6 +218,28 @@ def read_exact_into(fd: int, offset: int, buf: memoryview, path: str | Path) -> 
         got += n
 
 
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """Open ``path`` for reading; it must be a regular file.
+
+    Opened with ``O_NONBLOCK``, which a regular file's reads ignore but which keeps a
+    FIFO in its place from blocking the open until a writer comes (forever, past any
+    wait limit), then cleared again.
+
+    Raises:
+        OSError: as the system reported it (FileNotFoundError...), or EINVAL for a
+            FIFO, directory, socket or device.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_small(path: Path, limit: int = 1 << 20) -> bytes | None:
     """Read a whole small file, or return ``None`` if it does not exist.
 
@@ -225,13 +248,10 @@ def read_small(path: Path, limit: int = 1 << 20) -> bytes | None:
             regular file (a FIFO in its place would otherwise block the open forever).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = open_regular(path)
     except FileNotFoundError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        os.set_blocking(fd, True)
         parts = []
         size = 0
         while True:
@@ -327,7 +347,8 @@ def wait_for_path(path: str | os.PathLike[str], max_wait_s: float) -> bool:
     target = os.fspath(path)
     for _ in _poll(max_wait_s):
         try:
-            fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO there can be opened too, at once, not when a writer comes.
+            fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
             continue
         os.close(fd)

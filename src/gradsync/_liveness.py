@@ -26,6 +26,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from ._fsio import open_regular
+
 __all__ = [
     "Heartbeat",
     "HeartbeatWatch",
@@ -210,11 +212,18 @@ class Heartbeat:
 
 
 def read_counter(path: Path) -> int | None:
+    """A heartbeat's counter; None if it cannot be read (missing, not a regular file:
+    a FIFO in its place must not block every rank that watches it)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(_COUNTER.size)
+        fd = open_regular(path)
     except OSError:
         return None
+    try:
+        data = os.pread(fd, _COUNTER.size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     if len(data) != _COUNTER.size:
         return None
     return int(_COUNTER.unpack(data)[0])

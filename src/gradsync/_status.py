@@ -12,7 +12,7 @@ from typing import Any
 
 from ._errors import CorruptFileError, note_reason, parse_note
 from ._format import HEADER_READ_BYTES, decode_header, header_length
-from ._fsio import read_small
+from ._fsio import open_regular, read_small
 from ._jobfiles import ABORT, GEN_PREFIX, ROSTER, leader_file, load, member_of
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
 from ._protocol import data_name
@@ -55,7 +55,8 @@ def _user_step(gen: Path, rank: int, call: int) -> int | None:
     for slot in (None, 0, 1):
         path = gen / data_name(rank, "in", slot)
         try:
-            with open(path, "rb") as f:
+            # Never a plain open: a FIFO in the file's place would block it forever.
+            with os.fdopen(open_regular(path), "rb") as f:
                 head = f.read(HEADER_READ_BYTES)
                 if header_length(head) > len(head):
                     head += f.read(header_length(head) - len(head))
