@@ -24,6 +24,7 @@ _log = logging.getLogger("gradsync")
 
 __all__ = [
     "Backoff",
+    "NotAFileError",
     "atomic_write_bytes",
     "create_marker",
     "list_names",
@@ -218,26 +219,45 @@ def read_exact_into(fd: int, offset: int, buf: memoryview, path: str | Path) -> 
         got += n
 
 
-def open_regular(path: str | os.PathLike[str]) -> int:
-    """Open ``path`` for reading; it must be a regular file.
+class NotAFileError(OSError):
+    """A name leads to something other than a regular file (a FIFO, a directory, a
+    device): nothing gradsync wrote."""
+
+
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
+    """Open ``path`` for reading, which must be a regular file: the descriptor and its
+    ``fstat``.
 
     Opened with ``O_NONBLOCK``, which a regular file's reads ignore but which keeps a
     FIFO in its place from blocking the open until a writer comes (forever, past any
     wait limit), then cleared again.
 
     Raises:
-        OSError: as the system reported it (FileNotFoundError...), or EINVAL for a
-            FIFO, directory, socket or device.
+        NotAFileError: a FIFO, directory, socket or device ("<path> is a FIFO, not a
+            regular file"). OSError: as the system reported it (FileNotFoundError...).
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a file")
+            raise NotAFileError(
+                errno.EINVAL, f"{os.fspath(path)} is {kind}, not a regular file", os.fspath(path)
+            )
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st
 
 
 def read_small(path: Path, limit: int = 1 << 20) -> bytes | None:
@@ -248,7 +268,7 @@ def read_small(path: Path, limit: int = 1 << 20) -> bytes | None:
             regular file (a FIFO in its place would otherwise block the open forever).
     """
     try:
-        fd = open_regular(path)
+        fd, _ = open_regular(path)
     except FileNotFoundError:
         return None
     try:

@@ -215,7 +215,7 @@ def read_counter(path: Path) -> int | None:
     """A heartbeat's counter; None if it cannot be read (missing, not a regular file:
     a FIFO in its place must not block every rank that watches it)."""
     try:
-        fd = open_regular(path)
+        fd, _ = open_regular(path)
     except OSError:
         return None
     try:

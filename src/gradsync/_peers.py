@@ -47,11 +47,11 @@ from ._format import (
     decode_header,
     header_length,
 )
-from ._fsio import Backoff, list_names, read_small, translate_oserror
+from ._fsio import Backoff, NotAFileError, list_names, read_small, translate_oserror
 from ._liveness import HeartbeatWatch, exact_process_checks
 from ._plan import Plan
 from ._rendezvous import Generation, calls_finished
-from ._transport import ChecksumError, DataReader, NotAFileError, Transport
+from ._transport import ChecksumError, DataReader, Transport
 
 __all__ = ["Peer", "PeerFiles", "check_inputs", "check_length", "nonfinite_error", "reading"]
 

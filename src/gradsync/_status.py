@@ -56,7 +56,7 @@ def _user_step(gen: Path, rank: int, call: int) -> int | None:
         path = gen / data_name(rank, "in", slot)
         try:
             # Never a plain open: a FIFO in the file's place would block it forever.
-            with os.fdopen(open_regular(path), "rb") as f:
+            with os.fdopen(open_regular(path)[0], "rb") as f:
                 head = f.read(HEADER_READ_BYTES)
                 if header_length(head) > len(head):
                     head += f.read(header_length(head) - len(head))

@@ -10,10 +10,8 @@ data goes through ``pwrite``/``pread`` and close-to-open consistency instead.
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
-import stat
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,37 +20,13 @@ from typing import Any
 import numpy as np
 
 from ._format import CRC_BLOCK
-from ._fsio import read_exact_into, write_in_place
+from ._fsio import open_regular, read_exact_into, write_in_place
 
-__all__ = ["ChecksumError", "DataReader", "NotAFileError", "Transport", "local_filesystem"]
+__all__ = ["ChecksumError", "DataReader", "Transport", "local_filesystem"]
 
 
 class ChecksumError(Exception):
     """A block of a published file does not match its CRC (translated by the caller)."""
-
-
-class NotAFileError(OSError):
-    """A data file's name leads to something other than a regular file (a FIFO, a
-    directory, a device): nothing a rank published (translated by the caller)."""
-
-
-def _check_regular(fd: int, path: Path) -> os.stat_result:
-    """``fstat`` of ``fd``, which must be a regular file.
-
-    Raises:
-        NotAFileError: it is a FIFO, directory, socket or device.
-    """
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        kind = {
-            stat.S_IFDIR: "a directory",
-            stat.S_IFIFO: "a FIFO",
-            stat.S_IFSOCK: "a socket",
-            stat.S_IFCHR: "a character device",
-            stat.S_IFBLK: "a block device",
-        }.get(stat.S_IFMT(st.st_mode), "not a file")
-        raise NotAFileError(errno.EINVAL, f"{path} is {kind}, not a regular file", str(path))
-    return st
 
 
 # Filesystems whose pages every process of this host shares, so mappings are coherent.
@@ -271,13 +245,10 @@ class Transport:
             if kept is not None and kept[:2] == (st.st_ino, st.st_size):
                 buf = kept[3]
                 return DataReader(path, bytes(buf[: self._head_bytes]), st.st_size, None, buf)
-        # O_NONBLOCK: opening a FIFO for reading (left in a data file's place) would
-        # otherwise wait for a writer forever, past max_wait_s and close().
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        # Never a plain open: a FIFO in a data file's place would block it forever.
+        fd, st = open_regular(path)
         try:
-            st = _check_regular(fd, path)
             if not self.mapped or st.st_size == 0:
-                os.set_blocking(fd, True)  # a regular file: reads as without the flag
                 head = os.pread(fd, self._head_bytes, 0)
                 reader = DataReader(path, head, st.st_size, fd, None)
                 fd = -1  # the reader owns it now
