@@ -1150,3 +1150,51 @@ def test_one_reaper_thread_however_many_rendezvous_leave_a_generation_pending(
     reapers[0].join(10)
     assert not reapers[0].is_alive()
     assert not gen.exists()  # its heartbeat stayed silent for 0.3 s
+
+
+def test_a_gave_up_note_racing_the_removal_of_its_generation_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 gives up its rendezvous (a rank never came) and, starting over at once,
+    removes that generation, while rank 1, offered a place there, writes its gave-up
+    note into it: written after the remover listed the directory, the note kept it
+    forever as a job of nobody (no leader file: taken for another host's, waited out
+    for heartbeat_timeout_s by every later rank 0, and shown by `gradsync status` as a
+    rendezvous). Found by a chaos run (rank 0 stopped through its rendezvous)."""
+    sync = tmp_path / "sync"
+    original = rdzv.write_note
+
+    def write_note(path: Path, data: bytes) -> None:
+        if not path.name.startswith(_jobfiles.GAVE_UP):
+            original(path, data)
+            return
+        # A remover (the next rank 0's reaper) has unlinked the leader file and listed
+        # the directory, and removes what it listed; this note comes in between.
+        gen = path.parent
+        _jobfiles.leader_file(sync, gen.name[len(_jobfiles.GEN_PREFIX) :]).unlink()
+        listed = os.listdir(gen)
+        for name in listed:
+            os.unlink(gen / name)
+        original(path, data)
+        with contextlib.suppress(OSError):
+            os.rmdir(gen)  # the remover's rmdir: the note is in the way
+
+    monkeypatch.setattr(rdzv, "write_note", write_note)
+    errors: dict[int, BaseException] = {}
+
+    def rank(r: int, max_wait_s: float) -> None:
+        try:
+            rdzv.rendezvous(gradsync.FileGradSyncConfig(3, r, sync, max_wait_s=max_wait_s))
+        except gradsync.GradSyncError as exc:
+            errors[r] = exc
+
+    leader = threading.Thread(target=rank, args=(0, 1.0))
+    leader.start()
+    rank(1, 10.0)
+    leader.join()
+    assert type(errors[0]) is gradsync.PeerTimeoutError, errors
+    # Rank 0's reason (rank 2 never came), raised by rank 1 too.
+    assert type(errors[1]) is gradsync.PeerTimeoutError, errors
+    assert "gen-" not in " ".join(os.listdir(sync)), [
+        (name, os.listdir(sync / name)) for name in os.listdir(sync) if name.startswith("gen-")
+    ]

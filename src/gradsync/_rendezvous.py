@@ -500,8 +500,19 @@ def _join(
             note = {**error_note(exc), "member": me.to_json()}
             with contextlib.suppress(OSError):
                 write_note(gen_path / f"{GAVE_UP}{cfg.rank}-{me.nonce}.json", dump(note))
+            _unless_removed(gen_path)
         _unlink_all(join, offer_path)
         raise
+
+
+def _unless_removed(gen_path: Path) -> None:
+    """Remove the generation at ``gen_path`` if it is being removed: its leader file is
+    gone (the last rank leaving, or a rank 0 reaping it, unlinks that first). What this
+    rank wrote into it after the remover listed it would otherwise keep the directory,
+    with no leader file to tell whose it was, as a job of another host (waited out for
+    ``heartbeat_timeout_s``, and shown by ``gradsync status``)."""
+    if not leader_file(gen_path.parent, gen_path.name[len(GEN_PREFIX) :]).exists():
+        remove_tree(gen_path)
 
 
 def _rostered(cfg: FileGradSyncConfig, me: MemberInfo, gen_path: Path) -> Generation | None:
