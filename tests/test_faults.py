@@ -1198,3 +1198,71 @@ def test_a_gave_up_note_racing_the_removal_of_its_generation_leaves_nothing(
     assert "gen-" not in " ".join(os.listdir(sync)), [
         (name, os.listdir(sync / name)) for name in os.listdir(sync) if name.startswith("gen-")
     ]
+
+
+def test_a_joiner_that_gives_up_as_rank_0_writes_the_roster_leaves_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 confirms its place and gives up at once (its session closed from another
+    thread here; in a chaos run, a rank stopped past max_wait_s that found rank 0's
+    offer on waking), while rank 0 writes the roster before it sees the gave-up note.
+    The job then holds a rank that is not in it: rank 0 waited max_wait_s for it, and
+    every new session of rank 1's process failed at once with a RendezvousError
+    ("already holds rank 1 ... in a session that is still open"). Rank 1 must leave
+    the job it turned out to be in (or rank 0 give up on it)."""
+    sync = tmp_path / "sync"
+    closing = threading.Event()
+    rostered = threading.Event()
+    write_json, write_note = rdzv.write_json, rdzv.write_note
+
+    checked = threading.Event()
+    rostered_at = rdzv._rostered
+
+    def looked(*args: Any) -> Any:
+        found = rostered_at(*args)
+        checked.set()  # rank 1 looked for the roster once it had given up: none yet
+        return found
+
+    def confirm(path: Path, data: dict[str, Any], what: str) -> None:
+        if path.name == _jobfiles.ROSTER:
+            assert checked.wait(10.0)
+        write_json(path, data, what)
+        if path.name.startswith("member-1-"):
+            closing.set()  # closed from another thread just after confirming
+        if path.name == _jobfiles.ROSTER:
+            rostered.set()
+
+    def note(path: Path, data: bytes) -> None:
+        if path.name.startswith(_jobfiles.GAVE_UP):
+            assert rostered.wait(10.0)  # rank 0 wrote the roster before it saw the note
+        write_note(path, data)
+
+    monkeypatch.setattr(rdzv, "write_json", confirm)
+    monkeypatch.setattr(rdzv, "write_note", note)
+    monkeypatch.setattr(rdzv, "_rostered", looked)
+    gens: list[rdzv.Generation | gradsync.GradSyncError] = []
+
+    def rank_0() -> None:
+        try:
+            gens.append(rdzv.rendezvous(gradsync.FileGradSyncConfig(2, 0, sync, max_wait_s=10.0)))
+        except gradsync.GradSyncError as exc:
+            gens.append(exc)
+
+    leader = threading.Thread(target=rank_0)
+    leader.start()
+    cfg = gradsync.FileGradSyncConfig(2, 1, sync, max_wait_s=10.0)
+    with pytest.raises(gradsync.GradSyncError, match="closed while it waited"):
+        rdzv.rendezvous(cfg, closing)
+    leader.join()
+    gen = gens[0]
+    if isinstance(gen, rdzv.Generation):  # rank 0 formed the job with rank 1 in it ...
+        assert gen.heartbeat is not None
+        gen.heartbeat.stop()
+        # ... which it learns from its first step: rank 1 has left (no wait) ...
+        assert (gen.path / "left-1").exists(), sorted(os.listdir(gen.path))
+    else:  # ... or it saw the note after writing the roster, and gave up on rank 1.
+        assert "rank 1 (pid" in str(gen), gen
+        assert "gave up joining" in str(gen), gen
+    # A new session of rank 1's process is not refused as a second holder of rank 1.
+    me = MemberInfo.for_self(1, "feedfeedfeedfeed")
+    rdzv._check_not_taken(cfg, me, rdzv.HeartbeatWatch(1.0))

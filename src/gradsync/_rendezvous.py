@@ -253,6 +253,13 @@ class _Leader:
             "run_id": cfg.run_id,
         }
         write_json(self.gen_path / ROSTER, roster, "publishing the roster to")
+        # A rank that gave up after confirming, as the roster was written, left a note
+        # that _collect had not seen; it looks for the roster after its note (and
+        # leaves the job if it is in it), this looks for notes after the roster: one
+        # of the two sees the other.
+        for name in list_names(self.gen_path):
+            if name.startswith(GAVE_UP):
+                self._raise_gave_up(self.gen_path / name)
         self._tidy()
         return Generation(self.gen_path, self.me.nonce, members, 0)
 
@@ -500,7 +507,15 @@ def _join(
             note = {**error_note(exc), "member": me.to_json()}
             with contextlib.suppress(OSError):
                 write_note(gen_path / f"{GAVE_UP}{cfg.rank}-{me.nonce}.json", dump(note))
-            _unless_removed(gen_path)
+            # Rank 0 may have written the roster, with this rank in it, before it saw the
+            # note: then this rank leaves the job, which its peers see at once (rather
+            # than wait max_wait_s for it), and its next session is not refused as a
+            # second holder of its rank.
+            accepted = _rostered(cfg, me, gen_path)
+            if accepted is not None:
+                leave(accepted, 0)
+            else:
+                _unless_removed(gen_path)
         _unlink_all(join, offer_path)
         raise
 
