@@ -1266,3 +1266,46 @@ def test_a_joiner_that_gives_up_as_rank_0_writes_the_roster_leaves_the_job(
     # A new session of rank 1's process is not refused as a second holder of rank 1.
     me = MemberInfo.for_self(1, "feedfeedfeedfeed")
     rdzv._check_not_taken(cfg, me, rdzv.HeartbeatWatch(1.0))
+
+
+def test_a_generation_removed_as_a_joiner_confirms_is_waited_past(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 offered rank 1 a place, gave up its rendezvous and, starting over, removed
+    that generation between rank 1's look at it and its confirmation: rank 1 failed
+    with SyncDirError ("confirming membership in ... failed: No such file or
+    directory", as if the sync dir were gone). It must wait for the new rank 0's offer,
+    as it does when the generation goes after it confirmed. Found by a chaos run."""
+    sync = tmp_path / "sync"
+    write_json = rdzv.write_json
+    leaders: list[threading.Thread] = []
+    outcomes: list[object] = []
+
+    def rank_0(max_wait_s: float) -> None:
+        try:
+            gen = rdzv.rendezvous(gradsync.FileGradSyncConfig(2, 0, sync, max_wait_s=max_wait_s))
+        except gradsync.GradSyncError as exc:
+            outcomes.append(exc)
+            return
+        assert gen.heartbeat is not None
+        gen.heartbeat.stop()
+        outcomes.append(gen)
+
+    def confirm(path: Path, data: dict[str, Any], what: str) -> None:
+        if path.name.startswith("member-1-") and not leaders[1:]:
+            # The first rank 0 has gone; the next one removes its generation now.
+            _reaping._remove(path.parent)
+            leaders.append(threading.Thread(target=rank_0, args=(10.0,)))
+            leaders[-1].start()
+        write_json(path, data, what)
+
+    monkeypatch.setattr(rdzv, "write_json", confirm)
+    leaders.append(threading.Thread(target=rank_0, args=(1.0,)))
+    leaders[0].start()
+    gen = rdzv.rendezvous(gradsync.FileGradSyncConfig(2, 1, sync, max_wait_s=10.0))
+    assert gen.heartbeat is not None
+    gen.heartbeat.stop()
+    for leader in leaders:
+        leader.join()
+    formed = [o for o in outcomes if isinstance(o, rdzv.Generation)]
+    assert [g.path for g in formed] == [gen.path], outcomes  # the second rank 0's job

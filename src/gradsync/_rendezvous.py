@@ -38,6 +38,7 @@ from ._errors import (
     PeerLostError,
     PeerTimeoutError,
     RendezvousError,
+    SyncDirError,
     error_note,
     job_wide_error,
     note_reason,
@@ -444,15 +445,25 @@ def _join(
                     if leader is not None and candidate.is_dir():
                         gen_path = candidate
                         heartbeat = Heartbeat(gen_path / f"hb-{me.nonce}", cfg.heartbeat_interval_s)
-                        write_json(
-                            gen_path / f"member-{cfg.rank}-{me.nonce}.json",
-                            {
-                                "member": me.to_json(),
-                                "world_size": cfg.world_size,
-                                "settings": _settings(cfg),
-                            },
-                            "confirming membership in",
-                        )
+                        try:
+                            write_json(
+                                gen_path / f"member-{cfg.rank}-{me.nonce}.json",
+                                {
+                                    "member": me.to_json(),
+                                    "world_size": cfg.world_size,
+                                    "settings": _settings(cfg),
+                                },
+                                "confirming membership in",
+                            )
+                        except SyncDirError:
+                            if gen_path.is_dir():
+                                raise
+                            # Removed since the look above: rank 0 gave up and a new
+                            # session of it removed the generation. Wait for its offer,
+                            # as below when that happens after confirming.
+                            heartbeat.stop()
+                            stale = (leader, gen_path)
+                            heartbeat = gen_path = leader = None
             if gen_path is None and elapsed >= next_check:
                 next_check = elapsed + _CHECK_EVERY_S
                 _check_not_taken(cfg, me, watch)
