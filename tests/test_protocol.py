@@ -987,6 +987,20 @@ def test_a_call_from_a_signal_handler_inside_a_call_is_refused(tmp_path: Path) -
     )
 
 
+def test_a_close_interrupted_while_it_stops_its_threads_still_leaves_the_job(
+    tmp_path: Path,
+) -> None:
+    # The session counted as left before it wrote its "left" note: a Ctrl-C in between
+    # (stopping the heartbeat and worker threads) left no note, and its live peer
+    # waited out max_wait_s (20 s).
+    results = run_ranks(workers.interrupted_while_closing, 2, (2, str(tmp_path)))
+    assert_ok(results)
+    assert results[1].value == "interrupted"
+    kind, seconds = results[0].value
+    assert kind == "PeerLostError"
+    assert seconds < 3
+
+
 def test_a_joiner_closed_as_the_roster_appears_leaves_the_job(tmp_path: Path) -> None:
     # Closed after rank 0 wrote the roster but before it read it, rank 1 used to leave
     # only a note rank 0 no longer read: rank 0 waited out max_wait_s (20 s).

@@ -421,6 +421,37 @@ def joiner_closed_as_the_roster_appears(rank: int, world: int, sync_dir: str) ->
     return "averaged", time.monotonic() - start
 
 
+def interrupted_while_closing(rank: int, world: int, sync_dir: str) -> Any:
+    """Rank 1 is interrupted (KeyboardInterrupt) while its close() stops its threads, and
+    lives on: rank 0's next call must learn at once that it left."""
+    from gradsync import _protocol  # noqa: PLC0415
+
+    gs = gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0))
+    gs.average([np.ones(4)], step=0)
+    if rank == 1:
+        stop = _protocol.StepEngine.close
+
+        def interrupted(self: Any) -> None:
+            stop(self)
+            raise KeyboardInterrupt
+
+        _protocol.StepEngine.close = interrupted  # type: ignore[method-assign]
+        try:
+            gs.close()
+        except KeyboardInterrupt:
+            time.sleep(4)
+            return "interrupted"
+        return "closed"
+    start = time.monotonic()
+    try:
+        gs.average([np.ones(4)], step=1)
+    except gradsync.GradSyncError as exc:
+        return type(exc).__name__, time.monotonic() - start
+    finally:
+        gs.close()
+    return None
+
+
 def dropped_without_close(rank: int, world: int, sync_dir: str) -> Any:
     """Rank 1 drops its GradSync after one call, unclosed, and lives on: rank 0's next
     call must learn at once that it left."""

@@ -456,14 +456,19 @@ class _Session:
         if self.left or _forks_seen != self.forks:
             return
         self.left = True
-        if self.engine is not None:
-            self.engine.close()
-        elif self.gen is not None and self.gen.heartbeat is not None:
-            self.gen.heartbeat.stop()  # met the peers, but the engine never started
-        if self.gen is not None:
-            leave(self.gen, 0 if self.engine is None else self.engine.completed)
-        if self.bridge is not None:
-            self.bridge.close()
+        try:
+            if self.engine is not None:
+                self.engine.close()  # joins threads: a Ctrl-C can land in it
+            elif self.gen is not None and self.gen.heartbeat is not None:
+                self.gen.heartbeat.stop()  # met the peers, but the engine never started
+        finally:
+            # Only once (above): the peers must learn that this rank left even so.
+            try:
+                if self.gen is not None:
+                    leave(self.gen, 0 if self.engine is None else self.engine.completed)
+            finally:
+                if self.bridge is not None:
+                    self.bridge.close()
 
 
 # The function form's sessions, one per job and rank this process averages as.
