@@ -1309,3 +1309,28 @@ def test_a_generation_removed_as_a_joiner_confirms_is_waited_past(
         leader.join()
     formed = [o for o in outcomes if isinstance(o, rdzv.Generation)]
     assert [g.path for g in formed] == [gen.path], outcomes  # the second rank 0's job
+
+
+def test_a_gave_up_joiner_that_cannot_look_up_the_leader_file_keeps_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After its gave-up note a joiner looks for its generation's leader file: a lookup
+    that fails otherwise than "not found" (a stale NFS handle) raised that OSError out of
+    its except clause, instead of the rendezvous's own error, and left its join and
+    offer files behind; nor may it take the generation for removed."""
+    gen = tmp_path / f"{_jobfiles.GEN_PREFIX}abc"
+    gen.mkdir()
+    leader = _jobfiles.leader_file(tmp_path, "abc")
+    leader.parent.mkdir()
+    leader.write_text("{}")
+    stat = os.stat
+
+    def stale(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if os.fspath(path) == os.fspath(leader):
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), os.fspath(path))
+        return stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stale)
+    rdzv._unless_removed(gen)
+    monkeypatch.undo()
+    assert gen.is_dir()

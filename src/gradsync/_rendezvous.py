@@ -537,8 +537,21 @@ def _unless_removed(gen_path: Path) -> None:
     rank wrote into it after the remover listed it would otherwise keep the directory,
     with no leader file to tell whose it was, as a job of another host (waited out for
     ``heartbeat_timeout_s``, and shown by ``gradsync status``)."""
-    if not leader_file(gen_path.parent, gen_path.name[len(GEN_PREFIX) :]).exists():
+    if _leader_gone(gen_path):
         remove_tree(gen_path)
+
+
+def _leader_gone(gen_path: Path) -> bool:
+    """Whether the leader file of the generation at ``gen_path`` is gone: whoever removes
+    a generation unlinks it first. False where that cannot be told (``Path.exists``
+    raises for a stale handle or a denied lookup)."""
+    try:
+        os.stat(leader_file(gen_path.parent, gen_path.name[len(GEN_PREFIX) :]))
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _rostered(cfg: FileGradSyncConfig, me: MemberInfo, gen_path: Path) -> Generation | None:
