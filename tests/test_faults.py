@@ -1311,6 +1311,61 @@ def test_a_generation_removed_as_a_joiner_confirms_is_waited_past(
     assert [g.path for g in formed] == [gen.path], outcomes  # the second rank 0's job
 
 
+def test_a_confirmation_racing_the_removal_of_its_generation_is_waited_past(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As test_a_generation_removed_as_a_joiner_confirms_is_waited_past, but rank 1's
+    confirmation lands between the remover's listing and its rmdir (as the gave-up note
+    of test_a_gave_up_note_racing_the_removal_of_its_generation_leaves_nothing does):
+    the write succeeds and the directory stays, with no leader file, so rank 1 waited
+    in it for a roster nobody writes (max_wait_s) while the new rank 0 waited for its
+    confirmation."""
+    sync = tmp_path / "sync"
+    write_json = rdzv.write_json
+    leaders: list[threading.Thread] = []
+    outcomes: list[object] = []
+
+    def rank_0(max_wait_s: float) -> None:
+        try:
+            gen = rdzv.rendezvous(gradsync.FileGradSyncConfig(2, 0, sync, max_wait_s=max_wait_s))
+        except gradsync.GradSyncError as exc:
+            outcomes.append(exc)
+            return
+        assert gen.heartbeat is not None
+        gen.heartbeat.stop()
+        outcomes.append(gen)
+
+    def confirm(path: Path, data: dict[str, Any], what: str) -> None:
+        if not path.name.startswith("member-1-") or leaders[1:]:
+            write_json(path, data, what)
+            return
+        # The first rank 0 has given up; the next one removes its generation: it
+        # unlinks the leader file and lists the directory, and removes what it listed;
+        # this confirmation comes in between.
+        leaders[0].join()
+        gen = path.parent
+        _jobfiles.leader_file(sync, gen.name[len(_jobfiles.GEN_PREFIX) :]).unlink()
+        for name in os.listdir(gen):
+            os.unlink(gen / name)
+        write_json(path, data, what)
+        with contextlib.suppress(OSError):
+            os.rmdir(gen)  # the remover's rmdir: the confirmation is in the way
+        leaders.append(threading.Thread(target=rank_0, args=(6.0,)))
+        leaders[-1].start()
+
+    monkeypatch.setattr(rdzv, "write_json", confirm)
+    leaders.append(threading.Thread(target=rank_0, args=(0.5,)))
+    leaders[0].start()
+    gen = rdzv.rendezvous(gradsync.FileGradSyncConfig(2, 1, sync, max_wait_s=6.0))
+    assert gen.heartbeat is not None
+    gen.heartbeat.stop()
+    for leader in leaders:
+        leader.join()
+    formed = [o for o in outcomes if isinstance(o, rdzv.Generation)]
+    assert [g.path for g in formed] == [gen.path], outcomes  # the second rank 0's job
+    assert sorted(n for n in os.listdir(sync) if n.startswith("gen-")) == [gen.path.name]
+
+
 def test_a_gave_up_joiner_that_cannot_look_up_the_leader_file_keeps_its_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -456,12 +456,13 @@ def _join(
                                 "confirming membership in",
                             )
                         except SyncDirError:
-                            if gen_path.is_dir():
+                            if gen_path.is_dir() and not _leader_gone(gen_path):
                                 raise
                             # Removed since the look above: rank 0 gave up and a new
                             # session of it removed the generation. Wait for its offer,
                             # as below when that happens after confirming.
                             heartbeat.stop()
+                            remove_tree(gen_path)  # what this rank wrote meanwhile
                             stale = (leader, gen_path)
                             heartbeat = gen_path = leader = None
             if gen_path is None and elapsed >= next_check:
@@ -486,12 +487,15 @@ def _join(
                 if elapsed >= next_check:
                     next_check = elapsed + _CHECK_EVERY_S
                     _check_leader(cfg, leader, gen_path, watch)
-                    if not gen_path.is_dir():
+                    if not gen_path.is_dir() or _leader_gone(gen_path):
                         # Rank 0 failed and a new session of it already removed this
                         # generation: wait for its offer, as a rank that came later,
-                        # while that process lives.
+                        # while that process lives. (The directory stays where this
+                        # rank's confirmation or heartbeat landed after the remover
+                        # listed it: only the leader file, unlinked first, tells.)
                         if heartbeat is not None:
                             heartbeat.stop()
+                        remove_tree(gen_path)
                         stale = (leader, gen_path)
                         heartbeat = gen_path = leader = None
             if elapsed >= cfg.max_wait_s:
