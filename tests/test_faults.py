@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1268,6 +1268,44 @@ def test_a_joiner_that_gives_up_as_rank_0_writes_the_roster_leaves_the_job(
     rdzv._check_not_taken(cfg, me, rdzv.HeartbeatWatch(1.0))
 
 
+def _rank_0_of_2(sync: Path, max_wait_s: float, outcomes: list[object]) -> None:
+    """Rank 0's rendezvous of a job of 2 (in a thread): its Generation, or its error,
+    appended to ``outcomes``."""
+    try:
+        gen = rdzv.rendezvous(gradsync.FileGradSyncConfig(2, 0, sync, max_wait_s=max_wait_s))
+    except gradsync.GradSyncError as exc:
+        outcomes.append(exc)
+        return
+    assert gen.heartbeat is not None
+    gen.heartbeat.stop()
+    outcomes.append(gen)
+
+
+def _rank_1_meets_a_second_rank_0(
+    monkeypatch: pytest.MonkeyPatch,
+    sync: Path,
+    confirm: Callable[[Path, dict[str, Any], str], None],
+    leaders: list[threading.Thread],
+    outcomes: list[object],
+    first_wait_s: float,
+    max_wait_s: float,
+) -> Path:
+    """Rank 1's rendezvous while a first rank 0 (waiting ``first_wait_s``) gives up and
+    ``confirm``, patched over write_json, starts a second one in ``leaders``: the
+    generation rank 1 joined, which must be the one the second rank 0 formed."""
+    monkeypatch.setattr(rdzv, "write_json", confirm)
+    leaders.append(threading.Thread(target=_rank_0_of_2, args=(sync, first_wait_s, outcomes)))
+    leaders[0].start()
+    gen = rdzv.rendezvous(gradsync.FileGradSyncConfig(2, 1, sync, max_wait_s=max_wait_s))
+    assert gen.heartbeat is not None
+    gen.heartbeat.stop()
+    for leader in leaders:
+        leader.join()
+    formed = [o for o in outcomes if isinstance(o, rdzv.Generation)]
+    assert [g.path for g in formed] == [gen.path], outcomes
+    return gen.path
+
+
 def test_a_generation_removed_as_a_joiner_confirms_is_waited_past(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1281,34 +1319,15 @@ def test_a_generation_removed_as_a_joiner_confirms_is_waited_past(
     leaders: list[threading.Thread] = []
     outcomes: list[object] = []
 
-    def rank_0(max_wait_s: float) -> None:
-        try:
-            gen = rdzv.rendezvous(gradsync.FileGradSyncConfig(2, 0, sync, max_wait_s=max_wait_s))
-        except gradsync.GradSyncError as exc:
-            outcomes.append(exc)
-            return
-        assert gen.heartbeat is not None
-        gen.heartbeat.stop()
-        outcomes.append(gen)
-
     def confirm(path: Path, data: dict[str, Any], what: str) -> None:
         if path.name.startswith("member-1-") and not leaders[1:]:
             # The first rank 0 has gone; the next one removes its generation now.
             _reaping._remove(path.parent)
-            leaders.append(threading.Thread(target=rank_0, args=(10.0,)))
+            leaders.append(threading.Thread(target=_rank_0_of_2, args=(sync, 10.0, outcomes)))
             leaders[-1].start()
         write_json(path, data, what)
 
-    monkeypatch.setattr(rdzv, "write_json", confirm)
-    leaders.append(threading.Thread(target=rank_0, args=(1.0,)))
-    leaders[0].start()
-    gen = rdzv.rendezvous(gradsync.FileGradSyncConfig(2, 1, sync, max_wait_s=10.0))
-    assert gen.heartbeat is not None
-    gen.heartbeat.stop()
-    for leader in leaders:
-        leader.join()
-    formed = [o for o in outcomes if isinstance(o, rdzv.Generation)]
-    assert [g.path for g in formed] == [gen.path], outcomes  # the second rank 0's job
+    _rank_1_meets_a_second_rank_0(monkeypatch, sync, confirm, leaders, outcomes, 1.0, 10.0)
 
 
 def test_a_confirmation_racing_the_removal_of_its_generation_is_waited_past(
@@ -1325,16 +1344,6 @@ def test_a_confirmation_racing_the_removal_of_its_generation_is_waited_past(
     leaders: list[threading.Thread] = []
     outcomes: list[object] = []
 
-    def rank_0(max_wait_s: float) -> None:
-        try:
-            gen = rdzv.rendezvous(gradsync.FileGradSyncConfig(2, 0, sync, max_wait_s=max_wait_s))
-        except gradsync.GradSyncError as exc:
-            outcomes.append(exc)
-            return
-        assert gen.heartbeat is not None
-        gen.heartbeat.stop()
-        outcomes.append(gen)
-
     def confirm(path: Path, data: dict[str, Any], what: str) -> None:
         if not path.name.startswith("member-1-") or leaders[1:]:
             write_json(path, data, what)
@@ -1350,20 +1359,11 @@ def test_a_confirmation_racing_the_removal_of_its_generation_is_waited_past(
         write_json(path, data, what)
         with contextlib.suppress(OSError):
             os.rmdir(gen)  # the remover's rmdir: the confirmation is in the way
-        leaders.append(threading.Thread(target=rank_0, args=(6.0,)))
+        leaders.append(threading.Thread(target=_rank_0_of_2, args=(sync, 6.0, outcomes)))
         leaders[-1].start()
 
-    monkeypatch.setattr(rdzv, "write_json", confirm)
-    leaders.append(threading.Thread(target=rank_0, args=(0.5,)))
-    leaders[0].start()
-    gen = rdzv.rendezvous(gradsync.FileGradSyncConfig(2, 1, sync, max_wait_s=6.0))
-    assert gen.heartbeat is not None
-    gen.heartbeat.stop()
-    for leader in leaders:
-        leader.join()
-    formed = [o for o in outcomes if isinstance(o, rdzv.Generation)]
-    assert [g.path for g in formed] == [gen.path], outcomes  # the second rank 0's job
-    assert sorted(n for n in os.listdir(sync) if n.startswith("gen-")) == [gen.path.name]
+    gen = _rank_1_meets_a_second_rank_0(monkeypatch, sync, confirm, leaders, outcomes, 0.5, 6.0)
+    assert sorted(n for n in os.listdir(sync) if n.startswith("gen-")) == [gen.name]
 
 
 def test_a_gave_up_joiner_that_cannot_look_up_the_leader_file_keeps_its_error(
