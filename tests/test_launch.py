@@ -300,6 +300,35 @@ def test_missing_script_in_rank_is_a_rank_failure(tmp_path: Path) -> None:
     assert "    RuntimeError: boom in rank\n" in err
 
 
+def test_the_group_of_a_rank_long_gone_is_never_signalled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Rank 1 exits at once and its group empties: its pid is free, and once the pids wrap
+    # around (32768 of them on many hosts) it may lead an unrelated group, such as a rank
+    # of another launcher. When rank 0 then fails, the launcher must not signal that pid.
+    script = tmp_path / "early.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    print('PID', os.getpid(), flush=True)\n"
+        "    sys.exit(0)\n"
+        "time.sleep(1.0)\n"
+        "sys.exit(3)\n"
+    )
+    sent: list[tuple[int, int]] = []
+    real_killpg = os.killpg
+
+    def killpg(pgid: int, signum: int) -> None:
+        sent.append((pgid, signum))
+        real_killpg(pgid, signum)
+
+    monkeypatch.setattr(os, "killpg", killpg)
+    assert main(["launch", "--nproc", "2", "--grace-period-s", "0.5", str(script)]) == 3
+    out = capsys.readouterr().out
+    pid = int(out.split("[rank 1] PID ")[1].split()[0])
+    assert [s for p, s in sent if p == pid and s != 0] == []
+
+
 # ---------------------------------------------------------------------------- signals
 
 

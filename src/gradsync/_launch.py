@@ -343,6 +343,9 @@ class _Rank:
     readers: list[threading.Thread] = field(default_factory=list)
     returncode: int | None = None
     stopped: bool = False  # still running when the launcher began stopping the job
+    # Its leader was reaped and its group seen empty: the pid may now be reused by an
+    # unrelated process group, which must never be signalled.
+    group_gone: bool = False
 
 
 def _pump(
@@ -457,10 +460,21 @@ class _Job:
     def _wait(self, index: int, proc: subprocess.Popen[bytes]) -> None:
         self._exits.put((index, proc.wait()))
 
+    def _note_gone_groups(self) -> None:
+        """Mark the groups of reaped ranks that have no process left. Linux reuses no pid
+        still naming a group, so a group seen empty here (every _POLL_S) can only come
+        back as an unrelated process that got the pid after the pids wrapped around."""
+        for info in self.ranks:
+            # returncode first: a leader not yet reaped keeps its group alive.
+            if not info.group_gone and info.proc.returncode is not None:
+                info.group_gone = not _group_alive(info.proc.pid)
+
     def _signal_all(self, signum: int) -> None:
         # Also the groups whose leader already exited: what the rank started may live on.
+        self._note_gone_groups()
         for info in self.ranks:
-            _killpg(info.proc.pid, signum)
+            if not info.group_gone:
+                _killpg(info.proc.pid, signum)
 
     def _stop_now(self) -> None:
         """SIGKILL every rank started so far and reap them (used when starting fails)."""
@@ -522,6 +536,7 @@ class _Job:
                     first_failure = info
                     begin_stop(f"rank {info.rank} failed ({_describe(returncode)})")
                 continue  # collect every exit already queued before looking at the clock
+            self._note_gone_groups()
             now = time.monotonic()
             if not stopping:
                 if not running:
@@ -529,7 +544,7 @@ class _Job:
                 continue
             if abandon_at is None:
                 hurry = len(self._signals.received) > signals_seen
-                if not running and not any(_group_alive(i.proc.pid) for i in self.ranks):
+                if not running and all(i.group_gone for i in self.ranks):
                     break
                 if hurry or now >= kill_at:
                     left = ", ".join(str(self.ranks[i].rank) for i in sorted(running))
