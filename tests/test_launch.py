@@ -252,6 +252,17 @@ def test_a_line_split_at_64_kib_keeps_every_character(tmp_path: Path) -> None:
     assert "".join(pieces) == "a" + "\u00e9" * 40000
 
 
+def test_a_line_of_exactly_64_kib_adds_no_empty_line(tmp_path: Path) -> None:
+    script = tmp_path / "exact.py"
+    script.write_text(
+        "import sys\n"
+        "sys.stdout.buffer.write(b'a' * 65536 + b'\\n' + b'b' * 65535 + b'\\r\\n' + b'\\n')\n"
+    )
+    code, out, _, _ = run_launch(["--nproc", "1", str(script)])
+    assert code == 0
+    assert out.splitlines() == [f"[rank 0] {'a' * 65536}", f"[rank 0] {'b' * 65535}", "[rank 0] "]
+
+
 def test_given_sync_dir_is_created_and_kept(tmp_path: Path) -> None:
     sync_dir = tmp_path / "a" / "b"
     code, out, _, _ = run_launch(

@@ -358,6 +358,7 @@ def _pump(
     """Copy ``pipe`` line by line to ``dest`` with ``prefix``, until EOF."""
     # Incremental: a line split at _MAX_LINE_BYTES may split a character too.
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    cut = False  # the previous chunk was a line cut at _MAX_LINE_BYTES
     with pipe:
         while True:
             chunk = pipe.readline(_MAX_LINE_BYTES)
@@ -367,7 +368,10 @@ def _pump(
             # is left of a cut-off character then comes out as U+FFFD, on that line.
             last = len(chunk) < _MAX_LINE_BYTES and not chunk.endswith(b"\n")
             text = decoder.decode(chunk, final=last)
-            if not text:
+            was_cut, cut = cut, len(chunk) == _MAX_LINE_BYTES and not chunk.endswith(b"\n")
+            if not text or (was_cut and text == "\n"):
+                # Only the newline of a line cut exactly at its end (or of its "\r\n"):
+                # the line is out already, and no empty one follows it.
                 continue
             line = text.removesuffix("\n").removesuffix("\r")
             if tail is not None:
