@@ -155,6 +155,28 @@ def test_status_names_the_ranks_a_rendezvous_waits_for(tmp_path: Path) -> None:
     assert "    ranks [0, 2] are waiting for ranks [1] to join" in gradsync._status._text(report)
 
 
+def test_ranks_waiting_for_a_rank_0_not_started_are_shown(tmp_path: Path) -> None:
+    # Node 1 started before node 0: its ranks 2 and 3 wait for a rank 0 that has no
+    # generation yet; only their join files say so. A join already answered by an offer,
+    # or of a run whose rendezvous is in progress, is not waiting for rank 0.
+    rdzv = tmp_path / "rdzv"
+    rdzv.mkdir()
+    for rank, nonce, run_id in [(2, "a2", "J"), (3, "a3", "J"), (1, "b1", "K")]:
+        me = gradsync._liveness.MemberInfo.for_self(rank, nonce.rjust(16, "0"))
+        (rdzv / f"join-{rank}-{me.nonce}.json").write_text(
+            json.dumps({"member": me.to_json(), "world_size": 4, "run_id": run_id})
+        )
+    (rdzv / f"offer-{'b1'.rjust(16, '0')}.json").write_text("{}")
+    result = _status(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "  run id 'J': no rendezvous yet\n" in result.stdout
+    assert "    ranks [2, 3] are waiting for rank 0 to start the rendezvous" in result.stdout
+    assert "'K'" not in result.stdout
+    (run,) = gradsync._status.describe(tmp_path, sample_s=0.0)["joining"]
+    assert run["waiting"] == {"for": [0], "by": [2, 3], "what": "rank 0"}
+    assert [r["alive"] for r in run["ranks"]] == [True, True]
+
+
 def test_jobs_sharing_a_directory_are_shown_with_their_run_ids(tmp_path: Path) -> None:
     # A running job (its roster names its run id) beside one in its rendezvous (its
     # leader file does); a job without a run id shows none.

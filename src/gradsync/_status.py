@@ -13,7 +13,7 @@ from typing import Any
 from ._errors import CorruptFileError, note_reason, parse_note
 from ._format import HEADER_READ_BYTES, decode_header, header_length
 from ._fsio import open_regular, read_small
-from ._jobfiles import ABORT, GEN_PREFIX, ROSTER, leader_file, load, member_of
+from ._jobfiles import ABORT, GEN_PREFIX, RDZV, ROSTER, leader_file, load, member_of
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
 from ._protocol import data_name
 
@@ -205,6 +205,45 @@ def _settle(job: dict[str, Any]) -> None:
             del job["waiting"]
 
 
+def _joins_without_rank_0(sync_dir: Path, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ranks > 0 waiting for a rank 0 that has not started the rendezvous of their run
+    (its node not started yet, say): their join files, unanswered, with a run id no
+    rendezvous in progress has. One entry per run id."""
+    admitting = {job.get("run_id") for job in jobs if job["state"] == "rendezvous"}
+    rdzv = sync_dir / RDZV
+    names = set(_names(rdzv))
+    runs: dict[str | None, dict[str, Any]] = {}
+    for name in sorted(names):
+        if not (name.startswith("join-") and name.endswith(".json")):
+            continue
+        if f"offer-{name[:-5].rsplit('-', 1)[-1]}.json" in names:
+            continue  # answered: that rank is joining a generation listed above
+        data = load(rdzv / name)
+        member = member_of(data)
+        if data is None or member is None:
+            continue
+        run_id = data.get("run_id")
+        if run_id in admitting or not (run_id is None or isinstance(run_id, str)):
+            continue
+        run = runs.setdefault(run_id, {"run_id": run_id, "ranks": []})
+        if isinstance(data.get("world_size"), int):
+            run["world_size"] = data["world_size"]
+        entry: dict[str, Any] = {
+            "rank": member.rank,
+            "host": member.hostname,
+            "pid": member.pid,
+            "same_host": member.same_host,
+        }
+        if member.same_host:
+            entry["alive"] = member.local_death() is None
+        run["ranks"].append(entry)
+    for run in runs.values():
+        waiting = [r["rank"] for r in run["ranks"] if not r["same_host"] or r["alive"]]
+        if waiting:
+            run["waiting"] = {"for": [0], "by": sorted(waiting), "what": "rank 0"}
+    return list(runs.values())
+
+
 def describe(sync_dir: Path, *, sample_s: float = _SAMPLE_S) -> dict[str, Any]:
     """A JSON-able description of every job in ``sync_dir``.
 
@@ -228,7 +267,13 @@ def describe(sync_dir: Path, *, sample_s: float = _SAMPLE_S) -> dict[str, Any]:
             r["beating"] = later is not None and later != r["heartbeat"]
     for job in jobs:
         _settle(job)
-    return {"sync_dir": str(sync_dir), "disk_bytes": _disk_bytes(sync_dir), "jobs": jobs}
+    report = {"sync_dir": str(sync_dir), "disk_bytes": _disk_bytes(sync_dir), "jobs": jobs}
+    try:
+        report["joining"] = _joins_without_rank_0(sync_dir, jobs)
+    except OSError as exc:
+        report["joining"] = []
+        report["error"] = f"cannot read {exc.filename or sync_dir / RDZV}: {exc.strerror or exc}"
+    return report
 
 
 def _text(report: dict[str, Any]) -> str:
@@ -265,6 +310,18 @@ def _text(report: dict[str, Any]) -> str:
                 f"    ranks {waiting['by']} are waiting for ranks {waiting['for']} to publish "
                 f"their {waiting['what']} (call {waiting['call']})"
             )
+    for run in report.get("joining", []):
+        name = f"run id {run['run_id']!r}" if run["run_id"] is not None else "no run id"
+        lines.append(f"  {name}: no rendezvous yet")
+        for r in run["ranks"]:
+            life = ("alive" if r["alive"] else "DEAD") if r["same_host"] else "on another host"
+            lines.append(f"    rank {r['rank']}: pid {r['pid']} on {r['host']}, {life}")
+        if run.get("waiting"):
+            lines.append(
+                f"    ranks {run['waiting']['by']} are waiting for rank 0 to start the rendezvous"
+            )
+    if report.get("error"):
+        lines.append(f"  error: {report['error']}")
     return "\n".join(lines)
 
 
@@ -281,4 +338,5 @@ def status_main(sync_dir: Path, *, as_json: bool) -> int:
         print(f"gradsync status: cannot read {where}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2) if as_json else _text(report))
-    return 1 if any(job["state"] == "unreadable" for job in report["jobs"]) else 0
+    unreadable = any(job["state"] == "unreadable" for job in report["jobs"])
+    return 1 if unreadable or report.get("error") else 0
