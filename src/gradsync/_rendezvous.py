@@ -123,8 +123,8 @@ def rendezvous(cfg: FileGradSyncConfig, closing: threading.Event | None = None) 
         PeerLostError: rank 0 died during the rendezvous.
         RendezvousError: a rank is claimed twice, or a live job with the same run id
             already uses the directory.
-        MismatchError: ranks were started with different world sizes, strategies or
-            wide_sum.
+        MismatchError: ranks were started with different world sizes or settings
+            (strategy, wide_sum, check_finite, checksums).
         SyncDirError: the sync directory cannot be created or written.
         GradSyncError: ``closing`` was set.
     """
