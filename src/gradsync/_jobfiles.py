@@ -20,9 +20,12 @@ __all__ = [
     "RDZV",
     "ROSTER",
     "dump",
+    "join_name",
+    "join_nonce",
     "leader_file",
     "load",
     "member_of",
+    "offer_name",
     "parse",
     "write_json",
 ]
@@ -38,6 +41,23 @@ GAVE_UP = "gave-up-"
 def leader_file(sync_dir: Path, gen_id: str) -> Path:
     """Rank 0's registration for generation ``gen_id``: it stays until the job is removed."""
     return sync_dir / RDZV / f"leader-{gen_id}.json"
+
+
+def join_name(rank: int, nonce: str) -> str:
+    """The name, in ``rdzv/``, of the join file rank ``rank`` registers with ``nonce``."""
+    return f"join-{rank}-{nonce}.json"
+
+
+def join_nonce(name: str) -> str | None:
+    """The nonce of a join file's ``name``; None if ``name`` is not a join file's."""
+    if not (name.startswith("join-") and name.endswith(".json")):
+        return None
+    return name[: -len(".json")].rsplit("-", 1)[-1]
+
+
+def offer_name(nonce: str) -> str:
+    """The name, in ``rdzv/``, of rank 0's answer to the join with ``nonce``."""
+    return f"offer-{nonce}.json"
 
 
 def dump(data: dict[str, Any]) -> bytes:

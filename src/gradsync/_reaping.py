@@ -20,7 +20,17 @@ import time
 from pathlib import Path
 
 from ._fsio import list_names, remove_tree, write_atomic
-from ._jobfiles import GEN_PREFIX, RDZV, ROSTER, dump, leader_file, load, member_of
+from ._jobfiles import (
+    GEN_PREFIX,
+    RDZV,
+    ROSTER,
+    dump,
+    join_nonce,
+    leader_file,
+    load,
+    member_of,
+    offer_name,
+)
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
 
 __all__ = ["members_of", "reap_stale_generations", "remove_dead_jobs", "remove_dead_joins"]
@@ -31,18 +41,20 @@ _log = logging.getLogger("gradsync")
 def remove_dead_joins(rdzv: Path) -> None:
     """Remove the join files of dead processes of this host, and offers without a join."""
     names = list_names(rdzv)
-    waiting = set()  # nonces of joins whose process may still read its offer
+    waiting = set()  # offers that the process of a join may still read
     for name in names:
-        if name.startswith("join-") and name.endswith(".json"):
-            stale = member_of(load(rdzv / name))
-            if stale is not None and stale.local_death() is not None:
-                with contextlib.suppress(OSError):
-                    (rdzv / name).unlink()
-            else:
-                waiting.add(name[:-5].rsplit("-", 1)[-1])
+        nonce = join_nonce(name)
+        if nonce is None:
+            continue
+        stale = member_of(load(rdzv / name))
+        if stale is not None and stale.local_death() is not None:
+            with contextlib.suppress(OSError):
+                (rdzv / name).unlink()
+        else:
+            waiting.add(offer_name(nonce))
     for name in names:
         # An offer names rank 0, not the joiner: it is stale once its join is gone.
-        if name.startswith("offer-") and name[6:-5] not in waiting:
+        if name.startswith("offer-") and name not in waiting:
             with contextlib.suppress(OSError):
                 (rdzv / name).unlink()
 

@@ -59,9 +59,12 @@ from ._jobfiles import (
     RDZV,
     ROSTER,
     dump,
+    join_name,
+    join_nonce,
     leader_file,
     load,
     member_of,
+    offer_name,
     write_json,
 )
 from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo
@@ -266,16 +269,14 @@ class _Leader:
 
     def _offer(self) -> None:
         for name in list_names(self.rdzv):
-            if not name.startswith("join-") or not name.endswith(".json"):
-                continue
-            nonce = name[:-5].rsplit("-", 1)[-1]
-            if nonce in self.offered:
+            nonce = join_nonce(name)
+            if nonce is None or nonce in self.offered:
                 continue
             data = load(self.rdzv / name)
             if data is None or data.get("run_id") != self.cfg.run_id:
                 continue
             offer = {"gen": self.me.nonce, "member": self.me.to_json(), "run_id": self.cfg.run_id}
-            write_json(self.rdzv / f"offer-{nonce}.json", offer, "answering a join in")
+            write_json(self.rdzv / offer_name(nonce), offer, "answering a join in")
             self.offered.add(nonce)
 
     def _collect(self) -> None:
@@ -407,7 +408,7 @@ class _Leader:
     def _tidy(self) -> None:
         """Remove this rendezvous's join/offer files and generations of dead runs."""
         for member in self.confirmed.values():
-            for name in (f"join-{member.rank}-{member.nonce}.json", f"offer-{member.nonce}.json"):
+            for name in (join_name(member.rank, member.nonce), offer_name(member.nonce)):
                 with contextlib.suppress(OSError):
                     (self.rdzv / name).unlink()
         remove_dead_joins(self.rdzv)
@@ -417,8 +418,8 @@ def _join(
     cfg: FileGradSyncConfig, me: MemberInfo, closing: threading.Event | None = None
 ) -> Generation:
     rdzv = cfg.sync_dir / RDZV
-    join = rdzv / f"join-{cfg.rank}-{me.nonce}.json"
-    offer_path = rdzv / f"offer-{me.nonce}.json"
+    join = rdzv / join_name(cfg.rank, me.nonce)
+    offer_path = rdzv / offer_name(me.nonce)
     write_json(
         join,
         {"member": me.to_json(), "world_size": cfg.world_size, "run_id": cfg.run_id},

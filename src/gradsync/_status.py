@@ -13,7 +13,17 @@ from typing import Any
 from ._errors import CorruptFileError, note_reason, parse_note
 from ._format import HEADER_READ_BYTES, decode_header, header_length
 from ._fsio import open_regular, read_small
-from ._jobfiles import ABORT, GEN_PREFIX, RDZV, ROSTER, leader_file, load, member_of
+from ._jobfiles import (
+    ABORT,
+    GEN_PREFIX,
+    RDZV,
+    ROSTER,
+    join_nonce,
+    leader_file,
+    load,
+    member_of,
+    offer_name,
+)
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
 from ._protocol import data_name
 
@@ -214,10 +224,9 @@ def _joins_without_rank_0(sync_dir: Path, jobs: list[dict[str, Any]]) -> list[di
     names = set(_names(rdzv))
     runs: dict[str | None, dict[str, Any]] = {}
     for name in sorted(names):
-        if not (name.startswith("join-") and name.endswith(".json")):
-            continue
-        if f"offer-{name[:-5].rsplit('-', 1)[-1]}.json" in names:
-            continue  # answered: that rank is joining a generation listed above
+        nonce = join_nonce(name)
+        if nonce is None or offer_name(nonce) in names:
+            continue  # not a join, or answered: that rank is joining a generation above
         data = load(rdzv / name)
         member = member_of(data)
         if data is None or member is None:
