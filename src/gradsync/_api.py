@@ -298,9 +298,8 @@ class GradSync:
             if not self.cfg.enabled:
                 # One rank: nothing to average, but check_finite still stops a step with
                 # NaN/Inf, as it would with peers (a job debugged alone sees the same).
-                bad = nonfinite_params(arrays) if self.cfg.check_finite else []
-                if bad:
-                    raise nonfinite_error([(self.cfg.rank, i) for i in bad], step, None)
+                if self.cfg.check_finite:
+                    self._check_finite_alone(arrays, step)
                 nbytes = sum(a.nbytes for a in arrays)
                 return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
         return self._started().step(grads, step, deliver)
@@ -325,6 +324,13 @@ class GradSync:
                     )
             raise
 
+    def _check_finite_alone(self, arrays: Sequence[np.ndarray], step: int) -> None:
+        """Raise the NonFiniteGradError peers would for NaN/Inf in this lone rank's
+        ``arrays``."""
+        bad = nonfinite_params(arrays)
+        if bad:
+            raise nonfinite_error([(self.cfg.rank, i) for i in bad], step, None)
+
     def _average_device(
         self, buffers: Sequence[Any], device: Any, dtype: Any, step: int
     ) -> StepStats:
@@ -348,10 +354,7 @@ class GradSync:
                 if self.cfg.check_finite:
                     # Except to look for NaN/Inf, which stop the step as they would with
                     # peers (and as _average_host does for arrays).
-                    host = bridge._download(buffers, dtypes, None)
-                    bad = nonfinite_params(host)
-                    if bad:
-                        raise nonfinite_error([(self.cfg.rank, i) for i in bad], step, None)
+                    self._check_finite_alone(bridge._download(buffers, dtypes, None), step)
                 nbytes = sum(int(b.size) for b in buffers)
                 return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
             bridge._check_upload_target(buffers)  # before the step, which the peers join
