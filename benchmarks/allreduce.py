@@ -26,7 +26,9 @@ result fails the check); only the averaging call is timed. A row's step time is 
 *slowest rank's* time per step (max over ranks), summarised by median and p90 over steps.
 Peak RSS (``VmHWM``, reset per workload through ``/proc/self/clear_refs``) is reported
 minus the RSS once the gradients are allocated and written ("extra RSS": what the peer
-needs beyond the gradients it is handed); PSS likewise, after the timed steps.
+needs beyond the gradients it is handed); PSS likewise, after the timed steps. gradsync
+opens a new session for every workload, so no earlier workload's mappings are counted
+in the baseline.
 
 This machine's speed drifts by tens of percent within a minute, and peers run one after
 another: ``--rounds N`` runs every peer N times per W, interleaved, and reports per row
@@ -218,6 +220,7 @@ class GradSyncPeer:
             threads=spec.get("threads"),
             wide_sum=spec.get("wide_sum", False),
         )
+        self._cfg = cfg
         self.sync = GradSync(cfg)
         self._barrier = barrier
         self.grads: list[np.ndarray] = []
@@ -243,6 +246,11 @@ class GradSyncPeer:
 
     def release(self) -> None:
         self.grads = []
+        # A new session per workload: the last one's mappings, still resident in a kept
+        # session, would be in the next workload's RSS baseline (and, when unmapped for
+        # new sizes, make its extra RSS come out near zero or negative).
+        self.sync.close()
+        self.sync = GradSync(self._cfg)
 
     def close(self) -> None:
         self.sync.close()
@@ -518,8 +526,8 @@ def run_workload(
     pss_end = pss_bytes()  # mappings are still held: the steady state of a training loop
     full_err = _check_full(grads, world, step - 1) if rank == 0 else None
     digest = _digest(grads)
+    del grads, scaled  # before release: buffers_like arrays are views of the session's file
     peer.release()
-    del grads, scaled
     return {
         "times": times,
         "phases": phases,
