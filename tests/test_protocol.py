@@ -563,7 +563,8 @@ def test_bad_input_in_a_first_call_fails_the_peers_fast(
     # The bad rank has not met its peers yet: it meets them to tell them, then raises.
     results = run_ranks(workers.bad_first_call, 2, (2, str(tmp_path), how))
     assert results[1].error_type == error_type
-    assert results[1].message == message
+    # Its own error names the step of the call (buffers_like has none); its peers' does too.
+    assert results[1].message == (f"step 0: {message}" if how == "average" else message)
     assert results[0].error_type == "PeerAbortedError", results[0].message
     assert re.fullmatch(
         rf"step 0: rank 1 \(pid \d+ on \S+\) gave up on this step: {re.escape(message)}",
@@ -769,10 +770,13 @@ def test_empty_grads_list(tmp_path: Path) -> None:
     with (
         gradsync.GradSync(gradsync.FileGradSyncConfig(2, 0, tmp_path)) as gs,
         pytest.raises(
-            gradsync.InvalidGradsError, match=r"^grads is empty: pass at least one gradient array$"
-        ),
+            gradsync.InvalidGradsError,
+            match=r"^step 3: grads is empty: pass at least one gradient array$",
+        ) as info,
     ):
-        gs.average([])
+        gs.average([], step=3)
+    # A rank's own input error names its call's step and itself, as its peers' does.
+    assert (info.value.step, info.value.ranks) == (3, (0,))
 
 
 # -- 8. what a step accepts -------------------------------------------------------------

@@ -496,7 +496,7 @@ def test_average_checks_copy_dst_before_its_step(device: Any, tmp_path: Path) ->
     with gradsync.GradSync(cfg) as gs:
         with pytest.raises(
             InvalidGradsError,
-            match=r"^param 0 \(label 'g'\): buffer usage lacks COPY_DST; create it with "
+            match=r"^step 0: param 0 \(label 'g'\): buffer usage lacks COPY_DST; create it with "
             r"usage=\.\.\. \| wgpu\.BufferUsage\.COPY_DST$",
         ):
             gs.average([no_dst], device=device)
@@ -748,28 +748,32 @@ def test_destroyed_buffer(device: Any, bridge: WgpuBridge) -> None:
 @pytest.mark.parametrize(
     ("grads", "where", "message"),
     [
-        ("array", "grads", r"^param 0 is a ndarray, not a wgpu GPUBuffer \(numpy arrays are "),
-        ("none", "grads", r"^param 1 is a NoneType, not a wgpu GPUBuffer "),
+        (
+            "array",
+            "grads",
+            r"^step 0: param 0 is a ndarray, not a wgpu GPUBuffer \(numpy arrays are ",
+        ),
+        ("none", "grads", r"^step 0: param 1 is a NoneType, not a wgpu GPUBuffer "),
         (
             "no device",
             "device",
-            r"^param 0 is a wgpu GPUBuffer, not a numpy array: GPU buffers are averaged with "
-            r"device=<the GPUDevice that owns them>$",
+            r"^step 0: param 0 is a wgpu GPUBuffer, not a numpy array: GPU buffers are averaged "
+            r"with device=<the GPUDevice that owns them>$",
         ),
         (
             "generator",
             "grads",
-            r"^grads must be a list or tuple of wgpu GPUBuffers, got generator$",
+            r"^step 0: grads must be a list or tuple of wgpu GPUBuffers, got generator$",
         ),
         (
             "one buffer",
             "grads",
-            r"^grads must be a list or tuple of wgpu GPUBuffers, got GPUBuffer$",
+            r"^step 0: grads must be a list or tuple of wgpu GPUBuffers, got GPUBuffer$",
         ),
         (
             "list",
             "device",
-            r"^device must be a wgpu GPUDevice \(or None for numpy arrays\), got str$",
+            r"^step 0: device must be a wgpu GPUDevice \(or None for numpy arrays\), got str$",
         ),
     ],
 )
@@ -809,7 +813,10 @@ def test_one_rank_refuses_an_empty_buffer_list_as_more_ranks_would(
     device: Any, tmp_path: Path
 ) -> None:
     cfg = gradsync.FileGradSyncConfig(1, 0, tmp_path)
-    with gradsync.GradSync(cfg) as gs, pytest.raises(InvalidGradsError, match=r"^grads is empty"):
+    with (
+        gradsync.GradSync(cfg) as gs,
+        pytest.raises(InvalidGradsError, match=r"^step 0: grads is empty"),
+    ):
         gs.average([], device=device)
 
 
@@ -1212,7 +1219,7 @@ def test_a_bad_buffer_after_the_first_call_fails_the_peers_fast(tmp_path: Path) 
         pytest.skip(reason)
     outs = _run_rank_scripts(tmp_path, _BAD_BUFFER_WORKER, 2, [])
     assert outs[1].read_text() == (
-        "InvalidGradsError: param 1 (label 'w1'): buffer has been destroyed (0 s)"
+        "InvalidGradsError: step 1: param 1 (label 'w1'): buffer has been destroyed (0 s)"
     )
     assert re.fullmatch(
         r"PeerAbortedError: step 1: rank 1 \(pid \d+ on \S+\) gave up on this step: "

@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from ._buffers import SharedBuffers
 from ._config import FileGradSyncConfig
-from ._errors import ConfigError, GradSyncError, InvalidGradsError
+from ._errors import ConfigError, GradSyncError, InvalidGradsError, name_the_step
 from ._format import Layout
 from ._peers import nonfinite_error
 from ._protocol import Deliver, StepEngine, nonfinite_params, validate_grads
@@ -167,6 +167,9 @@ class GradSync:
             except BaseException as exc:
                 if self._session.gen is not None or isinstance(exc, GradSyncError):
                     self._fail(exc)
+                if isinstance(exc, GradSyncError):
+                    # After the peers were told: their message names the step already.
+                    name_the_step(exc, step, self.cfg.rank)
                 raise
             self.last_stats = stats
             return stats

@@ -150,6 +150,21 @@ class WgpuBridgeError(GradSyncError, RuntimeError):
     """
 
 
+def name_the_step(exc: GradSyncError, step: int, rank: int) -> None:
+    """Name ``step`` and ``rank`` in a rank's own error about its gradients (bad input,
+    a failed GPU copy) raised without them: sets ``step``, ``ranks`` if empty, and
+    prefixes ``step <step>: `` to the message. In place, so the traceback and the error
+    kept as the session's failure stay the same object. Other errors are left as they
+    are (a rendezvous failure concerns the job, not a step)."""
+    if exc.step is not None or not isinstance(exc, InvalidGradsError | WgpuBridgeError):
+        return
+    exc.step = step
+    exc.ranks = exc.ranks or (rank,)
+    if not exc.message.startswith(f"step {step}: "):
+        exc.message = f"step {step}: {exc.message}"
+        exc.args = (exc.message, *exc.args[1:])
+
+
 def error_note(exc: BaseException) -> dict[str, object]:
     """What a rank tells its peers when it gives up: the error's type, message and ranks."""
     if isinstance(exc, GradSyncError):
