@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from gradsync import _launch
 from gradsync._cli import main
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -338,6 +339,35 @@ def test_the_group_of_a_rank_long_gone_is_never_signalled(
     out = capsys.readouterr().out
     pid = int(out.split("[rank 1] PID ")[1].split()[0])
     assert [s for p, s in sent if p == pid and s != 0] == []
+
+
+def test_a_rank_that_failed_on_its_own_as_stopping_began_is_not_called_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Rank 1 fails at once, but its exit reaches the launcher's loop only after rank 0's
+    # (the order in which two exits of one moment are queued): by then it has exited,
+    # so the summary must not say that the launcher stopped it.
+    script = tmp_path / "both_fail.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.exit(4)\n"
+        "time.sleep(0.5)\n"
+        "sys.exit(3)\n"
+    )
+    real_wait = _launch._Job._wait
+
+    def late_news_of_rank_1(self: Any, index: int, proc: subprocess.Popen[bytes]) -> None:
+        if index == 1:
+            proc.wait()
+            time.sleep(1.5)
+        real_wait(self, index, proc)
+
+    monkeypatch.setattr(_launch._Job, "_wait", late_news_of_rank_1)
+    assert main(["launch", "--nproc", "2", "--grace-period-s", "5", str(script)]) == 3
+    err = capsys.readouterr().err
+    assert "gradsync launch: rank 0 failed first: exit code 3" in err
+    assert "gradsync launch: other ranks: rank 1: exit code 4\n" in err
 
 
 # ---------------------------------------------------------------------------- signals

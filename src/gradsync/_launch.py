@@ -509,7 +509,9 @@ class _Job:
             signals_seen = len(self._signals.received)
             kill_at = time.monotonic() + self._grace_period_s
             for info in self.ranks:
-                info.stopped = info.returncode is None
+                # proc.returncode too: a rank that exited on its own a moment ago has
+                # been reaped by its waiter thread, though its exit is still queued.
+                info.stopped = info.returncode is None and info.proc.returncode is None
             names = ", ".join(str(i.rank) for i in self.ranks if i.stopped) or "none"
             logger.warning(
                 "%s; stopping ranks (still running: %s) with SIGTERM, SIGKILL after %g s",
