@@ -185,20 +185,21 @@ def place_marker(path: Path, reuse: str | None) -> None:
 def _writev_all(fd: int, chunks: Sequence[bytes | memoryview], offset: int | None = None) -> int:
     views = [memoryview(c).cast("B") for c in chunks if len(c)]
     total = 0
-    while views:
-        batch = views[:_IOV_BATCH]
+    first = 0  # views[first:] are still to be written
+    while first < len(views):
+        batch = views[first : first + _IOV_BATCH]
         n = os.writev(fd, batch) if offset is None else os.pwritev(fd, batch, offset + total)
         total += n
-        # A short write leaves the rest of the batch to go again.
-        while n:
-            head = batch[0]
-            if n >= len(head):
-                n -= len(head)
-                batch.pop(0)
-                views.pop(0)
-            else:
-                views[0] = head[n:]
-                n = 0
+        # Skip what was written; a short write leaves the rest of the batch to go again.
+        # (An index, not views.pop(0): that moves the whole list, so a gradient of a
+        # hundred thousand params took seconds to write.)
+        for view in batch:
+            if n < len(view):
+                if n:
+                    views[first] = view[n:]
+                break
+            n -= len(view)
+            first += 1
     return total
 
 
