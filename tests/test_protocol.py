@@ -9,6 +9,8 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +18,8 @@ import pytest
 import gradsync
 import workers
 from gradsync._liveness import MemberInfo
-from gradsync._protocol import validate_grads
+from gradsync._plan import Group, Plan
+from gradsync._protocol import StepEngine, validate_grads
 from gradsync._rendezvous import _Leader
 from ranks import run_ranks
 
@@ -37,6 +40,47 @@ def expected(
 def assert_ok(results: dict[int, object]) -> None:
     bad = {r: o for r, o in results.items() if not o.ok}  # type: ignore[attr-defined]
     assert not bad, "\n".join(f"rank {r}: {o.message}\n{o.value}" for r, o in bad.items())  # type: ignore[attr-defined]
+
+
+def test_reducing_from_many_small_params_looks_at_each_piece_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank reduces its own shard from its arrays chunk by chunk; each chunk must look
+    only at the params it covers. Slicing the rest of the params' pieces off for every
+    chunk made a step O(chunks x params): 143 ms more a step at 200,000 params in 512 MiB."""
+    looked = 0
+
+    class Counted(tuple[Any, ...]):
+        def __getitem__(self, key: Any) -> Any:
+            nonlocal looked
+            item = super().__getitem__(key)
+            looked += len(item) if isinstance(key, slice) else 1
+            return item
+
+    real = Group.segments
+    monkeypatch.setattr(Group, "segments", lambda g, lo, hi: Counted(real(g, lo, hi)))
+    params, size, chunk = 3000, 7, 64
+    plan = Plan.build(tuple(("<f4", (size,)) for _ in range(params)), 2, False)
+    flats = [np.arange(i * size, (i + 1) * size, dtype=np.float32) for i in range(params)]
+    group = plan.groups[0]
+    lo, hi = group.shards[0]
+    own = StepEngine._fetcher(
+        SimpleNamespace(rank=0),  # type: ignore[arg-type]
+        group,
+        0,
+        lo,
+        hi,
+        flats,
+        {},
+        0,
+        True,
+    )
+    buf = np.empty(chunk, np.float32)
+    starts = range(0, hi - lo, chunk)
+    got = np.concatenate([own(a, min(a + chunk, hi - lo), buf).copy() for a in starts])
+    np.testing.assert_array_equal(got, np.arange(lo, hi, dtype=np.float32))
+    pieces = len(real(group, lo, hi))
+    assert looked <= 2 * (pieces + len(starts)), (looked, pieces, len(starts))
 
 
 # -- 1. the mean, bit-identical on every rank, whatever the order and strategy -----------

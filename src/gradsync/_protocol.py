@@ -659,7 +659,10 @@ class StepEngine:
             def own(start: int, stop: int, buf: np.ndarray) -> np.ndarray:
                 first = max(bisect.bisect_right(starts, start) - 1, 0)
                 pieces = []
-                for seg in segments[first:]:
+                # By index: a slice segments[first:] would copy the rest of the tuple for
+                # every chunk, O(chunks x params) a step.
+                for i in range(first, len(segments)):
+                    seg = segments[i]
                     if seg.at >= stop:
                         break
                     if seg.at + seg.stop - seg.start > start:
