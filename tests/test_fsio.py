@@ -624,21 +624,17 @@ def test_write_in_place_failure_midway_propagates(tmp_path: Path) -> None:
     assert target.read_bytes() == b"x" * 100
 
 
-def test_write_in_place_of_many_chunks_takes_time_linear_in_their_number(
-    tmp_path: Path,
-) -> None:
-    """A step without mmap (a shared filesystem) writes a chunk per param: 400,000 chunks
-    take well under a second; removing each written chunk from the front of the list
-    made it quadratic (200,000 chunks 2.3 s, 400,000 about 10 s on the 2-core machine)."""
+def test_write_in_place_of_a_chunk_per_param_of_a_large_model(tmp_path: Path) -> None:
+    """A step without mmap (a shared filesystem) writes a chunk per param. (Removing each
+    written chunk from the front of the list made this quadratic: 400,000 chunks took
+    about 10 s on the 2-core machine, 0.5 s now; speed is the benchmarks' business, not
+    an assertion here.)"""
     count = 400_000
     data = np.arange(count, dtype=np.uint32).astype(np.uint8)
     chunks = [memoryview(data[i : i + 1]) for i in range(count)]
     target = tmp_path / "out"
-    start = time.perf_counter()
     assert write_in_place(target, chunks) == count
-    elapsed = time.perf_counter() - start
     assert target.read_bytes() == data.tobytes()
-    assert elapsed < 3.0, f"writing {count} one-byte chunks took {elapsed:.1f} s"
 
 
 # --- markers --------------------------------------------------------------------------------
