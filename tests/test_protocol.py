@@ -659,12 +659,23 @@ def test_markers_are_moved_from_call_to_call(
     assert_ok(results)
     per_rank = [results[r].value[2] for r in range(2)]
     for r in range(2):
-        names, most_dirs, _ = results[r].value
+        names, most_dirs, _, _ = results[r].value
         assert names == [n.format(r=r) for n in created]
         assert most_dirs <= 3
     for step, kind in enumerate(plans):
         for r in range(2):
             assert per_rank[r][step] == expected(2, step, big=kind == "b")
+
+
+def test_alternating_layouts_build_each_plan_once(tmp_path: Path) -> None:
+    # Two models averaged in turn (a GAN's, say): a plan per layout, not one per call.
+    plans = "bsbsbsbs"
+    results = run_ranks(workers.marker_creates, 2, (2, str(tmp_path), plans))
+    assert_ok(results)
+    for r in range(2):
+        assert results[r].value[3] == 2
+        for step, kind in enumerate(plans):
+            assert results[r].value[2][step] == expected(2, step, big=kind == "b")
 
 
 def test_a_layout_change_never_overwrites_a_file_still_being_read(tmp_path: Path) -> None:

@@ -534,17 +534,25 @@ def count_step_dirs(rank: int, world: int, sync_dir: str, steps: int) -> Any:
 def marker_creates(rank: int, world: int, sync_dir: str, plans: str) -> Any:
     """Average one call per letter of ``plans`` (s: small, replicated; b: big, sharded);
     report how many markers were created rather than moved, the most step dirs seen,
-    and each call's result as bytes."""
+    each call's result as bytes, and how many plans were built."""
     from gradsync import _fsio  # noqa: PLC0415
+    from gradsync._plan import Plan  # noqa: PLC0415
 
     created: list[str] = []
     original = _fsio.create_marker
+    build = Plan.build.__func__  # type: ignore[attr-defined]
+    built: list[int] = []
 
     def create(path: Path) -> None:
         created.append(path.name)
         original(path)
 
+    def counted_build(cls: type[Plan], *args: Any, **kwargs: Any) -> Plan:
+        built.append(1)
+        return build(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
     _fsio.create_marker = create  # type: ignore[assignment]
+    Plan.build = classmethod(counted_build)  # type: ignore[method-assign,assignment]
     most_dirs = 0
     results = []
     with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
@@ -553,7 +561,7 @@ def marker_creates(rank: int, world: int, sync_dir: str, plans: str) -> Any:
             gs.average(grads, step=step)
             results.append([g.tobytes() for g in grads])
             most_dirs = max(most_dirs, _step_dirs(Path(gs.generation_dir or "")))
-    return created, most_dirs, results
+    return created, most_dirs, results, len(built)
 
 
 def late_reader_across_plans(rank: int, world: int, sync_dir: str) -> Any:

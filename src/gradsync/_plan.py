@@ -10,6 +10,7 @@ layout alone, so every rank computes the same plan without talking.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,9 +89,8 @@ class Plan:
                 order.append(name)
                 members[name] = []
             members[name].append(index)
-        total = sum(
-            int(np.prod(shape, dtype=np.int64)) * np.dtype(name).itemsize for name, shape in layout
-        )
+        # math.prod, not np.prod: a numpy call per param was most of a plan's cost.
+        total = sum(math.prod(shape) * np.dtype(name).itemsize for name, shape in layout)
         replicate = not root_only and total < replicate_below
         groups: list[Group] = []
         in_offset = 0
@@ -100,7 +100,7 @@ class Plan:
             params: list[tuple[int, int, int]] = []
             size = 0
             for index in members[dtype_str]:
-                count = int(np.prod(layout[index][1], dtype=np.int64))
+                count = math.prod(layout[index][1])
                 params.append((index, size, count))
                 size += count
             if replicate:
