@@ -615,6 +615,17 @@ def test_layout_found_without_a_key_for_the_same_set(device: Any, bridge: WgpuBr
 
 
 @pytest.mark.wgpu
+def test_layout_tells_buffers_apart_by_identity(bridge: WgpuBridge) -> None:
+    # Of a buffer the layout reads only its size: GPUBuffer.uid is wgpu-py >= 0.30.
+    a, b = _FakeBuf(16), _FakeBuf(16)
+    f32 = np.dtype(np.float32)
+    layout = bridge._get_layout([a, b], [f32, f32])
+    assert layout.host_layout == (("<f4", (4,)), ("<f4", (4,)))
+    assert bridge._get_layout((a, b), [f32, f32]) is layout
+    assert bridge._get_layout([b, a], [f32, f32]) is not layout
+
+
+@pytest.mark.wgpu
 def test_staging_splits_at_max_buffer_size(device: Any) -> None:
     small = device.adapter.request_device_sync(required_limits={"max-buffer-size": 256})
     with WgpuBridge(small) as bridge:

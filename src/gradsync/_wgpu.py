@@ -465,9 +465,9 @@ class WgpuBridge:
         # (a few us a buffer with hundreds of them).
         if layout is not None and dtypes is layout.dtypes and layout.buffers == tuple(buffers):
             return layout
-        key = tuple(
-            (int(b.uid), int(b.size), dt.str) for b, dt in zip(buffers, dtypes, strict=True)
-        )
+        # id(): the layout keeps its buffers alive (layout.buffers), so no id in its key
+        # can belong to another buffer meanwhile. (GPUBuffer.uid is wgpu-py >= 0.30.)
+        key = tuple((id(b), int(b.size), dt.str) for b, dt in zip(buffers, dtypes, strict=True))
         if layout is not None and layout.key == key:
             layout.buffers, layout.dtypes = tuple(buffers), dtypes
             return layout
