@@ -142,13 +142,14 @@ def _wait(promise: Any, device: Any, spin_s: float) -> None:
     so the spin is bounded, and off (``spin_s`` 0) on CPU adapters, whose "GPU" work
     runs on the cores it would take (lavapipe, 2 processes on 2 cores: p90 1.6 ms).
     ``device._poll`` and ``promise._state`` are wgpu-py's internals: without them
-    this is a plain wait.
+    this is a plain wait. ``_poll()`` does not block: wgpu-py 0.27-0.28 take no
+    argument, 0.29 on a ``block`` that defaults to False.
     """
     poll = getattr(device, "_poll", None)
     if spin_s > 0 and poll is not None and getattr(promise, "_state", None) == "pending":
         deadline = time.perf_counter() + spin_s
         while promise._state == "pending" and time.perf_counter() < deadline:
-            poll(False)
+            poll()
     promise.sync_wait()
 
 
