@@ -88,8 +88,8 @@ def _writable_mapping(buf: Any, nbytes: int) -> npt.NDArray[np.uint8] | None:
     wgpu-py's public ``write_mapped`` copies from a host array on one thread: staging
     the mean there first costs a second pass over it (on the H200 at 256 MiB, W=2, the
     upload took 43 ms that way, 17 ms straight into the mapping). Its
-    ``_experimental_get_mapped_range`` (wgpu-py 0.32) is the only writable view of a
-    mapping; without it (another wgpu-py) this returns None.
+    ``_experimental_get_mapped_range`` (wgpu-py 0.19 to 0.32 at least) is the only
+    writable view of a mapping; without it (a later wgpu-py) this returns None.
     """
     get = getattr(buf, "_experimental_get_mapped_range", None)
     if get is None:
