@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from gradsync import CorruptFileError
+from gradsync import CorruptFileError, _format
 from gradsync._format import (
     _CRC,
     _FIXED,
@@ -306,6 +306,35 @@ def test_encoded_meta_is_the_dict_as_json(
         header = decode_header(encode_header(**{**fields, "meta": raw}), PATH)
         assert header.meta == expected
         assert header.layout() == tuple((d, tuple(s)) for d, s in layout)
+        unparsed = decode_header(encode_header(**{**fields, "meta": raw}), PATH, parse_meta=False)
+        assert unparsed.crc(PATH) == header.crc(PATH) == (crc or "")
+
+
+def test_the_crc_is_read_without_parsing_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A checksummed peer file's CRCs are read every step: parsing a layout of many
+    # params to get them cost 70 ms a peer a step at 100,000 params.
+    layout = tuple(("<f4", (3, i)) for i in range(10_000))
+    raw = encode_meta(layout_json(layout), [5, 7], "0123abcd" * 3)
+    header = decode_header(encode_header(**sample_fields(meta=raw)), PATH, parse_meta=False)
+
+    def no_parsing(meta_bytes: bytes, path: str) -> Any:
+        raise AssertionError("parsed the whole meta")
+
+    monkeypatch.setattr(_format, "_parse_meta", no_parsing)
+    assert header.crc(PATH) == "0123abcd" * 3
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [b'{"crc":"0123abc"}', b'{"crc":"0123abcX"}', b'{"crc":"0123abcd","x":"0123abcd"}'],
+)
+def test_a_crc_that_is_not_where_gradsync_writes_it_is_checked_whole(meta: bytes) -> None:
+    header = decode_header(raw_header(meta), PATH, parse_meta=False)
+    if meta.endswith(b'"x":"0123abcd"}'):
+        assert header.crc(PATH) == "0123abcd"  # another key last: parsed whole, valid
+        return
+    with corrupt(f"{PATH} has a malformed header meta"):
+        header.crc(PATH)
 
 
 # --- exact error messages -------------------------------------------------------------------

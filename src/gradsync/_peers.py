@@ -260,7 +260,7 @@ class PeerFiles:
             header = decode_header(head, str(path), parse_meta=False)
             size = reader.size
             if header.flags & FLAG_CHECKSUMS and rank != self.rank:  # trusts its own writes
-                crc = header.full_meta(str(path)).get("crc", "")
+                crc = header.crc(str(path))
                 reader.expect_crcs(crc, header.payload_offset, header.payload_len)
         except CorruptFileError as exc:
             reader.close()
