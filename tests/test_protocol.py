@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ import workers
 from gradsync._liveness import MemberInfo
 from gradsync._plan import Group, Plan
 from gradsync._protocol import StepEngine, validate_grads
-from gradsync._rendezvous import _Leader
+from gradsync._rendezvous import _Leader, _settings
 from ranks import run_ranks
 
 
@@ -498,6 +499,39 @@ def test_member_without_settings_is_refused(
     assert info.value.path == str(tmp_path)
     settings = {"strategy": "sharded", "wide_sum": False, "check_finite": False}
     leader._check_agreement(joiner, {"world_size": 2, "settings": {**settings, "checksums": False}})
+
+
+def test_rank_0_reads_each_confirmation_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 0 looks for confirmations until every rank has one; reading the ones it has
+    # again on every look cost ~800 file reads to form a 16-rank job.
+    from gradsync import _rendezvous  # noqa: PLC0415
+
+    cfg = gradsync.FileGradSyncConfig(4, 0, tmp_path)
+    leader = _Leader(cfg, MemberInfo.for_self(0, "0" * 16))
+    leader.gen_path.mkdir()
+
+    def confirm(rank: int) -> None:
+        member = MemberInfo.for_self(rank, str(rank) * 16)
+        data = {"member": member.to_json(), "world_size": 4, "settings": _settings(cfg)}
+        (leader.gen_path / f"member-{rank}-{member.nonce}.json").write_text(json.dumps(data))
+
+    real_load = _rendezvous.load
+    loaded: list[str] = []
+
+    def counted(path: Path) -> Any:
+        loaded.append(path.name)
+        return real_load(path)
+
+    monkeypatch.setattr(_rendezvous, "load", counted)
+    confirm(1)
+    leader._collect()
+    confirm(2)
+    leader._collect()
+    leader._collect()
+    assert sorted(leader.confirmed) == [1, 2]
+    assert loaded == [f"member-1-{'1' * 16}.json", f"member-2-{'2' * 16}.json"]
 
 
 def test_two_processes_claiming_one_rank(tmp_path: Path) -> None:

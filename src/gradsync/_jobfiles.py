@@ -24,6 +24,7 @@ __all__ = [
     "join_nonce",
     "leader_file",
     "load",
+    "member_name",
     "member_of",
     "offer_name",
     "parse",
@@ -53,6 +54,12 @@ def join_nonce(name: str) -> str | None:
     if not (name.startswith("join-") and name.endswith(".json")):
         return None
     return name[: -len(".json")].rsplit("-", 1)[-1]
+
+
+def member_name(rank: int, nonce: str) -> str:
+    """The name, in a generation's directory, of rank ``rank``'s confirmation of its place
+    (its process's ``nonce``)."""
+    return f"member-{rank}-{nonce}.json"
 
 
 def offer_name(nonce: str) -> str:

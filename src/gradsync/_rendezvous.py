@@ -63,6 +63,7 @@ from ._jobfiles import (
     join_nonce,
     leader_file,
     load,
+    member_name,
     member_of,
     offer_name,
     write_json,
@@ -281,10 +282,13 @@ class _Leader:
 
     def _collect(self) -> None:
         cfg = self.cfg
+        # A confirmation does not change once written: read each only once (at 16 ranks
+        # rank 0 opened ~800 files to form a job, each a round trip on a shared FS).
+        seen = {member_name(m.rank, m.nonce) for m in self.confirmed.values()}
         for name in list_names(self.gen_path):
             if name.startswith(GAVE_UP):
                 self._raise_gave_up(self.gen_path / name)
-            if not name.startswith("member-") or not name.endswith(".json"):
+            if name in seen or not name.startswith("member-") or not name.endswith(".json"):
                 continue
             data = load(self.gen_path / name)
             member = member_of(data)
@@ -302,7 +306,7 @@ class _Leader:
             if known is not None and known.local_death() is not None:
                 del self.confirmed[member.rank]
                 with contextlib.suppress(OSError):
-                    (self.gen_path / f"member-{known.rank}-{known.nonce}.json").unlink()
+                    (self.gen_path / member_name(known.rank, known.nonce)).unlink()
                 known = None
             self._check_agreement(member, data)
             if not 0 < member.rank < cfg.world_size:
@@ -448,7 +452,7 @@ def _join(
                         heartbeat = Heartbeat(gen_path / f"hb-{me.nonce}", cfg.heartbeat_interval_s)
                         try:
                             write_json(
-                                gen_path / f"member-{cfg.rank}-{me.nonce}.json",
+                                gen_path / member_name(cfg.rank, me.nonce),
                                 {
                                     "member": me.to_json(),
                                     "world_size": cfg.world_size,
