@@ -592,6 +592,20 @@ def test_a_layout_past_the_header_limits_is_refused_before_publishing(
         assert (results[r].error_type, results[r].message) == ("InvalidGradsError", message)
 
 
+def test_buffers_for_a_layout_near_the_header_limit_without_check_finite(
+    tmp_path: Path,
+) -> None:
+    # buffers_like sizes the header for every param flagged non-finite, a list only
+    # check_finite writes: without it, a layout whose header fits was refused.
+    results = run_ranks(workers.buffers_near_the_header_limit, 2, (2, str(tmp_path)))
+    assert_ok(results)
+    for step in range(2):
+        want = b"".join(
+            np.full(512, (0 + 1) / 2 + step + i, np.float32).tobytes() for i in range(150)
+        )
+        assert results[0].value[step] == results[1].value[step] == want
+
+
 def test_bad_input_on_one_rank_fails_the_peers_fast(tmp_path: Path) -> None:
     results = run_ranks(workers.bad_input, 2, (2, str(tmp_path)))
     assert results[1].error_type == "InvalidGradsError"

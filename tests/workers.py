@@ -170,6 +170,25 @@ def over_header_limits(rank: int, world: int, sync_dir: str, limit: str) -> Any:
         gs.average([np.ones(3), np.ones(2), np.ones(1)], step=1)
 
 
+def buffers_near_the_header_limit(rank: int, world: int, sync_dir: str) -> Any:
+    """``buffers_like`` arrays for 150 params whose header fits the (lowered) limit only
+    without a list of non-finite params, averaged twice; returns the results as bytes."""
+    from gradsync import _format, _protocol  # noqa: PLC0415
+
+    layout = tuple(("<f4", (512,)) for _ in range(150))
+    fits = len(_format.encode_meta(_format.layout_json(layout)))
+    _protocol.MAX_META = fits + 10  # type: ignore[attr-defined]
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        grads = gs.buffers_like([np.empty(512, np.float32) for _ in layout])
+        results = []
+        for step in range(2):
+            for i, g in enumerate(grads):
+                g[...] = rank + step + i
+            gs.average(grads, step=step)
+            results.append(b"".join(g.tobytes() for g in grads))
+        return results
+
+
 def fill_disk(directory: str) -> None:
     """Fill the filesystem of ``directory`` to the last byte (a filler file)."""
     with (

@@ -523,9 +523,12 @@ class StepEngine:
         plan = self._plan_for(layout)
         if not (self._transport.mapped and _one_slot(plan)):
             return [np.zeros(shape, dtype=np.dtype(dtype)) for dtype, shape in layout]
-        # Sized for the longest header this layout can have: every param non-finite.
+        # Sized for the longest header this layout can have: every param non-finite
+        # (listed only with check_finite: without it a layout near the header's limit
+        # would be refused for a list it never has).
         crc = crc_placeholder(plan.in_len) if self.cfg.checksums else None
-        worst = self._header(KIND_INPUT, 0, plan, plan.in_len, range(len(layout)), crc)
+        flagged = range(len(layout)) if self.cfg.check_finite else ()
+        worst = self._header(KIND_INPUT, 0, plan, plan.in_len, flagged, crc)
         self._shared_serial += 1
         path = self.gen.path / f"d-{self.rank}-b{self._shared_serial}.in"
         old = self._shared
