@@ -100,19 +100,22 @@ class Workers:
             raise first
 
     def copy(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
-        """``np.copyto(dst, src)`` for every pair of equal-size 1-D arrays.
+        """``np.copyto(dst, src)`` for every pair of equal-size 1-D arrays of one dtype.
 
         Arrays of ``SMALL_COPY_BYTES`` or more are dealt to the threads in contiguous
         pieces of about equal bytes; smaller ones are all copied by the calling thread
         (a hundred small copies on eight threads queue for the GIL: measured slower
         than one thread on 16 cores).
         """
+        if self.threads <= 1:  # nothing to deal out (a thousand params: ~0.1 ms a step)
+            _copier(pairs)()
+            return
         small = [(d, s) for d, s in pairs if d.nbytes < SMALL_COPY_BYTES]
         large = [(d, s) for d, s in pairs if d.nbytes >= SMALL_COPY_BYTES]
         total = sum(dst.nbytes for dst, _ in large)
         parts = self.pieces(total)
         if parts <= 1:
-            self.run([_copier(list(pairs))])
+            self.run([_copier(pairs)])
             return
         share = -(-total // parts)
         batches: list[list[tuple[np.ndarray, np.ndarray]]] = [small]
@@ -135,9 +138,11 @@ class Workers:
             self._pool = None
 
 
-def _copier(pairs: list[tuple[np.ndarray, np.ndarray]]) -> Callable[[], None]:
+def _copier(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Callable[[], None]:
     def job() -> None:
+        # np.copyto for arrays of one dtype and shape, without its keyword handling:
+        # ~0.15 us less a call, a step's whole cost for a param of a few elements.
         for dst, src in pairs:
-            np.copyto(dst, src)
+            dst[...] = src
 
     return job

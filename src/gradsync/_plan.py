@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -22,9 +22,12 @@ from ._reduce import shard_range
 __all__ = ["Group", "Plan", "Segment"]
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Elements ``[start, stop)`` of param ``param``, at element ``at`` of a flat range."""
+class Segment(NamedTuple):
+    """Elements ``[start, stop)`` of param ``param``, at element ``at`` of a flat range.
+
+    A tuple: the copy loops of a step unpack one per param, several times faster than
+    reading a dataclass's four attributes.
+    """
 
     param: int
     start: int

@@ -760,10 +760,17 @@ class StepEngine:
             for batch in (others, [self.rank]):
                 # Mapped shards are copied by the workers, a batch at a time: the own
                 # range is only written once every peer's range is in.
-                mapped, _ = self._pieces(plan, flats, shard, outs, step, batch)
-                self.workers.copy(
-                    [(flats[param][start : start + len(src)], src) for param, start, src in mapped]
-                )
+                pairs: list[tuple[np.ndarray, np.ndarray]] = []
+                for q in batch:
+                    for group in plan.groups:
+                        lo, hi = group.shards[q]
+                        whole = self._shard_source(group, q, flats, shard, outs, step)
+                        if whole is not None:  # None: read into the arrays already
+                            pairs += [
+                                (flats[param][start:stop], whole[at : at + stop - start])
+                                for param, start, stop, at in group.segments(lo, hi)
+                            ]
+                self.workers.copy(pairs)
             done = self._has_mean = True
 
         try:
@@ -810,31 +817,41 @@ class StepEngine:
         """Rank q's shard of ``group`` as pieces of params, and whether they had to be
         read into the arrays (no mapping): the pieces are then views of the arrays."""
         lo, hi = group.shards[q]
-        if lo == hi:
-            return [], False
+        whole = self._shard_source(group, q, flats, shard, outs, step)
         segments = group.segments(lo, hi)
-        start = group.out_offsets[q]
-        itemsize = group.dtype.itemsize
-        if q == self.rank:
-            whole = shard[start : start + (hi - lo) * itemsize].view(group.dtype)
-        else:
-            fault_point("mid_gather", self.rank, self.seq)
-            peer = outs[q]
-            at = peer.header.payload_offset + start
-            with reading(peer, q, step):
-                # One view of the whole shard (bounds and checksums checked once), sliced
-                # per param: with many small params, views per param cost more than copies.
-                mapped = peer.reader.view(at, hi - lo, group.dtype)
-                if mapped is None:
-                    for s in segments:
-                        peer.reader.read_into(
-                            at + s.at * itemsize, flats[s.param][s.start : s.stop]
-                        )
-                    return [
-                        (s.param, s.start, flats[s.param][s.start : s.stop]) for s in segments
-                    ], True
-            whole = mapped
+        if whole is None:
+            return [(s.param, s.start, flats[s.param][s.start : s.stop]) for s in segments], True
         return [(s.param, s.start, whole[s.at : s.at + s.stop - s.start]) for s in segments], False
+
+    def _shard_source(
+        self,
+        group: Group,
+        q: int,
+        flats: list[np.ndarray],
+        shard: np.ndarray,
+        outs: dict[int, Peer],
+        step: int,
+    ) -> np.ndarray | None:
+        """Rank q's shard of ``group`` as one 1-D array (this rank's own, or a mapped
+        peer's); None when it is empty, or was read into the arrays (no mapping)."""
+        lo, hi = group.shards[q]
+        if lo == hi:
+            return None
+        start = group.out_offsets[q]
+        if q == self.rank:
+            return shard[start : start + (hi - lo) * group.dtype.itemsize].view(group.dtype)
+        fault_point("mid_gather", self.rank, self.seq)
+        peer = outs[q]
+        at = peer.header.payload_offset + start
+        itemsize = group.dtype.itemsize
+        with reading(peer, q, step):
+            # One view of the whole shard (bounds and checksums checked once), sliced
+            # per param: with many small params, views per param cost more than copies.
+            mapped = peer.reader.view(at, hi - lo, group.dtype)
+            if mapped is None:
+                for s in group.segments(lo, hi):
+                    peer.reader.read_into(at + s.at * itemsize, flats[s.param][s.start : s.stop])
+        return mapped
 
     def _restore(self, plan: Plan, flats: list[np.ndarray]) -> None:
         path = self.data_path(self.rank, "in")
