@@ -26,7 +26,6 @@ two slots of inputs and shards per rank, markers of three calls.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import json
 import logging
@@ -691,30 +690,17 @@ class StepEngine:
         contiguous view instead of pieces of many params.
         """
         if q == self.rank and own_from_arrays:
-            segments = group.segments(lo, hi)
-            starts = [seg.at for seg in segments]
 
             def own(start: int, stop: int, buf: np.ndarray) -> np.ndarray:
-                first = max(bisect.bisect_right(starts, start) - 1, 0)
-                pieces = []
-                # By index: a slice segments[first:] would copy the rest of the tuple for
-                # every chunk, O(chunks x params) a step.
-                for i in range(first, len(segments)):
-                    seg = segments[i]
-                    if seg.at >= stop:
-                        break
-                    if seg.at + seg.stop - seg.start > start:
-                        pieces.append(seg)
-                if len(pieces) == 1:
-                    s = pieces[0]
-                    base = s.start + (start - s.at)
-                    return flats[s.param][base : base + (stop - start)]
+                # The plan keeps each chunk's segments: chunks fall at the same places
+                # every step of a layout.
+                segments = group.segments(lo + start, lo + stop)
+                if len(segments) == 1:
+                    param, first, _, _ = segments[0]
+                    return flats[param][first : first + stop - start]
+                # One numpy call for all the params of the chunk, not one each.
                 out = buf[: stop - start]
-                for s in pieces:
-                    a, b = max(start, s.at), min(stop, s.at + s.stop - s.start)
-                    out[a - start : b - start] = flats[s.param][
-                        s.start + a - s.at : s.start + b - s.at
-                    ]
+                np.concatenate([flats[p][a:b] for p, a, b, _ in segments], out=out)
                 return out
 
             return own
