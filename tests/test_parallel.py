@@ -48,6 +48,27 @@ def test_copy_many_pairs_of_all_sizes(threads: int) -> None:
         assert d.tobytes() == s.tobytes()
 
 
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_pack_copies_sources_back_to_back(threads: int) -> None:
+    # Runs of small sources (one np.concatenate each) between large ones (dealt to the
+    # threads), in several destinations at once.
+    rng = np.random.default_rng(0)
+    big = SMALL_COPY_BYTES // 4  # float32 elements of a source that is not small
+    layouts = [[1, 5, big, 3, 2, big * 3, 7], [big * 2], [4, 4, 4], [big, big], []]
+    packs = []
+    for sizes in layouts:
+        srcs = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+        packs.append((np.zeros(sum(sizes), np.float32), srcs))
+    workers = Workers(threads)
+    try:
+        workers.pack(packs)
+    finally:
+        workers.close()
+    for dst, srcs in packs:
+        expected = np.concatenate(srcs) if srcs else np.zeros(0, np.float32)
+        assert dst.tobytes() == expected.tobytes()
+
+
 def test_one_thread_starts_no_thread() -> None:
     before = threading.active_count()
     workers = Workers(1)

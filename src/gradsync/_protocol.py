@@ -500,8 +500,11 @@ class StepEngine:
             raise translate_oserror(
                 exc, "creating the step directory", step_dir, step=step
             ) from exc
-        payload = [flats[i] for i in plan.ordered_params() if flats[i].size]
-        crc = block_crcs([p.data for p in payload], plan.in_len) if self.cfg.checksums else None
+
+        def payload() -> list[np.ndarray]:
+            return [flats[i] for i in plan.ordered_params() if flats[i].size]
+
+        crc = block_crcs([p.data for p in payload()], plan.in_len) if self.cfg.checksums else None
         if shared is not None:
             head = self._header(
                 KIND_INPUT, step, plan, plan.in_len, nonfinite, crc, payload_offset=shared.offset
@@ -513,22 +516,21 @@ class StepEngine:
         self._unlink_input(step)
         head = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite, crc)
         if not self._skip_own(plan):
-            self._write(step_dir, "in", [head, *payload], step)
+            self._write(step_dir, "in", [head, *payload()], step)
             return
         # Peers read only their own shards of this file: this rank's shard, which only it
         # reduces (from its arrays), is left out, saving 1/W of the copying.
         path = self.data_path(self.rank, "in")
         buf = self._reserve(path, len(head) + plan.in_len, step)
         buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        packs: list[tuple[np.ndarray, list[np.ndarray]]] = []
         for group in plan.groups:
             base = len(head) + group.in_offset
+            size = group.dtype.itemsize
             for lo, hi in _others(group, self.rank):
-                for seg in group.segments(lo, hi):
-                    src = flats[seg.param][seg.start : seg.stop].view(np.uint8)
-                    at = base + (lo + seg.at) * group.dtype.itemsize
-                    pairs.append((buf[at : at + src.nbytes], src))
-        self.workers.copy(pairs)
+                dst = buf[base + lo * size : base + hi * size].view(group.dtype)
+                packs.append((dst, [flats[p][a:b] for p, a, b, _ in group.segments(lo, hi)]))
+        self.workers.pack(packs)
         self._write(step_dir, "in", [], step)
 
     # -- shared gradient arrays ---------------------------------------------------------
