@@ -20,7 +20,7 @@ import gradsync
 import workers
 from gradsync._liveness import MemberInfo
 from gradsync._plan import Group, Plan
-from gradsync._protocol import StepEngine, validate_grads
+from gradsync._protocol import StepEngine, nonfinite_params, validate_grads
 from gradsync._rendezvous import _Leader, _settings
 from ranks import run_ranks
 
@@ -956,6 +956,27 @@ def test_a_step_beyond_64_bits_is_refused(tmp_path: Path, step: int) -> None:
 def test_float_dtypes_with_metadata_are_accepted() -> None:
     g = np.zeros(4, np.dtype(np.float32, metadata={"unit": "1/s"}))
     assert validate_grads([g]) == [g]
+
+
+def test_nonfinite_params_names_each_bad_array_in_order() -> None:
+    # Small arrays are checked in batches (flattened side by side, in the widest dtype):
+    # every bad one must still be named, whatever its batch, dtype or shape.
+    rng = np.random.default_rng(0)
+    dtypes = [np.float16, np.float32, np.float64]
+    sizes = [1, 0, 3, 1000, 70_000, 5, 200_000, 2, 17, 40_000, 1, 9]
+    arrays = [
+        rng.standard_normal(n).astype(dtypes[i % 3]).reshape((n, 1) if i % 2 else n)
+        for i, n in enumerate(sizes * 3)
+    ]
+    assert nonfinite_params(arrays) == []
+    bad = [0, 3, 4, 6, 10, 14, 18, 31, 35]
+    for i, value in zip(
+        bad, [np.nan, np.inf, -np.inf, np.nan, np.inf, -np.nan, np.nan, np.inf, np.nan], strict=True
+    ):
+        arrays[i].reshape(-1)[-1] = value
+    assert nonfinite_params(arrays) == bad
+    # The largest float16 and float64 values are finite, also side by side with others.
+    assert nonfinite_params([np.full(3, 65504, np.float16), np.full(2, 1e308)]) == []
 
 
 # -- a session's life in its process ------------------------------------------------------

@@ -89,6 +89,9 @@ THREADED_CHUNK_ELEMS = 1 << 17
 # Plans kept for layouts seen before (building one costs ~1.5 us a param).
 _PLANS_KEPT = 4
 _FAULTS_ON = bool(os.environ.get("GRADSYNC_TEST_FAULT"))
+# nonfinite_params checks arrays under this size together, in batches of this size or
+# more (under twice it: a scratch array of at most 2 MiB, float16 widened to float64).
+_FINITE_BATCH_BYTES = 256 * 1024
 
 
 # A run of the mean: (param index, first element, the elements as a 1-D array).
@@ -167,8 +170,36 @@ def _checked(grads: object) -> tuple[list[np.ndarray], list[np.ndarray], Layout]
 
 
 def nonfinite_params(arrays: Sequence[np.ndarray]) -> list[int]:
-    """The indices of the arrays that hold a NaN or an Inf."""
-    return [i for i, a in enumerate(arrays) if not np.isfinite(a).all()]
+    """The indices of the arrays that hold a NaN or an Inf.
+
+    Small arrays are checked a batch at a time, flattened side by side into one
+    scratch array: a check per array cost ~1.2 us (two numpy calls and a temporary),
+    the copy ~0.2 us. Only a batch with a NaN or an Inf is checked array by array, to
+    name them. (The scratch array has the widest dtype of the batch, which holds every
+    value exactly: a float16 or float32 is non-finite just when it is as a float64.)
+    """
+    bad: list[int] = []
+    batch: list[int] = []
+    batch_bytes = 0
+
+    def check_batch() -> None:
+        if not np.isfinite(np.concatenate([arrays[i] for i in batch], axis=None)).all():
+            bad.extend(i for i in batch if not np.isfinite(arrays[i]).all())
+
+    for i, a in enumerate(arrays):
+        nbytes = a.nbytes
+        if nbytes >= _FINITE_BATCH_BYTES:
+            if not np.isfinite(a).all():
+                bad.append(i)
+            continue
+        batch.append(i)
+        batch_bytes += nbytes
+        if batch_bytes >= _FINITE_BATCH_BYTES:
+            check_batch()
+            batch, batch_bytes = [], 0
+    if batch:
+        check_batch()
+    return sorted(bad)
 
 
 def _others(group: Group, rank: int) -> list[tuple[int, int]]:
