@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import struct
@@ -618,6 +619,33 @@ def test_group_segments_any_range(layout: Layout, world: int, data: st.DataObjec
     lo = data.draw(st.integers(0, group.size))
     hi = data.draw(st.integers(lo, group.size))
     check_segments(group, lo, hi)
+
+
+def test_group_segments_look_only_at_the_params_of_their_range() -> None:
+    # The reduce asks for every chunk's segments: scanning every param for each made
+    # the first step O(params x chunks) (200,000 params in 200 chunks: 6 s).
+    looked = 0
+
+    class Counted(tuple[tuple[int, int, int], ...]):
+        def __getitem__(self, key: Any) -> Any:
+            nonlocal looked
+            looked += 1
+            return super().__getitem__(key)
+
+        def __iter__(self) -> Any:
+            nonlocal looked
+            for item in super().__iter__():
+                looked += 1
+                yield item
+
+    plain = Plan.build(tuple(("<f4", (7,)) for _ in range(3000)), 1, False).groups[0]
+    counted = dataclasses.replace(plain, params=Counted(plain.params), _memo={})
+    chunks = [(lo, min(lo + 64, plain.size)) for lo in range(0, plain.size, 64)]
+    got = [counted.segments(lo, hi) for lo, hi in chunks]
+    assert looked <= 3 * (len(plain.params) + len(chunks)), looked
+    assert got == [plain.segments(lo, hi) for lo, hi in chunks]
+    for lo, hi in chunks:
+        check_segments(plain, lo, hi)
 
 
 @settings(max_examples=50, deadline=None)

@@ -9,6 +9,7 @@ layout alone, so every rank computes the same plan without talking.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from dataclasses import dataclass, field
@@ -55,12 +56,23 @@ class Group:
         if found is not None:
             return found
         out: list[Segment] = []
-        for index, first, count in self.params:
+        params = self.params
+        # From the param holding element lo: a scan of every param for each range made
+        # the first step O(params x chunks) (200,000 params, 200 chunks: 6 s).
+        for k in range(max(bisect.bisect_right(self._firsts, lo) - 1, 0), len(params)):
+            index, first, count = params[k]
+            if first >= hi:
+                break
             a, b = max(lo, first), min(hi, first + count)
             if a < b:
                 out.append(Segment(index, a - first, b - first, a - lo))
         self._memo[(lo, hi)] = result = tuple(out)
         return result
+
+    @functools.cached_property
+    def _firsts(self) -> list[int]:
+        """Each param's first element, in order (params lie back to back)."""
+        return [first for _, first, _ in self.params]
 
 
 @dataclass(frozen=True)
