@@ -820,27 +820,18 @@ class StepEngine:
         read_in: list[Piece] = []
         for q in ranks:
             for group in plan.groups:
-                pieces, was_read = self._shard_pieces(group, q, flats, shard, outs, step)
-                (read_in if was_read else mapped).extend(pieces)
+                lo, hi = group.shards[q]
+                whole = self._shard_source(group, q, flats, shard, outs, step)
+                segments = group.segments(lo, hi)
+                if whole is None:
+                    read_in += [
+                        (s.param, s.start, flats[s.param][s.start : s.stop]) for s in segments
+                    ]
+                else:
+                    mapped += [
+                        (s.param, s.start, whole[s.at : s.at + s.stop - s.start]) for s in segments
+                    ]
         return mapped, read_in
-
-    def _shard_pieces(
-        self,
-        group: Group,
-        q: int,
-        flats: list[np.ndarray],
-        shard: np.ndarray,
-        outs: dict[int, Peer],
-        step: int,
-    ) -> tuple[list[Piece], bool]:
-        """Rank q's shard of ``group`` as pieces of params, and whether they had to be
-        read into the arrays (no mapping): the pieces are then views of the arrays."""
-        lo, hi = group.shards[q]
-        whole = self._shard_source(group, q, flats, shard, outs, step)
-        segments = group.segments(lo, hi)
-        if whole is None:
-            return [(s.param, s.start, flats[s.param][s.start : s.stop]) for s in segments], True
-        return [(s.param, s.start, whole[s.at : s.at + s.stop - s.start]) for s in segments], False
 
     def _shard_source(
         self,
