@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import gradsync
+import workers
 from gradsync import ConfigError, SyncDirError, _fsio, atomic_write_bytes, wait_for_path
 from gradsync._fsio import (
     Backoff,
@@ -30,8 +31,10 @@ from gradsync._fsio import (
     write_in_place,
     write_note,
 )
-from gradsync._liveness import MemberInfo
+from gradsync._liveness import Heartbeat, MemberInfo
 from gradsync._rendezvous import Generation, leave
+from gradsync._transport import Transport
+from ranks import run_ranks
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
@@ -713,3 +716,112 @@ def test_leaving_a_directory_that_cannot_be_listed_does_not_raise(
     gen = Generation(tmp_path, "ab" * 8, (MemberInfo.for_self(0, "ab" * 8),), 0)
     leave(gen, 1)  # cannot tell whether it is the last: leaves the directory in place
     assert (tmp_path / "left-0").read_bytes() == b'{"calls": 1}'
+
+
+# -- names other users may have planted in a shared sync dir ----------------------------
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    """A file of the user's own outside the sync dir, which planted names lead to."""
+    path = tmp_path / "precious.txt"
+    path.write_bytes(b"not gradients")
+    return path
+
+
+def _plant_symlink(sync: Path, name: str, victim: Path) -> Path:
+    sync.mkdir(exist_ok=True)
+    (sync / name).symlink_to(victim)
+    return sync / name
+
+
+def test_write_in_place_refuses_a_symbolic_link(tmp_path: Path, victim: Path) -> None:
+    path = _plant_symlink(tmp_path / "sync", "d-0-1.in", victim)
+    with pytest.raises(OSError, match="symbolic links") as info:
+        write_in_place(path, [b"gradients"])
+    assert info.value.errno == errno.ELOOP
+    assert victim.read_bytes() == b"not gradients"
+    assert "a symbolic link where gradsync writes a file of its own" in str(
+        translate_oserror(info.value, "writing", path)
+    )
+
+
+def test_write_in_place_refuses_a_hard_link(tmp_path: Path, victim: Path) -> None:
+    (tmp_path / "sync").mkdir()
+    path = tmp_path / "sync" / "d-0-1.in"
+    os.link(victim, path)
+    with pytest.raises(OSError, match="has 2 links: not a file gradsync made") as info:
+        write_in_place(path, [b"gradients"])
+    assert info.value.errno == errno.EMLINK
+    assert victim.read_bytes() == b"not gradients"
+
+
+def test_write_in_place_refuses_a_fifo_without_blocking(tmp_path: Path) -> None:
+    path = tmp_path / "d-0-1.in"
+    os.mkfifo(path)
+    # Write-only opens of a FIFO without a reader fail at once (ENXIO) rather than wait.
+    with pytest.raises(OSError, match="No such device or address") as info:
+        write_in_place(path, [b"gradients"])
+    assert info.value.errno == errno.ENXIO
+
+
+def test_a_note_is_not_written_through_a_symbolic_link(
+    tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _plant_symlink(tmp_path / "sync", "abort-0", victim)
+
+    def full(*args: object, **kwargs: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_fsio, "write_atomic", full)  # the fallback opens the name itself
+    with pytest.raises(OSError, match="No space left") as info:
+        write_note(path, b"{}")
+    assert info.value.errno == errno.ENOSPC
+    assert victim.read_bytes() == b"not gradients"
+
+
+def test_a_mapped_data_file_is_not_opened_through_a_symbolic_link(
+    tmp_path: Path, victim: Path
+) -> None:
+    path = _plant_symlink(tmp_path / "sync", "d-0.in", victim)
+    with pytest.raises(OSError, match="symbolic links") as info:
+        Transport(mapped=True, head_bytes=64).reserve(path, 4096)
+    assert info.value.errno == errno.ELOOP
+    assert victim.read_bytes() == b"not gradients"
+
+
+def test_a_heartbeat_is_not_written_through_a_symbolic_link(tmp_path: Path, victim: Path) -> None:
+    path = _plant_symlink(tmp_path / "sync", "hb-0123456789abcdef", victim)
+    Heartbeat(path, 3600.0).stop()  # its failures are only logged
+    assert victim.read_bytes() == b"not gradients"
+
+
+def test_what_a_job_creates_is_not_readable_by_other_users(tmp_path: Path) -> None:
+    sync = tmp_path / "sync"  # created by the ranks
+    results = run_ranks(workers.modes_of_what_a_job_creates, 2, (2, str(sync)))
+    assert all(r.ok for r in results.values()), results
+    modes = results[0].value
+    gens = [name for name in modes if name.startswith("gen-") and "/" not in name]
+    assert len(gens) == 1, modes
+    # The group keeps what the umask (002) gives it; other users get nothing.
+    assert modes["."] == modes["rdzv"] == modes[gens[0]] == 0o770, modes
+    files = {name: mode for name, mode in modes.items() if "/d-" in name}
+    assert files, modes
+    assert all(mode == 0o640 for mode in files.values()), modes
+    assert all(mode & 0o007 == 0 for mode in modes.values()), modes
+
+
+def test_a_sync_dir_every_user_can_write_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shared = tmp_path / "group"
+    shared.mkdir()
+    shared.chmod(0o2770)  # a group's directory: no warning
+    with caplog.at_level("WARNING", logger="gradsync"):
+        _fsio.warn_if_open(shared)
+    assert caplog.records == []
+    shared.chmod(0o1777)
+    with caplog.at_level("WARNING", logger="gradsync"):
+        _fsio.warn_if_open(shared)
+    (record,) = caplog.records
+    assert f"sync dir {shared} is writable by every user (mode 1777" in record.getMessage()

@@ -938,3 +938,20 @@ def across_the_switch(rank: int, world: int, sync_dir: str, call: int, use_mmap:
             gs.average(grads, step=call)
         finally:
             assert (grads[0] == rank).all()
+
+
+def modes_of_what_a_job_creates(rank: int, world: int, sync_dir: str) -> dict[str, int]:
+    """Average two steps under a group's umask (002); the permission bits of every name
+    in ``sync_dir`` while the job runs, as rank 0 sees them after the last step."""
+    os.umask(0o002)
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        for step in range(2):
+            gs.average([np.full(1000, float(rank), np.float32)], step=step)
+        modes = {}
+        if rank == 0:
+            root = Path(sync_dir)
+            for path in [root, *root.rglob("*")]:
+                with contextlib.suppress(FileNotFoundError):  # a peer's file moved on
+                    modes[str(path.relative_to(root))] = path.lstat().st_mode & 0o777
+        gs.average([np.zeros(1, np.float32)], step=2)  # rank 1 waits while rank 0 looks
+    return modes

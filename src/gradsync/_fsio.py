@@ -23,11 +23,14 @@ from ._errors import ConfigError, SyncDirError
 _log = logging.getLogger("gradsync")
 
 __all__ = [
+    "DIR_MODE",
+    "FILE_MODE",
     "Backoff",
     "NotAFileError",
     "atomic_write_bytes",
     "create_marker",
     "list_names",
+    "open_own",
     "open_regular",
     "place_marker",
     "read_exact_into",
@@ -35,12 +38,38 @@ __all__ = [
     "remove_tree",
     "translate_oserror",
     "wait_for_path",
+    "warn_if_open",
     "write_atomic",
     "write_in_place",
     "write_note",
 ]
 
 _IOV_BATCH = 512  # well under IOV_MAX (1024 on Linux)
+
+# Modes of what gradsync creates (the umask still applies): gradients can reveal the
+# training data, so nothing is readable by other users; a group keeps what the umask
+# gives it, for a job whose ranks run as several users of one group.
+DIR_MODE = 0o770
+FILE_MODE = 0o640
+
+
+def warn_if_open(directory: Path) -> None:
+    """Log a warning if every user may write ``directory`` (a sync dir): any of them
+    can then read, replace or delete the job's files, or plant names in it. Not an
+    error: a job of several users may have chosen it, but it should be their group's."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return
+    if st.st_mode & stat.S_IWOTH:
+        _log.warning(
+            "sync dir %s is writable by every user (mode %03o, owner uid %d): any of them "
+            "can read, alter or delete this job's gradients; use a directory that only "
+            "the job's users (or their group) can write",
+            directory,
+            stat.S_IMODE(st.st_mode),
+            st.st_uid,
+        )
 
 
 def remove_tree(path: Path) -> None:
@@ -69,6 +98,8 @@ def translate_oserror(
     elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         access = "readable" if what in _READS else "writable"
         hint = f" (the sync directory is not {access} by this process)"
+    elif exc.errno == errno.ELOOP:
+        hint = " (a symbolic link where gradsync writes a file of its own: refused)"
     elif exc.errno == errno.EEXIST and (link := _dangling_link(Path(path))) is not None:
         hint = f" ({link} is a symbolic link to {os.readlink(link)}, which does not exist)"
     prefix = "" if step is None else f"step {step}: "
@@ -97,7 +128,7 @@ def write_atomic(path: Path, chunks: Sequence[bytes | memoryview]) -> int:
         OSError: as the system reported it; the temporary file is removed.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
     total = 0
     try:
         try:
@@ -122,7 +153,7 @@ def write_note(path: Path, data: bytes) -> None:
         write_atomic(path, [data])
     except OSError as exc:
         try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+            os.close(open_own(path, os.O_WRONLY))
         except OSError:
             raise exc from None
         _log.debug("wrote %s empty: %s", path, exc)
@@ -144,7 +175,7 @@ def write_in_place(
     Raises:
         OSError: as the system reported it (ENOSPC may only surface at close on NFS).
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = open_own(path, os.O_WRONLY)
     try:
         if midway is None:
             total = _writev_all(fd, chunks, 0)
@@ -162,7 +193,7 @@ def write_in_place(
 
 def create_marker(path: Path) -> None:
     """Create the empty file ``path``; it must not exist (``O_EXCL``, atomic on NFS too)."""
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE))
 
 
 def place_marker(path: Path, reuse: str | None) -> None:
@@ -259,6 +290,44 @@ def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, st
+
+
+def open_own(path: str | os.PathLike[str], access: int) -> int:
+    """Open (creating it) a file that this rank writes in place, by ``path``.
+
+    The name lives in a directory other users may be able to write (a group's shared
+    sync dir, or one someone else created first): whatever is found there must be a
+    plain file of one link, which gradsync made, never a symbolic link
+    (``O_NOFOLLOW``), another name of some other file (a hard link), a FIFO (whose
+    write-only open would block until a reader came: ``O_NONBLOCK``) or a device.
+    Otherwise a rank would truncate and overwrite whatever file of its user that
+    name was made to lead to.
+
+    Raises:
+        OSError: as the system reported it (ELOOP for a symbolic link);
+            :class:`NotAFileError` for a FIFO, directory, device; EMLINK for a file of
+            several links.
+    """
+    flags = access | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    fd = os.open(path, flags, FILE_MODE)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a file")
+            raise NotAFileError(
+                errno.EINVAL, f"{os.fspath(path)} is {kind}, not a regular file", os.fspath(path)
+            )
+        if st.st_nlink != 1:
+            raise OSError(
+                errno.EMLINK,
+                f"{os.fspath(path)} has {st.st_nlink} links: not a file gradsync made",
+                os.fspath(path),
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_small(path: Path, limit: int = 1 << 20) -> bytes | None:

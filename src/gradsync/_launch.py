@@ -28,6 +28,7 @@ from types import FrameType
 from typing import IO, Any
 
 from ._errors import ConfigError
+from ._fsio import DIR_MODE
 from ._reaping import remove_dead_jobs
 
 __all__ = ["launch"]
@@ -242,7 +243,7 @@ def _prepare_sync_dir(sync_dir: str | os.PathLike[str]) -> Path:
     """Create ``sync_dir`` if missing and return its absolute path."""
     path = Path(os.path.abspath(os.path.expanduser(sync_dir)))  # "--sync-dir=~/x" too
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(DIR_MODE, parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(
             f"--sync-dir {os.fspath(sync_dir)!r} cannot be created: {exc.strerror or exc}"

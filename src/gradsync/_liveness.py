@@ -26,7 +26,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ._fsio import open_regular
+from ._fsio import open_own, open_regular
 
 __all__ = [
     "Heartbeat",
@@ -191,7 +191,7 @@ class Heartbeat:
     def _beat(self) -> None:
         self._count += 1
         try:
-            fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_own(self._path, os.O_WRONLY)
             try:
                 os.pwrite(fd, _COUNTER.pack(self._count), 0)
             finally:

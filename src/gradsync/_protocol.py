@@ -63,6 +63,7 @@ from ._format import (
     header_length,
 )
 from ._fsio import (
+    DIR_MODE,
     place_marker,
     remove_tree,
     translate_oserror,
@@ -291,7 +292,7 @@ class StepEngine:
 
     def _tell_peers(self, step_dir: Path, exc: BaseException) -> None:
         with contextlib.suppress(OSError):
-            step_dir.mkdir(exist_ok=True)
+            step_dir.mkdir(DIR_MODE, exist_ok=True)
             write_note(step_dir / f"abort-{self.rank}", json.dumps(error_note(exc)).encode())
 
     def _step(
@@ -524,7 +525,7 @@ class StepEngine:
     ) -> None:
         """Publish this rank's input: only the header when ``shared`` holds the arrays."""
         try:
-            os.mkdir(step_dir)
+            os.mkdir(step_dir, DIR_MODE)
         except FileExistsError:
             pass  # a peer was first; a non-directory there fails the marker's creation
         except OSError as exc:

@@ -45,11 +45,13 @@ from ._errors import (
     parse_note,
 )
 from ._fsio import (
+    DIR_MODE,
     Backoff,
     list_names,
     read_small,
     remove_tree,
     translate_oserror,
+    warn_if_open,
     write_note,
 )
 from ._jobfiles import (
@@ -136,9 +138,11 @@ def rendezvous(cfg: FileGradSyncConfig, closing: threading.Event | None = None) 
     me = MemberInfo.for_self(cfg.rank, nonce)
     rdzv = cfg.sync_dir / RDZV
     try:
-        rdzv.mkdir(parents=True, exist_ok=True)
+        cfg.sync_dir.mkdir(DIR_MODE, parents=True, exist_ok=True)
+        rdzv.mkdir(DIR_MODE, exist_ok=True)
     except OSError as exc:
         raise translate_oserror(exc, "creating the rendezvous directory", rdzv) from exc
+    warn_if_open(cfg.sync_dir)
     if cfg.rank == 0:
         return _Leader(cfg, me, closing).run()
     return _join(cfg, me, closing)
@@ -179,7 +183,7 @@ class _Leader:
 
     def run(self) -> Generation:
         try:
-            self.gen_path.mkdir()
+            self.gen_path.mkdir(DIR_MODE)
         except OSError as exc:
             raise translate_oserror(
                 exc, "creating the generation directory", self.gen_path

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ._format import CRC_BLOCK
-from ._fsio import open_regular, read_exact_into, write_in_place
+from ._fsio import open_own, open_regular, read_exact_into, write_in_place
 
 __all__ = ["ChecksumError", "DataReader", "Transport", "local_filesystem"]
 
@@ -208,7 +208,7 @@ class Transport:
         if cached is not None and cached[1] == size:
             return cached[3]
         self.forget(path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_own(path, os.O_RDWR)
         try:
             os.ftruncate(fd, size)
             if size:
