@@ -353,3 +353,17 @@ def test_a_fifo_in_place_of_a_data_file_or_heartbeat_is_no_hang(tmp_path: Path) 
     assert _unblocked(lambda: gradsync._liveness.read_counter(hb), hb) is None
     # wait_for_path promises an answer within max_wait_s: a FIFO can be opened, at once.
     assert _unblocked(lambda: gradsync.wait_for_path(hb, 0.5), hb) is True
+
+
+def test_a_generation_name_that_is_a_symbolic_link_is_not_followed(tmp_path: Path) -> None:
+    # Someone who can write the directory points a generation's name at a large tree:
+    # status neither describes nor walks it (it used to count the bytes of all of "/").
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "deep").mkdir(parents=True)
+    (elsewhere / "deep" / "big").write_bytes(b"x" * 1000)
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    (sync / ("gen-" + "ab" * 8)).symlink_to(elsewhere)
+    report = gradsync._status.describe(sync, sample_s=0.0)
+    assert report["jobs"] == []
+    assert report["disk_bytes"] == 0

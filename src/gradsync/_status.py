@@ -264,7 +264,9 @@ def describe(sync_dir: Path, *, sample_s: float = _SAMPLE_S) -> dict[str, Any]:
     jobs = []
     for gen in gens:
         try:
-            if gen.is_dir():
+            # A link is nothing gradsync made: following it would describe (and walk,
+            # to count bytes) whatever someone who can write here pointed it at.
+            if gen.is_dir() and not gen.is_symlink():
                 jobs.append(_generation(gen, watch))
         except OSError as exc:  # one unreadable job does not hide the others
             jobs.append(_unreadable(gen, exc))
