@@ -7,6 +7,7 @@ import itertools
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -760,8 +761,18 @@ def test_write_in_place_refuses_a_fifo_without_blocking(tmp_path: Path) -> None:
     path = tmp_path / "d-0-1.in"
     os.mkfifo(path)
     # Write-only opens of a FIFO without a reader fail at once (ENXIO) rather than wait.
-    with pytest.raises(OSError, match="No such device or address") as info:
-        write_in_place(path, [b"gradients"])
+
+    def blocked(signum: int, frame: object) -> None:
+        raise AssertionError("write_in_place blocked on a FIFO")  # not hang the suite
+
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(60)
+    try:
+        with pytest.raises(OSError, match="No such device or address") as info:
+            write_in_place(path, [b"gradients"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     assert info.value.errno == errno.ENXIO
 
 

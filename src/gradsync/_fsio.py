@@ -117,18 +117,19 @@ def _dangling_link(path: Path) -> Path | None:
     return None
 
 
-def write_atomic(path: Path, chunks: Sequence[bytes | memoryview]) -> int:
+def write_atomic(path: Path, chunks: Sequence[bytes | memoryview], mode: int = FILE_MODE) -> int:
     """Write ``chunks`` to ``path`` so that readers see all of it or nothing.
 
     The data goes to a hidden temporary file in the same directory, which is
     closed (surfacing deferred write errors, e.g. NFS's ENOSPC at close) and then
-    renamed over ``path``. Returns the number of bytes written.
+    renamed over ``path``, with ``mode`` (less the umask). Returns the number of bytes
+    written.
 
     Raises:
         OSError: as the system reported it; the temporary file is removed.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     total = 0
     try:
         try:
@@ -420,7 +421,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     target = Path(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(target, [data])
+        write_atomic(target, [data], 0o644)  # the user's file: its mode as it always was
     except OSError as exc:
         raise translate_oserror(exc, "writing", target) from exc
 
