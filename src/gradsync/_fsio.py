@@ -279,18 +279,7 @@ def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
             regular file"). OSError: as the system reported it (FileNotFoundError...).
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a file")
-            raise NotAFileError(
-                errno.EINVAL, f"{os.fspath(path)} is {kind}, not a regular file", os.fspath(path)
-            )
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
+    return fd, _checked_regular(fd, path, one_link=False)
 
 
 def open_own(path: str | os.PathLike[str], access: int) -> int:
@@ -311,6 +300,14 @@ def open_own(path: str | os.PathLike[str], access: int) -> int:
     """
     flags = access | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     fd = os.open(path, flags, FILE_MODE)
+    _checked_regular(fd, path, one_link=True)
+    return fd
+
+
+def _checked_regular(fd: int, path: str | os.PathLike[str], *, one_link: bool) -> os.stat_result:
+    """The ``fstat`` of ``fd``, just opened from ``path`` with ``O_NONBLOCK``, which it
+    clears, if ``fd`` is a regular file (of one link, with ``one_link``); otherwise
+    ``fd`` is closed and NotAFileError (or OSError EMLINK) raised."""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -318,7 +315,7 @@ def open_own(path: str | os.PathLike[str], access: int) -> int:
             raise NotAFileError(
                 errno.EINVAL, f"{os.fspath(path)} is {kind}, not a regular file", os.fspath(path)
             )
-        if st.st_nlink != 1:
+        if one_link and st.st_nlink != 1:
             raise OSError(
                 errno.EMLINK,
                 f"{os.fspath(path)} has {st.st_nlink} links: not a file gradsync made",
@@ -328,7 +325,7 @@ def open_own(path: str | os.PathLike[str], access: int) -> int:
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return st
 
 
 def read_small(path: Path, limit: int = 1 << 20) -> bytes | None:
