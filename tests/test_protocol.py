@@ -736,6 +736,32 @@ def test_a_layout_change_never_overwrites_a_file_still_being_read(tmp_path: Path
             assert results[r].value[step] == expected(2, step, big=big)
 
 
+def test_a_stale_view_of_a_peers_file_is_looked_at_again(tmp_path: Path) -> None:
+    # A shared filesystem may show one host a rewritten file's previous contents for a
+    # moment after the marker (JuiceFS did, to one of two ranks opening it at once).
+    results = run_ranks(workers.stale_view, 2, (2, str(tmp_path / "sync"), 3, 30.0))
+    assert_ok(results)
+    for step in range(3):
+        for r in range(2):
+            assert results[r].value[step] == expected(2, step, big=True)
+
+
+def test_a_view_that_stays_stale_fails_the_step_naming_the_file(tmp_path: Path) -> None:
+    results = run_ranks(workers.stale_view, 2, (2, str(tmp_path / "sync"), 10**9, 1.0))
+    out = results[1]
+    assert out.error_type == "CorruptFileError", out.value
+    path = re.escape(str(out.attrs["path"]))
+    assert out.attrs["path"].endswith("/d-0.in")
+    assert re.fullmatch(
+        rf"step 2: rank 0's file {path} still holds call 1, not call 3, 1.0 s after its "
+        r"marker of call 3 appeared \(ranks \[0\]\): this host is shown stale contents "
+        r"of the shared filesystem",
+        out.message,
+    ), out.message
+    assert (out.attrs["step"], out.attrs["ranks"]) == (2, (0,))
+    assert not results[0].ok
+
+
 @pytest.mark.parametrize(
     "kw",
     [{}, {"strategy": "root"}, {"checksums": True}, {"use_mmap": False}],

@@ -93,3 +93,30 @@ def test_prune_removes_whatever_is_left(tmp_path: Path, left: tuple[str, ...]) -
         (step_dir / name).write_text("{}")
     _prune_step_dir(step_dir, 3)
     assert not step_dir.exists()
+
+
+@pytest.mark.parametrize("drop_cached", [True, False])
+def test_pages_cached_of_a_file_another_host_wrote_are_dropped_before_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drop_cached: bool
+) -> None:
+    path = tmp_path / "d-1.in"
+    path.write_bytes(b"A" * 100)
+    calls: list[tuple[str, int, int]] = []
+    pread = os.pread
+
+    def reading(fd: int, n: int, offset: int) -> bytes:
+        calls.append(("pread", offset, n))
+        return pread(fd, n, offset)
+
+    def advising(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_DONTNEED
+        calls.append(("dontneed", offset, length))
+
+    monkeypatch.setattr(os, "pread", reading)
+    monkeypatch.setattr(os, "posix_fadvise", advising)
+    transport = Transport(mapped=False, head_bytes=16, drop_cached=drop_cached)
+    reader = transport.open(path)
+    assert reader.head == b"A" * 16
+    reader.close()
+    dropped = [("dontneed", 0, 0)] if drop_cached else []
+    assert calls == [*dropped, ("pread", 0, 16)]

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import gc
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -955,3 +956,37 @@ def modes_of_what_a_job_creates(rank: int, world: int, sync_dir: str) -> dict[st
                     modes[str(path.relative_to(root))] = path.lstat().st_mode & 0o777
         gs.average([np.zeros(1, np.float32)], step=2)  # rank 1 waits while rank 0 looks
     return modes
+
+
+def stale_view(rank: int, world: int, sync_dir: str, stale_opens: int, max_wait_s: float) -> Any:
+    """Three calls of SHAPES_BIG through pread (one input file a rank). Rank 1's first
+    ``stale_opens`` opens of rank 0's input in the third call show that file as it
+    was in the first call: a shared filesystem's stale cache on rank 1's host.
+    Returns each call's result as bytes."""
+    from gradsync._transport import Transport  # noqa: PLC0415
+
+    if rank == 1:
+        snapshot = Path(sync_dir).parent / "d-0.in-as-of-call-1"
+        real_open = Transport.open
+        opens = {"all": 0, "stale": 0}
+
+        def stale_open(self: Transport, path: Path) -> Any:
+            if path.name != "d-0.in":
+                return real_open(self, path)
+            opens["all"] += 1
+            if opens["all"] == 1:
+                shutil.copyfile(path, snapshot)
+            elif opens["all"] >= 3 and opens["stale"] < stale_opens:
+                opens["stale"] += 1
+                return real_open(self, snapshot)
+            return real_open(self, path)
+
+        Transport.open = stale_open  # type: ignore[method-assign]
+    results = []
+    cfg = config(rank, world, sync_dir, use_mmap=False, max_wait_s=max_wait_s)
+    with gradsync.GradSync(cfg) as gs:
+        for step in range(3):
+            grads = grads_for(rank, step, SHAPES_BIG)
+            gs.average(grads, step=step)
+            results.append([g.tobytes() for g in grads])
+    return results

@@ -3,10 +3,12 @@ what they published, and telling a slow peer from one that died, gave up or left
 
 A rank lists the call's step directory for ``<prefix>-<q>`` markers (backing off
 between looks) and opens a peer's reused data file once its marker is there; the
-file's header must name that peer, this generation and this call. A peer still
-missing is checked after ``_FIRST_LIVENESS_CHECK_S`` and then every
-``_LIVENESS_EVERY_S``: on this host through its process, elsewhere through its
-heartbeat; a rank that closed its session is lost unless it finished the call.
+file's header must name that peer, this generation and this call; one that still
+shows an earlier call of this generation is a stale view of a shared filesystem,
+looked at again until ``max_wait_s``. A peer still missing is checked after
+``_FIRST_LIVENESS_CHECK_S`` and then every ``_LIVENESS_EVERY_S``: on this host
+through its process, elsewhere through its heartbeat; a rank that closed its
+session is lost unless it finished the call.
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ _FIRST_LIVENESS_CHECK_S = 0.01
 _LISTING_CALLS = 5
 
 
+class _StaleError(Exception):
+    """A peer's marker of this call is there, but its file, as this host sees it, still
+    holds an earlier call of this generation (never raised out of PeerFiles)."""
+
+    def __init__(self, path: Path, held: int) -> None:
+        super().__init__(path, held)
+        self.path = path
+        self.held = held
+
+
 @dataclass
 class Peer:
     """A peer's published file of one call, open, and its decoded header."""
@@ -87,6 +99,12 @@ def reading(peer: Peer, rank: int, step: int) -> Iterator[None]:
         raise _unusable(step, rank, peer.path, f"{problem}: {exc}") from exc
     except OSError as exc:
         raise translate_oserror(exc, "reading", peer.path, step=step) from exc
+
+
+def _stale_clause(ranks: list[int]) -> str:
+    if not ranks:
+        return ""
+    return f" (ranks {ranks} did, but this host still sees their files of an earlier call)"
 
 
 def _unusable(step: int, rank: int, path: Path, problem: str) -> CorruptFileError:
@@ -136,6 +154,7 @@ class PeerFiles:
         kind = KIND_INPUT if prefix == "in" else KIND_OUTPUT
         what = "its gradients" if prefix == "in" else "its shard of the mean"
         missing = [q for q in ranks if q not in found]
+        stale: dict[int, _StaleError] = {}  # marker there, file not yet shown to this host
         last: int | None = None
         first_look = True
         backoff = Backoff()
@@ -145,7 +164,13 @@ class PeerFiles:
             looked_up = self._look_up(step_dir, prefix, missing, step) if first_look else None
             names = looked_up if looked_up is not None else list_names(step_dir, step=step)
             for q in [q for q in missing if f"{prefix}-{q}" in names]:
-                found[q] = self._open_published(q, prefix, kind, step, seq)
+                try:
+                    found[q] = self._open_published(q, prefix, kind, step, seq)
+                except _StaleError as exc:
+                    if q not in stale:
+                        _log.debug("step %d: %s still holds call %d", step, exc.path, exc.held)
+                    stale[q] = exc
+                    continue
                 missing.remove(q)
                 if not first_look:
                     last = q
@@ -180,6 +205,17 @@ class PeerFiles:
                     )
                 self._check_alive(missing, step, seq, step_dir, what, elapsed)
             if elapsed >= self.cfg.max_wait_s:
+                if stale_now := {q: stale[q] for q in missing if q in stale}:
+                    q, seen = min(stale_now.items())
+                    raise _unusable(
+                        step,
+                        q,
+                        seen.path,
+                        f"{seen.path} still holds call {seen.held}, not call {seq}, "
+                        f"{self.cfg.max_wait_s} s after its marker of call {seq} appeared "
+                        f"(ranks {sorted(stale_now)}): this host is shown stale contents "
+                        "of the shared filesystem",
+                    )
                 raise PeerTimeoutError(
                     f"step {step}: ranks {missing} published nothing in {step_dir} within "
                     f"{self.cfg.max_wait_s} s (still alive, but not publishing {what[4:]})",
@@ -189,13 +225,14 @@ class PeerFiles:
                 )
             if elapsed >= next_warn:
                 _log.warning(
-                    "step %d: rank %d has waited %.1f s for ranks %s (alive) to publish %s in %s",
+                    "step %d: rank %d has waited %.1f s for ranks %s (alive) to publish %s in %s%s",
                     step,
                     self.rank,
                     elapsed,
                     missing,
                     what[4:],
                     step_dir,
+                    _stale_clause([q for q in missing if q in stale]),
                 )
                 next_warn += self.cfg.warn_after_s
             backoff.pause()
@@ -239,12 +276,12 @@ class PeerFiles:
         path = self._path_of(rank, prefix)
         try:
             return self._open(path, rank, kind, step, seq)
-        except (SyncDirError, CorruptFileError):
+        except (SyncDirError, CorruptFileError, _StaleError):
             if kind != KIND_INPUT:
                 raise
             for other in self._input_names(rank, seq):
                 if other != path:
-                    with contextlib.suppress(SyncDirError, CorruptFileError):
+                    with contextlib.suppress(SyncDirError, CorruptFileError, _StaleError):
                         return self._open(other, rank, kind, step, seq)
             raise
 
@@ -269,6 +306,12 @@ class PeerFiles:
             reader.close()
             raise translate_oserror(OSError(str(exc)), "reading", path, step=step) from exc
         problem = None
+        ours = (header.kind, header.rank, header.generation) == (kind, rank, self.gen.header_id)
+        if ours and header.seq < seq:
+            # Its marker of call seq is there, so it wrote this file before: what this
+            # host sees is older than the filesystem (the caller looks again).
+            reader.close()
+            raise _StaleError(path, header.seq)
         if header.kind != kind or header.rank != rank:
             problem = f"holds kind {header.kind} of rank {header.rank}"
         elif header.generation != self.gen.header_id or header.seq != seq:
