@@ -8,7 +8,9 @@ tests/multihost/mh_cluster.py for how it is found). For each gradient size
   sync dir on /mnt/shared (each host its own JuiceFS client);
 - ``1 host x 4, JuiceFS``: ``--nproc 4`` in h1 on /mnt/shared (FS cost without
   crossing hosts);
-- ``1 host x 4, tmpfs``: ``--nproc 4`` in h1 on h1's /dev/shm (the baseline).
+- ``1 host x 4, tmpfs``: ``--nproc 4`` in h1 on h1's /dev/shm (the baseline);
+- ``2 hosts x 2, JuiceFS, checksums``: the first with ``checksums=True``: what payload
+  checksums cost there.
 
 A step's time is the longest ``GradSync.average`` call of the 4 ranks for that
 step (the slowest rank gates the next optimizer step); the table shows its median
@@ -50,8 +52,9 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--bytes", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--checksums", action="store_true")
     args = p.parse_args(argv)
-    cfg = gradsync.FileGradSyncConfig.from_env()
+    cfg = gradsync.FileGradSyncConfig.from_env(checksums=args.checksums)
     rng = np.random.default_rng(cfg.rank)
     base = rng.standard_normal(args.bytes // 4).astype(np.float32)
     grads = [base.copy()]
@@ -81,13 +84,13 @@ def _quantile(xs: list[float], q: float) -> float:
 
 def _run_config(
     cluster: Any, name: str, placement: dict[str, int], nproc: int, sync_root: str,
-    nbytes: int, steps: int, warmup: int, timeout_s: float,
+    nbytes: int, steps: int, warmup: int, timeout_s: float, extra: list[str],
 ) -> dict[str, Any]:  # fmt: skip
     run_id = f"bench-{uuid.uuid4().hex[:10]}"
     out = cluster.new_out(run_id)
     job = cluster.launch(
         placement, nproc, f"{sync_root}/{run_id}", run_id,
-        ["--worker", "--bytes", str(nbytes), "--steps", str(steps + warmup)],
+        ["--worker", "--bytes", str(nbytes), "--steps", str(steps + warmup), *extra],
         out, script=Path(__file__).resolve(), max_wait_s=120.0,
     )  # fmt: skip
     codes = job.wait(timeout_s)
@@ -142,19 +145,29 @@ def main() -> int:
         return 2
     cluster = Cluster(2)
     configs = [
-        ("2 hosts x 2, JuiceFS", {"h1": 0, "h2": 1}, 2, MOUNT),
-        ("1 host x 4, JuiceFS", {"h1": 0}, 4, MOUNT),
-        ("1 host x 4, tmpfs", {"h1": 0}, 4, "/dev/shm"),
+        ("2 hosts x 2, JuiceFS", {"h1": 0, "h2": 1}, 2, MOUNT, []),
+        ("1 host x 4, JuiceFS", {"h1": 0}, 4, MOUNT, []),
+        ("1 host x 4, tmpfs", {"h1": 0}, 4, "/dev/shm", []),
+        ("2 hosts x 2, JuiceFS, checksums", {"h1": 0, "h2": 1}, 2, MOUNT, ["--checksums"]),
     ]
     rows = []
     try:
         cluster.up()
         for nbytes, n in zip(args.sizes, steps, strict=True):
-            for name, placement, nproc, root in configs:
+            for name, placement, nproc, root, extra in configs:
                 timeout_s = 60 + 2.0 * (n + args.warmup)
                 rows.append(
                     _run_config(
-                        cluster, name, placement, nproc, root, nbytes, n, args.warmup, timeout_s
+                        cluster,
+                        name,
+                        placement,
+                        nproc,
+                        root,
+                        nbytes,
+                        n,
+                        args.warmup,
+                        timeout_s,
+                        extra,
                     )
                 )
                 print(f"  done: {_size(nbytes)} {name}", file=sys.stderr)

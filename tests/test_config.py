@@ -64,6 +64,8 @@ def test_defaults() -> None:
     assert cfg.warn_after_s == 10.0
     assert cfg.check_finite is False
     assert cfg.wide_sum is False
+    assert cfg.use_mmap is None
+    assert cfg.checksums is False
     assert cfg.run_id is None
     assert cfg.enabled is False
     assert make(world_size=2).enabled is True
@@ -169,6 +171,8 @@ def test_config_error_is_value_error() -> None:
         ({"check_finite": None}, "check_finite must be a bool, got None"),
         ({"wide_sum": 0}, "wide_sum must be a bool, got 0"),
         ({"wide_sum": "false"}, "wide_sum must be a bool, got 'false'"),
+        ({"checksums": 1}, "checksums must be a bool, got 1"),
+        ({"use_mmap": "no"}, "use_mmap must be a bool or None, got 'no'"),
         ({"run_id": ""}, "run_id must be 1-64 characters from [A-Za-z0-9._-] or None, got ''"),
         (
             {"run_id": "a b"},

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from gradsync._format import CRC_BLOCK
 from gradsync._protocol import _prune_step_dir
-from gradsync._transport import Transport
+from gradsync._transport import ChecksumError, Transport
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -120,3 +123,29 @@ def test_pages_cached_of_a_file_another_host_wrote_are_dropped_before_reading(
     reader.close()
     dropped = [("dontneed", 0, 0)] if drop_cached else []
     assert calls == [*dropped, ("pread", 0, 16)]
+
+
+def _with_crcs(tmp_path: Path, payload: bytes, offset: int) -> tuple[Path, str]:
+    path = tmp_path / "d-1.out"
+    path.write_bytes(b"H" * offset + payload)
+    crcs = "".join(
+        f"{zlib.crc32(payload[i : i + CRC_BLOCK]):08x}" for i in range(0, len(payload), CRC_BLOCK)
+    )
+    return path, crcs
+
+
+def test_pread_with_checksums_refuses_a_garbled_block(tmp_path: Path) -> None:
+    payload = bytes(range(256)) * (CRC_BLOCK // 128)  # two blocks
+    path, crcs = _with_crcs(tmp_path, payload, 8)
+    with path.open("r+b") as f:
+        f.seek(8 + CRC_BLOCK + 17)
+        f.write(b"\xff")
+    reader = Transport(mapped=False, head_bytes=16).open(path)
+    reader.expect_crcs(crcs, 8, len(payload))
+    first = np.empty(CRC_BLOCK, np.uint8)
+    reader.read_into(8, first)  # the first block is intact
+    assert first.tobytes() == payload[:CRC_BLOCK]
+    message = f"{path} fails its checksum in bytes {8 + CRC_BLOCK}..{8 + 2 * CRC_BLOCK}"
+    with pytest.raises(ChecksumError, match=f"^{re.escape(message)}$"):
+        reader.read_into(8 + CRC_BLOCK - 2, np.empty(4, np.uint8))
+    reader.close()
