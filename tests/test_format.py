@@ -23,6 +23,7 @@ from gradsync._format import (
     KIND_INPUT,
     KIND_OUTPUT,
     MAGIC,
+    NONFINITE_LISTED,
     VERSION,
     Header,
     Layout,
@@ -434,11 +435,29 @@ def test_unreadable_meta(meta_bytes: bytes) -> None:
         {"layout": [["<f4", [2]]], "nonfinite": [1]},
         {"layout": [["<f4", [2]]], "nonfinite": [-1]},
         {"layout": [["<f4", [2]]], "nonfinite": [False]},
+        {"layout": [["<f4", [2]]], "nonfinite": [0], "nonfinite_more": -1},
+        {"layout": [["<f4", [2]]], "nonfinite": [0], "nonfinite_more": 2},
+        {"layout": [["<f4", [2]]], "nonfinite": [0], "nonfinite_more": 1.0},
     ],
 )
 def test_malformed_meta(meta: Any) -> None:
     with corrupt(f"{PATH} has a malformed header meta"):
         decode_header(encode_header(**sample_fields(meta=meta)), PATH)
+
+
+@pytest.mark.parametrize("bad", [0, 1, NONFINITE_LISTED, NONFINITE_LISTED + 1, 1000])
+def test_a_long_nonfinite_list_is_cut_and_counted(bad: int) -> None:
+    layout = tuple(("<f4", (2,)) for _ in range(1000))
+    meta = json.loads(encode_meta(layout_json(layout), range(1000 - bad, 1000), "0" * 8))
+    listed = list(range(1000 - bad, 1000))[:NONFINITE_LISTED]
+    more = {"nonfinite_more": bad - NONFINITE_LISTED} if bad > NONFINITE_LISTED else {}
+    assert meta == {
+        "layout": json.loads(layout_json(layout)),
+        "nonfinite": listed,
+        **more,
+        "crc": "0" * 8,
+    }
+    assert decode_header(encode_header(**sample_fields(meta=meta)), PATH).full_meta(PATH) == meta
 
 
 def test_deeply_nested_meta_is_corrupt_not_recursion_error() -> None:

@@ -592,6 +592,17 @@ def test_a_layout_past_the_header_limits_is_refused_before_publishing(
         assert (results[r].error_type, results[r].message) == ("InvalidGradsError", message)
 
 
+def test_buffers_for_a_layout_past_the_header_limit_name_no_step(tmp_path: Path) -> None:
+    # buffers_like sizes a header before any step: its refusal said "step 0:".
+    results = run_ranks(workers.buffers_past_the_header_limit, 2, (2, str(tmp_path)))
+    for r in range(2):
+        assert results[r].value == (
+            "InvalidGradsError",
+            "the gradients' layout takes 78 bytes in the file header, more than the 60 a "
+            "header holds: concatenate small params into fewer arrays",
+        )
+
+
 def test_buffers_for_a_layout_near_the_header_limit_without_check_finite(
     tmp_path: Path,
 ) -> None:
@@ -636,6 +647,18 @@ def test_a_thousand_params_whose_header_outgrows_the_first_read(
             "step 1: non-finite gradients (NaN or Inf) in rank 1 params 0, 1, 2, 3, 4, 5, 6, "
             "7, 8, 9 and 1090 more"
         )
+
+
+def test_a_nonfinite_list_too_long_for_the_header_is_counted_not_listed(tmp_path: Path) -> None:
+    # A million NaN params used to push the header past its limit: the step failed with
+    # InvalidGradsError ("concatenate small params") instead of NonFiniteGradError.
+    results = run_ranks(workers.nonfinite_past_the_header_limit, 2, (2, str(tmp_path)))
+    want = (
+        "NonFiniteGradError",
+        "step 0: non-finite gradients (NaN or Inf) in rank 1 params 0, 1, 2, 3, 4, 5, 6, 7, "
+        "8, 9 and 140 more",
+    )
+    assert results[0].value == results[1].value == want
 
 
 _INT64 = "param 0 has dtype int64; gradsync averages only float16, float32, float64"

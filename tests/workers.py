@@ -171,6 +171,21 @@ def over_header_limits(rank: int, world: int, sync_dir: str, limit: str) -> Any:
         gs.average([np.ones(3), np.ones(2), np.ones(1)], step=1)
 
 
+def buffers_past_the_header_limit(rank: int, world: int, sync_dir: str) -> Any:
+    """``buffers_like`` for a mapped layout of three params under a lowered header
+    limit, after a first step; returns the error's type and message."""
+    from gradsync import _protocol  # noqa: PLC0415
+
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        gs.average([np.ones(3)], step=0)
+        _protocol.MAX_META = 60  # type: ignore[attr-defined]
+        try:
+            gs.buffers_like([np.empty(1 << 18, np.float32) for _ in range(3)])
+        except gradsync.GradSyncError as exc:
+            return type(exc).__name__, str(exc)
+    return None
+
+
 def buffers_near_the_header_limit(rank: int, world: int, sync_dir: str) -> Any:
     """``buffers_like`` arrays for 150 params whose header fits the (lowered) limit only
     without a list of non-finite params, averaged twice; returns the results as bytes."""
@@ -188,6 +203,23 @@ def buffers_near_the_header_limit(rank: int, world: int, sync_dir: str) -> Any:
             gs.average(grads, step=step)
             results.append(b"".join(g.tobytes() for g in grads))
         return results
+
+
+def nonfinite_past_the_header_limit(rank: int, world: int, sync_dir: str) -> Any:
+    """150 params, every one NaN on the last rank, with check_finite, under a (lowered)
+    header limit that their layout fits with 100 bytes to spare: not enough to list
+    all 150. Returns the error's type and message."""
+    from gradsync import _format, _protocol  # noqa: PLC0415
+
+    layout = tuple(("<f4", (4,)) for _ in range(150))
+    _protocol.MAX_META = len(_format.encode_meta(_format.layout_json(layout))) + 100  # type: ignore[attr-defined]
+    grads = [np.full(4, np.nan if rank == world - 1 else 1.0, np.float32) for _ in layout]
+    with gradsync.GradSync(config(rank, world, sync_dir, check_finite=True)) as gs:
+        try:
+            gs.average(grads, step=0)
+        except gradsync.GradSyncError as exc:
+            return type(exc).__name__, str(exc)
+    return None
 
 
 def fill_disk(directory: str) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "KIND_OUTPUT",
     "MAX_META",
     "MAX_PARAMS",
+    "NONFINITE_LISTED",
     "Header",
     "Layout",
     "decode_header",
@@ -56,6 +57,9 @@ _ALIGN = 64
 # What a reader accepts of a header (bounds a corrupt file's cost); writers refuse more.
 MAX_META = 16 << 20
 MAX_PARAMS = 1 << 20
+# A header lists this many of its non-finite params, then counts the rest
+# ("nonfinite_more"): the error names no more, and a million would outgrow MAX_META.
+NONFINITE_LISTED = 10
 _DTYPE_STRS = frozenset({"<f2", "<f4", "<f8", ">f2", ">f4", ">f8"})
 # The meta's last key when it has checksums (encode_meta): no layout text contains it.
 _CRC_KEY = b'"crc":"'
@@ -135,7 +139,8 @@ def encode_meta(
     layout_text: str | None, nonfinite: Sequence[int] = (), crc: str | None = None
 ) -> bytes:
     """A header's meta as JSON bytes: ``layout_text`` (from :func:`layout_json`, input
-    files only, with the ``nonfinite`` param indices) and the payload ``crc``.
+    files only, with the first ``NONFINITE_LISTED`` of the ``nonfinite`` param indices
+    and how many more there are) and the payload ``crc``.
 
     Built as text: re-encoding a layout of a hundred params cost ~50 us a step.
     """
@@ -145,8 +150,10 @@ def encode_meta(
             '"layout":',
             layout_text,
             ',"nonfinite":',
-            json.dumps([int(i) for i in nonfinite], separators=(",", ":")),
+            json.dumps([int(i) for i in nonfinite[:NONFINITE_LISTED]], separators=(",", ":")),
         ]
+        if len(nonfinite) > NONFINITE_LISTED:
+            parts.append(f',"nonfinite_more":{len(nonfinite) - NONFINITE_LISTED}')
     if crc is not None:
         parts += ["," if layout_text is not None else "", '"crc":', json.dumps(crc)]
     parts.append("}")
@@ -317,4 +324,7 @@ def _valid_meta(meta: dict[str, Any]) -> bool:
             return False
         if dtype not in _DTYPE_STRS or not all(type(x) is int and 0 <= x < 1 << 62 for x in shape):
             return False
+    more = meta.get("nonfinite_more", 0)
+    if type(more) is not int or not 0 <= more <= len(layout):
+        return False
     return all(type(x) is int and 0 <= x < len(layout) for x in nonfinite)

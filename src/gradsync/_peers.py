@@ -18,7 +18,7 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -44,6 +44,7 @@ from ._format import (
     FLAG_NONFINITE,
     KIND_INPUT,
     KIND_OUTPUT,
+    NONFINITE_LISTED,
     Header,
     Layout,
     decode_header,
@@ -447,14 +448,15 @@ def check_inputs(plan: Plan, rank: int, peers: dict[int, Peer], step: int, step_
                 )
             raise _mismatch(plan.layout, theirs, rank, q, step, step_dir)
         check_length(peers[q], q, plan.in_len, step)
-    bad = [
-        (q, i)
-        for q in range(len(peers))
-        if peers[q].header.flags & FLAG_NONFINITE
-        for i in _checked_meta(peers[q], q, step, Header.full_meta).get("nonfinite", [])
-    ]
+    bad: list[tuple[int, int]] = []
+    unlisted: dict[int, int] = {}
+    for q in range(len(peers)):
+        if peers[q].header.flags & FLAG_NONFINITE:
+            meta = _checked_meta(peers[q], q, step, Header.full_meta)
+            bad += [(q, i) for i in meta.get("nonfinite", [])]
+            unlisted[q] = meta.get("nonfinite_more", 0)
     if bad:
-        raise nonfinite_error(bad, step, step_dir)
+        raise nonfinite_error(bad, step, step_dir, unlisted)
 
 
 def _checked_meta(peer: Peer, rank: int, step: int, read: Callable[[Header, str], _T]) -> _T:
@@ -467,11 +469,18 @@ def _checked_meta(peer: Peer, rank: int, step: int, read: Callable[[Header, str]
 
 
 def nonfinite_error(
-    bad: Sequence[tuple[int, int]], step: int, path: Path | None
+    bad: Sequence[tuple[int, int]],
+    step: int,
+    path: Path | None,
+    unlisted: Mapping[int, int] | None = None,
 ) -> NonFiniteGradError:
-    """The error of a step whose ``(rank, param)`` pairs in ``bad`` hold NaN or Inf."""
+    """The error of a step whose ``(rank, param)`` pairs in ``bad`` hold NaN or Inf, and
+    ``unlisted[rank]`` more params of that rank (not named by its file's header)."""
     ranks = sorted({q for q, _ in bad})
-    listing = "; ".join(_param_list(q, [i for p, i in bad if p == q]) for q in ranks)
+    more = unlisted or {}
+    listing = "; ".join(
+        _param_list(q, [i for p, i in bad if p == q], more.get(q, 0)) for q in ranks
+    )
     return NonFiniteGradError(
         f"step {step}: non-finite gradients (NaN or Inf) in {listing}",
         step=step,
@@ -496,13 +505,12 @@ def _mismatch(
     return MismatchError(f"step {step}: {detail}", step=step, ranks=[lo, hi], path=step_dir)
 
 
-# A non-finite step of a big model names this many params a rank, then counts the rest.
-_LISTED_PARAMS = 10
-
-
-def _param_list(rank: int, params: list[int]) -> str:
-    if len(params) == 1:
+def _param_list(rank: int, params: list[int], unlisted: int) -> str:
+    """A non-finite step of a big model names ``NONFINITE_LISTED`` params a rank, then
+    counts the rest."""
+    if len(params) + unlisted == 1:
         return f"rank {rank} param {params[0]}"
-    shown = ", ".join(str(i) for i in params[:_LISTED_PARAMS])
-    more = len(params) - _LISTED_PARAMS
-    return f"rank {rank} params {shown}" + (f" and {more} more" if more > 0 else "")
+    shown = params[:NONFINITE_LISTED]
+    more = len(params) + unlisted - len(shown)
+    listed = ", ".join(str(i) for i in shown)
+    return f"rank {rank} params {listed}" + (f" and {more} more" if more > 0 else "")

@@ -425,7 +425,7 @@ class StepEngine:
     def _header(
         self,
         kind: int,
-        step: int,
+        step: int | None,
         plan: Plan,
         payload_len: int,
         nonfinite: Sequence[int] = (),
@@ -437,16 +437,17 @@ class StepEngine:
         if len(meta) > MAX_META:
             # Readers would take the file for corrupt: refuse it here, before publishing.
             raise InvalidGradsError(
-                f"step {step}: the gradients' layout takes {len(meta)} bytes in the file "
-                f"header, more than the {MAX_META} a header holds: concatenate small "
-                "params into fewer arrays"
+                ("" if step is None else f"step {step}: ")
+                + f"the gradients' layout takes {len(meta)} bytes in the file header, more "
+                f"than the {MAX_META} a header holds: concatenate small params into fewer "
+                "arrays"
             )
         return encode_header(
             kind=kind,
             rank=self.rank,
             world_size=self.world,
             seq=self.seq,
-            step=step,
+            step=0 if step is None else step,  # None: sizing a header, no step yet
             generation=self.gen.header_id,
             layout_digest=plan.digest,
             meta=meta,
@@ -588,7 +589,7 @@ class StepEngine:
         # would be refused for a list it never has).
         crc = crc_placeholder(plan.in_len) if self.cfg.checksums else None
         flagged = range(len(layout)) if self.cfg.check_finite else ()
-        worst = self._header(KIND_INPUT, 0, plan, plan.in_len, flagged, crc)
+        worst = self._header(KIND_INPUT, None, plan, plan.in_len, flagged, crc)
         self._shared_serial += 1
         path = self.gen.path / f"d-{self.rank}-b{self._shared_serial}.in"
         old = self._shared
