@@ -238,8 +238,8 @@ class Transport:
         does not always hold. JuiceFS 1.4 served ranks of one host that opened a
         rewritten file at the same moment the previous contents, or a mix of both
         (``benchmarks/cache_probe.py``: 5 of 14,000 opens; none of 16,000 with the
-        pages dropped). A stale header is caught (``PeerFiles``), a stale payload
-        under a fresh one would not be.
+        pages dropped). A header still showing an earlier call is looked at again
+        (``PeerFiles``); a stale payload under a fresh header only ``checksums`` catch.
 
         Raises:
             NotAFileError: ``path`` is not a regular file. OSError: as the system
