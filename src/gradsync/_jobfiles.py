@@ -26,6 +26,7 @@ __all__ = [
     "load",
     "member_name",
     "member_of",
+    "member_rank",
     "offer_name",
     "parse",
     "write_json",
@@ -60,6 +61,15 @@ def member_name(rank: int, nonce: str) -> str:
     """The name, in a generation's directory, of rank ``rank``'s confirmation of its place
     (its process's ``nonce``)."""
     return f"member-{rank}-{nonce}.json"
+
+
+def member_rank(name: str) -> int | None:
+    """The rank of a confirmation's ``name`` (:func:`member_name`); None if ``name`` is
+    not one's."""
+    if not (name.startswith("member-") and name.endswith(".json")):
+        return None
+    rank = name.split("-")[1]
+    return int(rank) if rank.isdigit() else None
 
 
 def offer_name(nonce: str) -> str:

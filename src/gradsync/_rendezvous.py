@@ -67,6 +67,7 @@ from ._jobfiles import (
     load,
     member_name,
     member_of,
+    member_rank,
     offer_name,
     write_json,
 )
@@ -292,7 +293,7 @@ class _Leader:
         for name in list_names(self.gen_path):
             if name.startswith(GAVE_UP):
                 self._raise_gave_up(self.gen_path / name)
-            if name in seen or not name.startswith("member-") or not name.endswith(".json"):
+            if name in seen or member_rank(name) is None:
                 continue
             data = load(self.gen_path / name)
             member = member_of(data)
@@ -592,8 +593,8 @@ def _join_timeout(cfg: FileGradSyncConfig, gen_path: Path | None) -> PeerTimeout
             names = list_names(gen_path)
         except OSError:
             names = set()
-        joined = {n.split("-")[1] for n in names if n.startswith("member-")}
-        missing = [r for r in range(1, cfg.world_size) if str(r) not in joined]
+        joined = {member_rank(n) for n in names}
+        missing = [r for r in range(1, cfg.world_size) if r not in joined]
         if missing:
             return PeerTimeoutError(
                 f"rendezvous: ranks {missing} did not join within {cfg.max_wait_s} s in "

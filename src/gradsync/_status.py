@@ -22,6 +22,7 @@ from ._jobfiles import (
     leader_file,
     load,
     member_of,
+    member_rank,
     offer_name,
 )
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
@@ -82,7 +83,7 @@ def _strategy(gen: Path) -> str | None:
     """The job's strategy, from the settings its ranks > 0 confirmed with (rank 0
     admitted them only if they matched its own); None if no member file says."""
     for name in sorted(_names(gen)):
-        if name.startswith("member-"):
+        if member_rank(name) is not None:
             data = load(gen / name)
             settings = data.get("settings") if data is not None else None
             if isinstance(settings, dict) and isinstance(settings.get("strategy"), str):
@@ -105,7 +106,7 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
     else:
         info["state"] = "rendezvous"
         for name in sorted(_names(gen)):
-            if name.startswith("member-"):
+            if member_rank(name) is not None:
                 member = member_of(load(gen / name))
                 if member is not None:
                     members.append(member)
