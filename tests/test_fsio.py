@@ -616,6 +616,23 @@ def test_write_in_place_midway_hook_and_truncation(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["out"]
 
 
+@pytest.mark.parametrize("before", [0, 99, 100, 101, 500])
+def test_write_in_place_truncates_by_the_size_it_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: int
+) -> None:
+    # One fstat, at the open: a second after writing was a round trip to the server of
+    # a shared filesystem for every data file written.
+    target = tmp_path / "out"
+    if before:
+        target.write_bytes(b"z" * before)
+    stats: list[int] = []
+    real_fstat = os.fstat
+    monkeypatch.setattr(os, "fstat", lambda fd: stats.append(fd) or real_fstat(fd))
+    assert write_in_place(target, [b"a" * 40, b"b" * 60]) == 100
+    assert target.read_bytes() == b"a" * 40 + b"b" * 60
+    assert len(stats) == 1
+
+
 def test_write_in_place_failure_midway_propagates(tmp_path: Path) -> None:
     target = tmp_path / "out"
 

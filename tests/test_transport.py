@@ -149,3 +149,27 @@ def test_pread_with_checksums_refuses_a_garbled_block(tmp_path: Path) -> None:
     with pytest.raises(ChecksumError, match=f"^{re.escape(message)}$"):
         reader.read_into(8 + CRC_BLOCK - 2, np.empty(4, np.uint8))
     reader.close()
+
+
+def test_its_own_file_is_read_back_without_opening_it_until_its_payload_is_needed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Unmapped (a shared filesystem): opening, reading and closing its own input to
+    # check its header cost a rank three round trips to the server every step.
+    path = tmp_path / "d-0.in"
+    transport = Transport(mapped=False, head_bytes=16)
+    transport.write(path, [b"H" * 10, b"P" * 30], None, lambda pairs: None)
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a: opened.append(str(p)) or real_open(p, *a))
+    reader = transport.open(path)
+    assert (reader.head, reader.size, opened) == (b"H" * 10 + b"P" * 6, 40, [])
+    dst = np.empty(30, np.uint8)
+    reader.read_into(10, dst)  # the payload is read from the file, opened now
+    assert (dst.tobytes(), opened) == (b"P" * 30, [str(path)])
+    reader.close()
+    transport.forget(path)
+    again = transport.open(path)
+    assert again.head == b"H" * 10 + b"P" * 6
+    again.close()
+    assert opened == [str(path)] * 2  # forgotten: opened to be read

@@ -176,7 +176,7 @@ def write_in_place(
     Raises:
         OSError: as the system reported it (ENOSPC may only surface at close on NFS).
     """
-    fd = open_own(path, os.O_WRONLY)
+    fd, found = _open_own(path, os.O_WRONLY)
     try:
         if midway is None:
             total = _writev_all(fd, chunks, 0)
@@ -185,7 +185,9 @@ def write_in_place(
             total = _writev_all(fd, chunks[:half], 0)
             midway()
             total += _writev_all(fd, chunks[half:], total)
-        if os.fstat(fd).st_size != total:
+        # The size as found, not a new fstat: on a shared filesystem that is a round trip
+        # to the server after every write.
+        if found.st_size > total:
             os.ftruncate(fd, total)
     finally:
         os.close(fd)
@@ -298,10 +300,14 @@ def open_own(path: str | os.PathLike[str], access: int) -> int:
             :class:`NotAFileError` for a FIFO, directory, device; EMLINK for a file of
             several links.
     """
+    return _open_own(path, access)[0]
+
+
+def _open_own(path: str | os.PathLike[str], access: int) -> tuple[int, os.stat_result]:
+    """:func:`open_own`, and the file's ``fstat`` as found."""
     flags = access | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     fd = os.open(path, flags, FILE_MODE)
-    _checked_regular(fd, path, one_link=True)
-    return fd
+    return fd, _checked_regular(fd, path, one_link=True)
 
 
 def _checked_regular(fd: int, path: str | os.PathLike[str], *, one_link: bool) -> os.stat_result:

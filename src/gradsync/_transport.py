@@ -62,7 +62,7 @@ class DataReader:
         self.path = path
         self.head = head
         self.size = size
-        self._fd = fd
+        self._fd = fd  # neither fd nor buf: opened when first read (Transport.open)
         self._buf = buf  # a uint8 array over a mapping, or None
         self._crcs: list[int] | None = None
         self._payload_offset = 0
@@ -91,8 +91,7 @@ class DataReader:
                 data: Any = self._buf[start : start + size]
             else:
                 data = np.empty(size, dtype=np.uint8)
-                assert self._fd is not None
-                read_exact_into(self._fd, start, data.data, self.path)
+                read_exact_into(self._file(), start, data.data, self.path)
             if zlib.crc32(data) != self._crcs[block]:
                 raise ChecksumError(
                     f"{self.path} fails its checksum in bytes {start}..{start + size}"
@@ -142,8 +141,12 @@ class DataReader:
         if self._buf is not None:
             np.copyto(dst.reshape(-1).view(np.uint8), self._buf[offset : offset + dst.nbytes])
             return
-        assert self._fd is not None
-        read_exact_into(self._fd, offset, dst.data, self.path)
+        read_exact_into(self._file(), offset, dst.data, self.path)
+
+    def _file(self) -> int:
+        if self._fd is None:
+            self._fd, _ = open_regular(self.path)
+        return self._fd
 
     def close(self) -> None:
         if self._fd is not None:
@@ -164,6 +167,11 @@ class Transport:
         # Files this rank maps for writing: only it writes them, so reading one back
         # needs no stat to tell whether its mapping is still the file's.
         self._own: set[Path] = set()
+        # Unmapped: the first head_bytes and the size of what this rank last wrote to
+        # each of its files. Reading its own header back cost an open, a read and a
+        # close, each a round trip to the server of a shared filesystem (2 of 8 ms of
+        # a small step on JuiceFS).
+        self._written: dict[Path, tuple[bytes, int]] = {}
 
     def write(
         self,
@@ -182,7 +190,9 @@ class Transport:
                 allocated up front, so a full tmpfs never turns into SIGBUS.
         """
         if not self.mapped:
-            write_in_place(path, chunks, midway=midway)
+            self._written.pop(path, None)
+            size = write_in_place(path, chunks, midway=midway)
+            self._written[path] = (_first_bytes(chunks, self._head_bytes), size)
             return
         sizes = [memoryview(c).nbytes for c in chunks]
         buf = self._writable(path, sum(sizes))
@@ -248,6 +258,9 @@ class Transport:
         if path in self._own:
             _, size, _, buf = self._maps[path]
             return DataReader(path, bytes(buf[: self._head_bytes]), size, None, buf)
+        written = self._written.get(path)
+        if written is not None:
+            return DataReader(path, written[0], written[1], None, None)
         if self.mapped:
             # A kept mapping is reused when the name still leads to the same inode of
             # the same size: one stat instead of open, fstat and close every step.
@@ -282,6 +295,7 @@ class Transport:
     def forget(self, path: Path) -> None:
         """Drop the mapping kept for ``path`` (it stays valid while views of it live)."""
         self._own.discard(path)
+        self._written.pop(path, None)
         cached = self._maps.pop(path, None)
         if cached is not None:
             with contextlib.suppress(BufferError):
@@ -290,3 +304,17 @@ class Transport:
     def close(self) -> None:
         for path in list(self._maps):
             self.forget(path)
+        self._written.clear()
+
+
+def _first_bytes(chunks: Sequence[bytes | memoryview], nbytes: int) -> bytes:
+    """The first ``nbytes`` bytes of ``chunks`` joined (all of them if fewer)."""
+    out: list[bytes] = []
+    left = nbytes
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")[:left]
+        out.append(view.tobytes())
+        left -= len(view)
+        if not left:
+            break
+    return b"".join(out)
