@@ -33,6 +33,7 @@ from gradsync._format import (
     header_length,
     layout_hash,
     layout_json,
+    longest_nonfinite,
 )
 from gradsync._plan import Plan
 from gradsync._reduce import shard_range
@@ -443,6 +444,20 @@ def test_unreadable_meta(meta_bytes: bytes) -> None:
 def test_malformed_meta(meta: Any) -> None:
     with corrupt(f"{PATH} has a malformed header meta"):
         decode_header(encode_header(**sample_fields(meta=meta)), PATH)
+
+
+@given(st.integers(0, 100_000), st.data())
+def test_no_nonfinite_list_encodes_longer_than_the_longest(
+    params: int, data: st.DataObject
+) -> None:
+    # buffers_like reserves a header sized by longest_nonfinite before any step.
+    bad = data.draw(st.lists(st.integers(0, max(params - 1, 0)), unique=True, max_size=30))
+    bad = sorted(bad) if params else []
+    if data.draw(st.booleans()):
+        bad = list(range(params - len(bad), params))  # the highest indices
+    longest = len(encode_meta("[]", longest_nonfinite(params)))
+    assert len(encode_meta("[]", bad)) <= longest
+    assert len(encode_meta("[]", list(range(params)))) <= longest
 
 
 @pytest.mark.parametrize("bad", [0, 1, NONFINITE_LISTED, NONFINITE_LISTED + 1, 1000])

@@ -603,6 +603,18 @@ def test_buffers_for_a_layout_past_the_header_limit_name_no_step(tmp_path: Path)
         )
 
 
+def test_buffers_reserve_room_for_the_longest_nonfinite_list(tmp_path: Path) -> None:
+    # Sized by params 0-9 listed non-finite, the header of params 316-325 outgrew its
+    # room: a bare ValueError from encode_header instead of NonFiniteGradError.
+    results = run_ranks(workers.buffers_with_the_last_params_nonfinite, 2, (2, str(tmp_path)))
+    want = (
+        "NonFiniteGradError",
+        "step 0: non-finite gradients (NaN or Inf) in rank 1 params 316, 317, 318, 319, 320, "
+        "321, 322, 323, 324, 325 and 1 more",
+    )
+    assert results[0].value == results[1].value == want
+
+
 def test_buffers_for_a_layout_near_the_header_limit_without_check_finite(
     tmp_path: Path,
 ) -> None:
@@ -769,6 +781,19 @@ def test_a_stale_view_of_a_peers_file_is_looked_at_again(tmp_path: Path) -> None
             assert results[r].value[step] == expected(2, step, big=True)
 
 
+def test_a_stale_view_is_given_max_wait_s_from_when_the_marker_was_seen(
+    tmp_path: Path,
+) -> None:
+    # Rank 0 publishes its last call 1.5 s into rank 1's 2 s wait, and rank 1 sees its
+    # file stale for 1 s after: the old limit (from the wait's start) failed the step.
+    args = (2, str(tmp_path / "sync"), 0, 2.0, 1.0, 1.5)
+    results = run_ranks(workers.stale_view, 2, args)
+    assert_ok(results)
+    for step in range(3):
+        for r in range(2):
+            assert results[r].value[step] == expected(2, step, big=True)
+
+
 def test_a_view_that_stays_stale_fails_the_step_naming_the_file(tmp_path: Path) -> None:
     results = run_ranks(workers.stale_view, 2, (2, str(tmp_path / "sync"), 10**9, 1.0))
     out = results[1]
@@ -776,9 +801,9 @@ def test_a_view_that_stays_stale_fails_the_step_naming_the_file(tmp_path: Path) 
     path = re.escape(str(out.attrs["path"]))
     assert out.attrs["path"].endswith("/d-0.in")
     assert re.fullmatch(
-        rf"step 2: rank 0's file {path} still holds call 1, not call 3, 1.0 s after its "
-        r"marker of call 3 appeared \(ranks \[0\]\): this host is shown stale contents "
-        r"of the shared filesystem",
+        rf"step 2: rank 0's file {path} still holds call 1, not call 3, 1.0 s after this "
+        r"host first saw its marker of call 3 \(ranks \[0\]\): this host is shown stale "
+        r"contents of the shared filesystem",
         out.message,
     ), out.message
     assert (out.attrs["step"], out.attrs["ranks"]) == (2, (0,))

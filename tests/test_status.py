@@ -18,6 +18,7 @@ import gradsync
 import gradsync._liveness
 import gradsync._status
 import workers
+from gradsync._jobfiles import member_rank
 from ranks import run_ranks
 
 
@@ -367,3 +368,18 @@ def test_a_generation_name_that_is_a_symbolic_link_is_not_followed(tmp_path: Pat
     report = gradsync._status.describe(sync, sample_s=0.0)
     assert report["jobs"] == []
     assert report["disk_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "rank"),
+    [
+        ("member-3-ab12.json", 3),
+        ("member-12-x.json", 12),
+        ("member-²-x.json", None),  # a digit to str.isdigit, not to int()
+        ("member--x.json", None),
+        ("member-3-ab12.json.tmp", None),
+        ("gave-up-3-ab12.json", None),
+    ],
+)
+def test_member_file_names_are_parsed_or_skipped(name: str, rank: int | None) -> None:
+    assert member_rank(name) == rank

@@ -186,6 +186,22 @@ def buffers_past_the_header_limit(rank: int, world: int, sync_dir: str) -> Any:
     return None
 
 
+def buffers_with_the_last_params_nonfinite(rank: int, world: int, sync_dir: str) -> Any:
+    """``buffers_like`` arrays of 326 small params and a big one, check_finite, the last
+    11 NaN on the last rank: a header longer than one listing params 0-9 (whose header
+    ends 12 bytes short of a 4096-byte boundary). Returns the error's type and message."""
+    layout = [np.empty(4, np.float32) for _ in range(326)] + [np.empty(100_000, np.float32)]
+    with gradsync.GradSync(config(rank, world, sync_dir, check_finite=True)) as gs:
+        grads = gs.buffers_like(layout)
+        for i, g in enumerate(grads):
+            g[...] = np.nan if rank == world - 1 and i >= len(grads) - 11 else 1.0
+        try:
+            gs.average(grads, step=0)
+        except gradsync.GradSyncError as exc:
+            return type(exc).__name__, str(exc)
+    return None
+
+
 def buffers_near_the_header_limit(rank: int, world: int, sync_dir: str) -> Any:
     """``buffers_like`` arrays for 150 params whose header fits the (lowered) limit only
     without a list of non-finite params, averaged twice; returns the results as bytes."""
@@ -990,11 +1006,20 @@ def modes_of_what_a_job_creates(rank: int, world: int, sync_dir: str) -> dict[st
     return modes
 
 
-def stale_view(rank: int, world: int, sync_dir: str, stale_opens: int, max_wait_s: float) -> Any:
+def stale_view(
+    rank: int,
+    world: int,
+    sync_dir: str,
+    stale_opens: int,
+    max_wait_s: float,
+    stale_s: float = 0.0,
+    late_s: float = 0.0,
+) -> Any:
     """Three calls of SHAPES_BIG through pread (one input file a rank). Rank 1's first
-    ``stale_opens`` opens of rank 0's input in the third call show that file as it
-    was in the first call: a shared filesystem's stale cache on rank 1's host.
-    Returns each call's result as bytes."""
+    ``stale_opens`` opens of rank 0's input in the third call (or, with ``stale_s``,
+    its opens for that long from the first) show that file as it was in the first
+    call: a shared filesystem's stale cache on rank 1's host. Rank 0 starts the third
+    call ``late_s`` late. Returns each call's result as bytes."""
     from gradsync._transport import Transport  # noqa: PLC0415
 
     if rank == 1:
@@ -1008,16 +1033,22 @@ def stale_view(rank: int, world: int, sync_dir: str, stale_opens: int, max_wait_
             opens["all"] += 1
             if opens["all"] == 1:
                 shutil.copyfile(path, snapshot)
-            elif opens["all"] >= 3 and opens["stale"] < stale_opens:
-                opens["stale"] += 1
-                return real_open(self, snapshot)
+            elif opens["all"] >= 3:
+                first = opens.setdefault("first_stale_at", time.monotonic())
+                if time.monotonic() - first < stale_s if stale_s else opens["stale"] < stale_opens:
+                    opens["stale"] += 1
+                    return real_open(self, snapshot)
             return real_open(self, path)
 
         Transport.open = stale_open  # type: ignore[method-assign]
     results = []
-    cfg = config(rank, world, sync_dir, use_mmap=False, max_wait_s=max_wait_s)
+    # Rank 0 waits longer: both timing out at once, either could report first.
+    wait_s = max_wait_s if rank == 1 else max(max_wait_s, 30.0)
+    cfg = config(rank, world, sync_dir, use_mmap=False, max_wait_s=wait_s)
     with gradsync.GradSync(cfg) as gs:
         for step in range(3):
+            if rank == 0 and step == 2:
+                time.sleep(late_s)
             grads = grads_for(rank, step, SHAPES_BIG)
             gs.average(grads, step=step)
             results.append([g.tobytes() for g in grads])

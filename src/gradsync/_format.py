@@ -40,6 +40,7 @@ __all__ = [
     "layout_hash",
     "layout_json",
     "layout_text_hash",
+    "longest_nonfinite",
 ]
 
 MAGIC = b"GSYN"
@@ -158,6 +159,12 @@ def encode_meta(
         parts += ["," if layout_text is not None else "", '"crc":', json.dumps(crc)]
     parts.append("}")
     return "".join(parts).encode()
+
+
+def longest_nonfinite(params: int) -> list[int]:
+    """The non-finite list of ``params`` params that :func:`encode_meta` writes longest:
+    the highest indices listed and the most counted (sizes a header before any step)."""
+    return [*range(max(params - NONFINITE_LISTED, 0), params), *range(params - NONFINITE_LISTED)]
 
 
 def encode_header(

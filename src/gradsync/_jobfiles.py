@@ -69,7 +69,7 @@ def member_rank(name: str) -> int | None:
     if not (name.startswith("member-") and name.endswith(".json")):
         return None
     rank = name.split("-")[1]
-    return int(rank) if rank.isdigit() else None
+    return int(rank) if rank.isascii() and rank.isdigit() else None
 
 
 def offer_name(nonce: str) -> str:

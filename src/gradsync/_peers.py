@@ -5,9 +5,9 @@ A rank lists the call's step directory for ``<prefix>-<q>`` markers (backing off
 between looks) and opens a peer's reused data file once its marker is there; the
 file's header must name that peer, this generation and this call; one that still
 shows an earlier call of this generation is a stale view of a shared filesystem,
-looked at again until ``max_wait_s``. A peer still missing is checked after
-``_FIRST_LIVENESS_CHECK_S`` and then every ``_LIVENESS_EVERY_S``: on this host
-through its process, elsewhere through its heartbeat; a rank that closed its
+looked at again for ``max_wait_s`` from the first such look. A peer still missing is
+checked after ``_FIRST_LIVENESS_CHECK_S`` and then every ``_LIVENESS_EVERY_S``: on this
+host through its process, elsewhere through its heartbeat; a rank that closed its
 session is lost unless it finished the call.
 """
 
@@ -155,7 +155,8 @@ class PeerFiles:
         kind = KIND_INPUT if prefix == "in" else KIND_OUTPUT
         what = "its gradients" if prefix == "in" else "its shard of the mean"
         missing = [q for q in ranks if q not in found]
-        stale: dict[int, _StaleError] = {}  # marker there, file not yet shown to this host
+        # Marker there, file not yet shown to this host: what it showed, and since when.
+        stale: dict[int, tuple[_StaleError, float]] = {}
         last: int | None = None
         first_look = True
         backoff = Backoff()
@@ -170,7 +171,7 @@ class PeerFiles:
                 except _StaleError as exc:
                     if q not in stale:
                         _log.debug("step %d: %s still holds call %d", step, exc.path, exc.held)
-                    stale[q] = exc
+                    stale[q] = (exc, stale[q][1] if q in stale else backoff.elapsed_s())
                     continue
                 missing.remove(q)
                 if not first_look:
@@ -205,24 +206,29 @@ class PeerFiles:
                         path=step_dir,
                     )
                 self._check_alive(missing, step, seq, step_dir, what, elapsed)
-            if elapsed >= self.cfg.max_wait_s:
-                if stale_now := {q: stale[q] for q in missing if q in stale}:
-                    q, seen = min(stale_now.items())
-                    raise _unusable(
-                        step,
-                        q,
-                        seen.path,
-                        f"{seen.path} still holds call {seen.held}, not call {seq}, "
-                        f"{self.cfg.max_wait_s} s after its marker of call {seq} appeared "
-                        f"(ranks {sorted(stale_now)}): this host is shown stale contents "
-                        "of the shared filesystem",
-                    )
+            unpublished = [q for q in missing if q not in stale]
+            if unpublished and elapsed >= self.cfg.max_wait_s:
                 raise PeerTimeoutError(
-                    f"step {step}: ranks {missing} published nothing in {step_dir} within "
+                    f"step {step}: ranks {unpublished} published nothing in {step_dir} within "
                     f"{self.cfg.max_wait_s} s (still alive, but not publishing {what[4:]})",
                     step=step,
-                    ranks=missing,
+                    ranks=unpublished,
                     path=step_dir,
+                )
+            # A stale view gets max_wait_s from when this host first saw the marker.
+            expired = [
+                q for q in missing if q in stale and elapsed - stale[q][1] >= self.cfg.max_wait_s
+            ]
+            if expired:
+                seen = stale[expired[0]][0]
+                raise _unusable(
+                    step,
+                    expired[0],
+                    seen.path,
+                    f"{seen.path} still holds call {seen.held}, not call {seq}, "
+                    f"{self.cfg.max_wait_s} s after this host first saw its marker of call "
+                    f"{seq} (ranks {expired}): this host is shown stale contents of the "
+                    "shared filesystem",
                 )
             if elapsed >= next_warn:
                 _log.warning(

@@ -61,6 +61,7 @@ from ._format import (
     encode_header,
     encode_meta,
     header_length,
+    longest_nonfinite,
 )
 from ._fsio import (
     DIR_MODE,
@@ -584,11 +585,11 @@ class StepEngine:
         plan = self._plan_for(layout)
         if not (self._transport.mapped and _one_slot(plan)):
             return [np.zeros(shape, dtype=np.dtype(dtype)) for dtype, shape in layout]
-        # Sized for the longest header this layout can have: every param non-finite
-        # (listed only with check_finite: without it a layout near the header's limit
-        # would be refused for a list it never has).
+        # Sized for the longest header this layout can have: the longest list of
+        # non-finite params (only with check_finite: without it a layout near the
+        # header's limit would be refused for a list it never has).
         crc = crc_placeholder(plan.in_len) if self.cfg.checksums else None
-        flagged = range(len(layout)) if self.cfg.check_finite else ()
+        flagged = longest_nonfinite(len(layout) if self.cfg.check_finite else 0)
         worst = self._header(KIND_INPUT, None, plan, plan.in_len, flagged, crc)
         self._shared_serial += 1
         path = self.gen.path / f"d-{self.rank}-b{self._shared_serial}.in"
