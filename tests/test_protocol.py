@@ -784,9 +784,9 @@ def test_a_stale_view_of_a_peers_file_is_looked_at_again(tmp_path: Path) -> None
 def test_a_stale_view_is_given_max_wait_s_from_when_the_marker_was_seen(
     tmp_path: Path,
 ) -> None:
-    # Rank 0 publishes its last call 1.5 s into rank 1's 2 s wait, and rank 1 sees its
-    # file stale for 1 s after: the old limit (from the wait's start) failed the step.
-    args = (2, str(tmp_path / "sync"), 0, 2.0, 1.0, 1.5)
+    # Rank 0 publishes its last call 1.5 s into rank 1's 3 s wait, and rank 1 sees its
+    # file stale for 2 s after: the old limit (from the wait's start) failed the step.
+    args = (2, str(tmp_path / "sync"), 0, 3.0, 2.0, 1.5)
     results = run_ranks(workers.stale_view, 2, args)
     assert_ok(results)
     for step in range(3):
