@@ -8,7 +8,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -603,18 +603,6 @@ def test_buffers_for_a_layout_past_the_header_limit_name_no_step(tmp_path: Path)
         )
 
 
-def test_buffers_reserve_room_for_the_longest_nonfinite_list(tmp_path: Path) -> None:
-    # Sized by params 0-9 listed non-finite, the header of params 316-325 outgrew its
-    # room: a bare ValueError from encode_header instead of NonFiniteGradError.
-    results = run_ranks(workers.buffers_with_the_last_params_nonfinite, 2, (2, str(tmp_path)))
-    want = (
-        "NonFiniteGradError",
-        "step 0: non-finite gradients (NaN or Inf) in rank 1 params 316, 317, 318, 319, 320, "
-        "321, 322, 323, 324, 325 and 1 more",
-    )
-    assert results[0].value == results[1].value == want
-
-
 def test_buffers_for_a_layout_near_the_header_limit_without_check_finite(
     tmp_path: Path,
 ) -> None:
@@ -661,16 +649,27 @@ def test_a_thousand_params_whose_header_outgrows_the_first_read(
         )
 
 
-def test_a_nonfinite_list_too_long_for_the_header_is_counted_not_listed(tmp_path: Path) -> None:
-    # A million NaN params used to push the header past its limit: the step failed with
-    # InvalidGradsError ("concatenate small params") instead of NonFiniteGradError.
-    results = run_ranks(workers.nonfinite_past_the_header_limit, 2, (2, str(tmp_path)))
-    want = (
-        "NonFiniteGradError",
-        "step 0: non-finite gradients (NaN or Inf) in rank 1 params 0, 1, 2, 3, 4, 5, 6, 7, "
-        "8, 9 and 140 more",
-    )
-    assert results[0].value == results[1].value == want
+@pytest.mark.parametrize(
+    ("worker", "listing"),
+    [
+        # A million NaN params used to push the header past its limit: InvalidGradsError
+        # ("concatenate small params") instead of NonFiniteGradError.
+        (workers.nonfinite_past_the_header_limit, "0, 1, 2, 3, 4, 5, 6, 7, 8, 9 and 140 more"),
+        # buffers_like sized its header for params 0-9 listed: the header of params
+        # 316-325 outgrew its room (a bare ValueError from encode_header).
+        (
+            workers.buffers_with_the_last_params_nonfinite,
+            "316, 317, 318, 319, 320, 321, 322, 323, 324, 325 and 1 more",
+        ),
+    ],
+    ids=["past-the-header-limit", "buffers-last-params"],
+)
+def test_a_long_nonfinite_list_is_counted_not_listed(
+    tmp_path: Path, worker: Callable[..., Any], listing: str
+) -> None:
+    results = run_ranks(worker, 2, (2, str(tmp_path)))
+    message = f"step 0: non-finite gradients (NaN or Inf) in rank 1 params {listing}"
+    assert results[0].value == results[1].value == ("NonFiniteGradError", message)
 
 
 _INT64 = "param 0 has dtype int64; gradsync averages only float16, float32, float64"
