@@ -19,19 +19,10 @@ import gradsync
 from gradsync import _protocol
 from gradsync._format import HEADER_READ_BYTES, decode_header
 from gradsync._protocol import StepEngine
-from ranks import config
+from ranks import WarningLog, config
 from workers import SHAPES, SHAPES_BIG, grads_for
 
 _log = logging.getLogger("gradsync")
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _record(
@@ -78,7 +69,7 @@ def steps_until_error(
     rank reduces everything itself and no ``out`` file is written.
     """
     shapes = SHAPES_BIG if big else SHAPES
-    handler = _Collect()
+    handler = WarningLog()
     _log.addHandler(handler)
     records = []
     gen_dir = None

@@ -5,6 +5,7 @@ Children are always reaped: on any exit path, survivors are terminated, then kil
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -106,3 +107,14 @@ def config(rank: int, world: int, sync_dir: str, **kw: Any) -> gradsync.FileGrad
 
 def pid() -> int:
     return os.getpid()
+
+
+class WarningLog(logging.Handler):
+    """Collects the messages of warnings (and worse) logged while attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

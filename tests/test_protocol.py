@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from gradsync._liveness import MemberInfo
 from gradsync._plan import Group, Plan
 from gradsync._protocol import StepEngine, nonfinite_params, validate_grads
 from gradsync._rendezvous import _Leader, _settings
-from ranks import run_ranks
+from ranks import Outcome, run_ranks
 
 
 def expected(
@@ -770,14 +771,18 @@ def test_a_layout_change_never_overwrites_a_file_still_being_read(tmp_path: Path
             assert results[r].value[step] == expected(2, step, big=big)
 
 
+def _assert_three_calls_averaged(results: dict[int, Outcome]) -> None:
+    assert_ok(results)
+    for step in range(3):
+        for r in range(2):
+            assert results[r].value["results"][step] == expected(2, step, big=True)
+
+
 def test_a_stale_view_of_a_peers_file_is_looked_at_again(tmp_path: Path) -> None:
     # A shared filesystem may show one host a rewritten file's previous contents for a
     # moment after the marker (JuiceFS did, to one of two ranks opening it at once).
     results = run_ranks(workers.stale_view, 2, (2, str(tmp_path / "sync"), 3, 30.0))
-    assert_ok(results)
-    for step in range(3):
-        for r in range(2):
-            assert results[r].value[step] == expected(2, step, big=True)
+    _assert_three_calls_averaged(results)
 
 
 def test_a_stale_view_is_given_max_wait_s_from_when_the_marker_was_seen(
@@ -786,11 +791,7 @@ def test_a_stale_view_is_given_max_wait_s_from_when_the_marker_was_seen(
     # Rank 0 publishes its last call 1.5 s into rank 1's 3 s wait, and rank 1 sees its
     # file stale for 2 s after: the old limit (from the wait's start) failed the step.
     args = (2, str(tmp_path / "sync"), 0, 3.0, 2.0, 1.5)
-    results = run_ranks(workers.stale_view, 2, args)
-    assert_ok(results)
-    for step in range(3):
-        for r in range(2):
-            assert results[r].value[step] == expected(2, step, big=True)
+    _assert_three_calls_averaged(run_ranks(workers.stale_view, 2, args))
 
 
 def test_a_view_that_stays_stale_fails_the_step_naming_the_file(tmp_path: Path) -> None:
@@ -806,6 +807,56 @@ def test_a_view_that_stays_stale_fails_the_step_naming_the_file(tmp_path: Path) 
         out.message,
     ), out.message
     assert (out.attrs["step"], out.attrs["ranks"]) == (2, (0,))
+    assert not results[0].ok
+
+
+def test_a_file_not_yet_shown_behind_its_marker_is_looked_for_again(tmp_path: Path) -> None:
+    # NFS caches that a name is absent: a host that looked the name up before a peer
+    # created the file can be told it is not there for up to a minute after.
+    args = (2, str(tmp_path / "sync"), 0, 5.0, 2.0, 0.0, True, 1.0)
+    results = run_ranks(workers.stale_view, 2, args)
+    _assert_three_calls_averaged(results)
+    sync = re.escape(str(tmp_path / "sync"))
+    waits = [
+        re.fullmatch(
+            r"step 2: rank 1 has waited \d+\.\d s for ranks \[0\] \(alive\) to publish "
+            rf"gradients in {sync}/gen-[0-9a-f]+/s-3 \(ranks \[0\] did, but this host is "
+            r"shown stale contents of their files\)",
+            w,
+        )
+        for w in results[1].value["warnings"]
+    ]
+    assert waits, "rank 1 logged no warning"
+    assert all(waits), results[1].value["warnings"]
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "local"])
+def test_a_file_missing_behind_its_marker_fails_the_step_naming_it(
+    tmp_path: Path, shared: bool
+) -> None:
+    # On a shared filesystem only after max_wait_s; on a local one at once: nothing
+    # there can show a file late, so it was removed.
+    wait_s = 1.0 if shared else 20.0
+    args = (2, str(tmp_path / "sync"), 10**9, wait_s, 0.0, 0.0, True, 30.0, shared)
+    results = run_ranks(workers.stale_view, 2, args)
+    out = results[1]
+    assert out.error_type == "SyncDirError", out.value
+    assert out.attrs["errno"] == errno.ENOENT
+    path = re.escape(str(out.attrs["path"]))
+    assert out.attrs["path"].endswith("/d-0.in")
+    if shared:
+        assert re.fullmatch(
+            rf"step 2: rank 0's file {path} is not there 1.0 s after this host first saw "
+            r"its marker of call 3 \(ranks \[0\]\): this host is shown stale contents of "
+            r"the shared filesystem",
+            out.message,
+        ), out.message
+        assert (out.attrs["step"], out.attrs["ranks"]) == (2, (0,))
+    else:
+        assert re.fullmatch(
+            rf"step 2: opening {path} failed: No such file or directory", out.message
+        ), out.message
+        assert out.elapsed_s < wait_s / 2
     assert not results[0].ok
 
 

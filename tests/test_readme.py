@@ -70,3 +70,20 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert len(commands) == 1, commands
     assert ci[-1] == commands[0]
     assert "bash .ci/test-floors.sh" in ci[-2]  # after the suite at the dependency floors
+
+
+def test_every_test_the_readme_names_exists() -> None:
+    # The guarantees point at the tests that hold them up; a renamed test must not
+    # leave the README pointing at nothing. ``::name`` continues the last named file.
+    refs = re.findall(r"`((?:[\w/]*test_\w+\.py)?)::(\w+)(?:\[[^\]`]*\])?`", README)
+    assert len(refs) >= 30, refs
+    missing = []
+    current = ""
+    for file, name in refs:
+        current = file or current
+        path = ROOT / "tests" / Path(current).name
+        if not path.exists():
+            path = ROOT / "tests" / "multihost" / Path(current).name
+        if not re.search(rf"^def {name}\(", path.read_text(), re.M):
+            missing.append(f"{current}::{name}")
+    assert missing == []

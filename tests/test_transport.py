@@ -98,9 +98,9 @@ def test_prune_removes_whatever_is_left(tmp_path: Path, left: tuple[str, ...]) -
     assert not step_dir.exists()
 
 
-@pytest.mark.parametrize("drop_cached", [True, False])
+@pytest.mark.parametrize("shared", [True, False])
 def test_pages_cached_of_a_file_another_host_wrote_are_dropped_before_reading(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drop_cached: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool
 ) -> None:
     path = tmp_path / "d-1.in"
     path.write_bytes(b"A" * 100)
@@ -117,11 +117,11 @@ def test_pages_cached_of_a_file_another_host_wrote_are_dropped_before_reading(
 
     monkeypatch.setattr(os, "pread", reading)
     monkeypatch.setattr(os, "posix_fadvise", advising)
-    transport = Transport(mapped=False, head_bytes=16, drop_cached=drop_cached)
+    transport = Transport(mapped=False, head_bytes=16, shared=shared)
     reader = transport.open(path)
     assert reader.head == b"A" * 16
     reader.close()
-    dropped = [("dontneed", 0, 0)] if drop_cached else []
+    dropped = [("dontneed", 0, 0)] if shared else []
     assert calls == [*dropped, ("pread", 0, 16)]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
+import logging
 import os
 import shutil
 import signal
@@ -19,7 +20,7 @@ import numpy as np
 
 import gradsync
 from gradsync import _liveness
-from ranks import config
+from ranks import WarningLog, config
 
 SHAPES: list[tuple[tuple[int, ...], str]] = [
     ((3, 5), "float32"),
@@ -1014,14 +1015,21 @@ def stale_view(
     max_wait_s: float,
     stale_s: float = 0.0,
     late_s: float = 0.0,
-) -> Any:
+    missing: bool = False,
+    warn_after_s: float = 10.0,
+    shared: bool = True,
+) -> dict[str, Any]:
     """Three calls of SHAPES_BIG through pread (one input file a rank). Rank 1's first
     ``stale_opens`` opens of rank 0's input in the third call (or, with ``stale_s``,
     its opens for that long from the first) show that file as it was in the first
-    call: a shared filesystem's stale cache on rank 1's host. Rank 0 starts the third
-    call ``late_s`` late. Returns each call's result as bytes."""
+    call, or with ``missing`` as not there (ENOENT, as NFS's cache of absent names
+    does): a shared filesystem's stale view on rank 1's host, which gradsync takes
+    for a shared one (``shared``) or a local one. Rank 0 starts the third call
+    ``late_s`` late. Returns each call's result as bytes and the warnings logged."""
+    from gradsync import _protocol  # noqa: PLC0415
     from gradsync._transport import Transport  # noqa: PLC0415
 
+    _protocol.local_filesystem = lambda path: not shared  # type: ignore[assignment]
     if rank == 1:
         snapshot = Path(sync_dir).parent / "d-0.in-as-of-call-1"
         real_open = Transport.open
@@ -1037,6 +1045,8 @@ def stale_view(
                 first = opens.setdefault("first_stale_at", time.monotonic())
                 if time.monotonic() - first < stale_s if stale_s else opens["stale"] < stale_opens:
                     opens["stale"] += 1
+                    if missing:
+                        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
                     return real_open(self, snapshot)
             return real_open(self, path)
 
@@ -1044,7 +1054,11 @@ def stale_view(
     results = []
     # Rank 0 waits longer: both timing out at once, either could report first.
     wait_s = max_wait_s if rank == 1 else max(max_wait_s, 30.0)
-    cfg = config(rank, world, sync_dir, use_mmap=False, max_wait_s=wait_s)
+    cfg = config(
+        rank, world, sync_dir, use_mmap=False, max_wait_s=wait_s, warn_after_s=warn_after_s
+    )
+    warnings = WarningLog()
+    logging.getLogger("gradsync").addHandler(warnings)
     with gradsync.GradSync(cfg) as gs:
         for step in range(3):
             if rank == 0 and step == 2:
@@ -1052,4 +1066,4 @@ def stale_view(
             grads = grads_for(rank, step, SHAPES_BIG)
             gs.average(grads, step=step)
             results.append([g.tobytes() for g in grads])
-    return results
+    return {"results": results, "warnings": warnings.messages}

@@ -72,12 +72,17 @@ _LISTING_CALLS = 5
 
 class _StaleError(Exception):
     """A peer's marker of this call is there, but its file, as this host sees it, still
-    holds an earlier call of this generation (never raised out of PeerFiles)."""
+    holds an earlier call of this generation (``held``), or, on a shared filesystem,
+    is not there at all (``held`` None). Never raised out of PeerFiles."""
 
-    def __init__(self, path: Path, held: int) -> None:
+    def __init__(self, path: Path, held: int | None) -> None:
         super().__init__(path, held)
         self.path = path
         self.held = held
+
+    def shown(self) -> str:
+        """What this host is shown of the file: ``is not there`` or ``still holds call 3``."""
+        return "is not there" if self.held is None else f"still holds call {self.held}"
 
 
 @dataclass
@@ -105,7 +110,25 @@ def reading(peer: Peer, rank: int, step: int) -> Iterator[None]:
 def _stale_clause(ranks: list[int]) -> str:
     if not ranks:
         return ""
-    return f" (ranks {ranks} did, but this host still sees their files of an earlier call)"
+    return f" (ranks {ranks} did, but this host is shown stale contents of their files)"
+
+
+def _stale_error(
+    seen: _StaleError, ranks: list[int], step: int, seq: int, limit_s: float
+) -> GradSyncError:
+    """The error of a peer file still shown stale ``limit_s`` after its marker: a
+    CorruptFileError for an old call's contents, a SyncDirError (ENOENT) for no file."""
+    message = (
+        f"step {step}: rank {ranks[0]}'s file {seen.path} {seen.shown()}"
+        f"{'' if seen.held is None else f', not call {seq},'} {limit_s} s after this host "
+        f"first saw its marker of call {seq} (ranks {ranks}): this host is shown stale "
+        "contents of the shared filesystem"
+    )
+    if seen.held is None:
+        return SyncDirError(
+            message, errno=errno.ENOENT, step=step, ranks=[ranks[0]], path=seen.path
+        )
+    return CorruptFileError(message, step=step, ranks=[ranks[0]], path=seen.path)
 
 
 def _unusable(step: int, rank: int, path: Path, problem: str) -> CorruptFileError:
@@ -170,7 +193,7 @@ class PeerFiles:
                     found[q] = self._open_published(q, prefix, kind, step, seq)
                 except _StaleError as exc:
                     if q not in stale:
-                        _log.debug("step %d: %s still holds call %d", step, exc.path, exc.held)
+                        _log.debug("step %d: %s %s", step, exc.path, exc.shown())
                     stale[q] = (exc, stale[q][1] if q in stale else backoff.elapsed_s())
                     continue
                 missing.remove(q)
@@ -220,16 +243,7 @@ class PeerFiles:
                 q for q in missing if q in stale and elapsed - stale[q][1] >= self.cfg.max_wait_s
             ]
             if expired:
-                seen = stale[expired[0]][0]
-                raise _unusable(
-                    step,
-                    expired[0],
-                    seen.path,
-                    f"{seen.path} still holds call {seen.held}, not call {seq}, "
-                    f"{self.cfg.max_wait_s} s after this host first saw its marker of call "
-                    f"{seq} (ranks {expired}): this host is shown stale contents of the "
-                    "shared filesystem",
-                )
+                raise _stale_error(stale[expired[0]][0], expired, step, seq, self.cfg.max_wait_s)
             if elapsed >= next_warn:
                 _log.warning(
                     "step %d: rank %d has waited %.1f s for ranks %s (alive) to publish %s in %s%s",
@@ -297,6 +311,12 @@ class PeerFiles:
             reader = self._transport.open(path)
         except NotAFileError as exc:
             raise _unusable(step, rank, path, f"is unusable: {exc.strerror}") from exc
+        except FileNotFoundError as exc:
+            if self._transport.shared:
+                # Its marker is there, so the file was written: this host may not see
+                # it yet (NFS caches that a name is absent, for up to acdirmax, 60 s).
+                raise _StaleError(path, None) from exc
+            raise translate_oserror(exc, "opening", path, step=step) from exc
         except OSError as exc:
             raise translate_oserror(exc, "opening", path, step=step) from exc
         try:

@@ -236,9 +236,7 @@ class StepEngine:
         self._linked: Path | None = None  # the shared file this rank's input name points at
         local = local_filesystem(gen.path)
         mapped = cfg.use_mmap if cfg.use_mmap is not None else local
-        self._transport = Transport(
-            mapped=mapped, head_bytes=HEADER_READ_BYTES, drop_cached=not local
-        )
+        self._transport = Transport(mapped=mapped, head_bytes=HEADER_READ_BYTES, shared=not local)
         self._peers = PeerFiles(
             cfg, gen, self._transport, self.data_path, self._input_names, closing
         )

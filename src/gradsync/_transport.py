@@ -158,11 +158,13 @@ class DataReader:
 class Transport:
     """Writes and opens data files; keeps their mappings when ``mapped``."""
 
-    def __init__(self, *, mapped: bool, head_bytes: int, drop_cached: bool = False) -> None:
+    def __init__(self, *, mapped: bool, head_bytes: int, shared: bool = False) -> None:
         self.mapped = mapped
+        # Files live on a filesystem other hosts write: what this host sees of them may
+        # lag behind (see Transport.open), so its cached pages are dropped before reading.
+        self.shared = shared
         self._head_bytes = head_bytes
-        # Files live on a filesystem other hosts write (see Transport.open).
-        self._drop_cached = drop_cached and hasattr(os, "posix_fadvise")
+        self._drop_cached = shared and hasattr(os, "posix_fadvise")
         self._maps: dict[Path, tuple[int, int, mmap.mmap, np.ndarray]] = {}
         # Files this rank maps for writing: only it writes them, so reading one back
         # needs no stat to tell whether its mapping is still the file's.
@@ -243,7 +245,7 @@ class Transport:
     def open(self, path: Path) -> DataReader:
         """Open a published file: its first bytes (the header) and a way to read the rest.
 
-        With ``drop_cached``, pages this host holds of the file are dropped before it
+        With ``shared``, pages this host holds of the file are dropped before it
         is read: another host rewrote it in place, and close-to-open consistency
         does not always hold. JuiceFS 1.4 served ranks of one host that opened a
         rewritten file at the same moment the previous contents, or a mix of both
