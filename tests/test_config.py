@@ -78,6 +78,39 @@ def test_sync_dir_becomes_path(sync_dir: str | Path) -> None:
     assert cfg.sync_dir == Path("/tmp/gs")
 
 
+def test_sync_dir_is_made_absolute_when_the_config_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Resolved at each use, a relative path followed a later os.chdir: that rank then
+    # wrote into another directory than its peers.
+    monkeypatch.chdir(tmp_path)
+    cfg = make(sync_dir="runs/../gs")
+    monkeypatch.chdir("/")
+    assert cfg.sync_dir == tmp_path / "runs" / ".." / "gs"
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert make(sync_dir="~/gs").sync_dir == Path("/home/someone/gs")
+    assert make(sync_dir=Path("~")).sync_dir == Path("/home/someone")
+
+
+def test_numpy_numbers_are_taken_and_stored_as_python_numbers() -> None:
+    cfg = make(
+        world_size=np.int64(4),
+        rank=np.int32(3),
+        threads=np.uint8(2),
+        max_wait_s=np.float32(2.5),
+        heartbeat_interval_s=1,
+        heartbeat_timeout_s=np.int64(5),
+    )
+    assert (cfg.world_size, cfg.rank, cfg.threads) == (4, 3, 2)
+    assert (cfg.max_wait_s, cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s) == (2.5, 1.0, 5.0)
+    assert [type(v) for v in (cfg.world_size, cfg.rank, cfg.threads)] == [int] * 3
+    assert type(cfg.max_wait_s) is type(cfg.heartbeat_interval_s) is float
+    with raises_config("rank must be an int, got np.True_"):
+        make(rank=np.bool_(True))
+    with raises_config("max_wait_s must be a finite number of seconds > 0, got np.float32(nan)"):
+        make(max_wait_s=np.float32("nan"))
+
+
 def test_sync_dir_accepts_any_pathlike() -> None:
     class Where(os.PathLike[str]):
         def __fspath__(self) -> str:
@@ -162,7 +195,7 @@ def test_config_error_is_value_error() -> None:
         (
             {"heartbeat_interval_s": 10, "heartbeat_timeout_s": 19.999},
             "heartbeat_timeout_s must be at least twice heartbeat_interval_s, got "
-            "heartbeat_timeout_s=19.999 and heartbeat_interval_s=10",
+            "heartbeat_timeout_s=19.999 and heartbeat_interval_s=10.0",
         ),
         ({"strategy": "ring"}, "strategy must be one of ('sharded', 'root'), got 'ring'"),
         ({"strategy": "Root"}, "strategy must be one of ('sharded', 'root'), got 'Root'"),
@@ -331,6 +364,18 @@ def test_from_env_sync_dir_expands_home_and_refuses_surrounding_blanks(
             "environment variable RANK must be an integer, got 'one'",
         ),
         (
+            base_env(GRADSYNC_WORLD_SIZE="1_0"),
+            "environment variable GRADSYNC_WORLD_SIZE must be an integer, got '1_0'",
+        ),
+        (
+            base_env(GRADSYNC_RANK="\u0663"),
+            "environment variable GRADSYNC_RANK must be an integer, got '\u0663'",
+        ),
+        (
+            base_env(GRADSYNC_MAX_WAIT_S="1_0"),
+            "environment variable GRADSYNC_MAX_WAIT_S must be a number, got '1_0'",
+        ),
+        (
             base_env(GRADSYNC_MAX_WAIT_S="soon"),
             "environment variable GRADSYNC_MAX_WAIT_S must be a number, got 'soon'",
         ),
@@ -489,6 +534,14 @@ def test_from_env_override_supplies_missing_variable() -> None:
         "world_size=4"
     ):
         FileGradSyncConfig.from_env(env=base_env(), rank=4)
+
+
+def test_from_env_names_only_the_overrides_when_nothing_came_from_the_environment() -> None:
+    with raises_config(
+        "invalid configuration from the overrides (world_size=2, rank=2, sync_dir='/tmp/o'): "
+        "rank must satisfy 0 <= rank < world_size, got rank=2 with world_size=2"
+    ):
+        FileGradSyncConfig.from_env(env={}, world_size=2, rank=2, sync_dir="/tmp/o")
 
 
 def test_from_env_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 import tempfile
@@ -10,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+import numpy as np
 
 from ._errors import ConfigError
 
@@ -20,6 +23,7 @@ _STRATEGIES: tuple[str, ...] = ("sharded", "root")
 _MAX_THREADS = 256
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _MAX_WAIT_SECONDS = 1e9  # about 31 years
+_INT_RE = re.compile(r"[+-]?[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,10 @@ class FileGradSyncConfig:
         world_size: Number of ranks in the job, >= 1.
         rank: This process's rank, ``0 <= rank < world_size``.
         sync_dir: Directory every rank can read and write: tmpfs (``/dev/shm``) on one
-            machine, a shared filesystem across machines. Created if missing.
+            machine, a shared filesystem across machines. Created if missing. Kept as
+            an absolute path: a leading ``~`` is expanded, and a relative path is taken
+            from the current directory when the config is made (a later ``os.chdir``
+            does not move the job).
         max_wait_s: Seconds to wait for live peers before a step fails with
             :class:`PeerTimeoutError`. Dead peers are reported much sooner.
         strategy: ``"sharded"`` (each rank reduces 1/world_size of the elements) or
@@ -72,6 +79,9 @@ class FileGradSyncConfig:
             so concurrent jobs sharing one sync_dir stay apart. ``gradsync launch`` sets
             one; without it, a fresh rendezvous still keeps earlier runs' files out.
 
+    Integer fields take any integer (``numpy.int64`` too), stored as ``int``; seconds
+    take any real number, stored as ``float``.
+
     Raises:
         ConfigError: (a ``ValueError``) naming the field and showing the bad value.
     """
@@ -92,8 +102,8 @@ class FileGradSyncConfig:
     wide_sum: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("world_size", self.world_size, minimum=1)
-        _check_int("rank", self.rank, minimum=0)
+        self._set("world_size", _check_int("world_size", self.world_size, minimum=1))
+        self._set("rank", _check_int("rank", self.rank, minimum=0))
         if self.rank >= self.world_size:
             raise ConfigError(
                 f"rank must satisfy 0 <= rank < world_size, got rank={self.rank!r} "
@@ -103,9 +113,13 @@ class FileGradSyncConfig:
             raise ConfigError(f"sync_dir must be a non-empty path, got {self.sync_dir!r}")
         if "\0" in str(os.fspath(self.sync_dir)):
             raise ConfigError(f"sync_dir must not contain a NUL byte, got {self.sync_dir!r}")
-        object.__setattr__(self, "sync_dir", Path(self.sync_dir))
+        # Every later use must name the same directory: a relative path resolved at
+        # each use would follow an os.chdir and split the job. Not normalised (".."
+        # after a symbolic link means what the kernel says).
+        where = Path(os.path.expanduser(os.fspath(self.sync_dir)))
+        self._set("sync_dir", where if where.is_absolute() else Path(os.getcwd(), where))
         for name in ("max_wait_s", "heartbeat_interval_s", "heartbeat_timeout_s", "warn_after_s"):
-            _check_seconds(name, getattr(self, name))
+            self._set(name, _check_seconds(name, getattr(self, name)))
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s"):
             # Threads wait this long at a time; past ~9.2e9 s such a wait overflows.
             if getattr(self, name) > _MAX_WAIT_SECONDS:
@@ -129,7 +143,7 @@ class FileGradSyncConfig:
         if self.use_mmap is not None and not isinstance(self.use_mmap, bool):
             raise ConfigError(f"use_mmap must be a bool or None, got {self.use_mmap!r}")
         if self.threads is not None:
-            _check_int("threads", self.threads, minimum=1)
+            self._set("threads", _check_int("threads", self.threads, minimum=1))
             if self.threads > _MAX_THREADS:
                 raise ConfigError(
                     f"threads must be <= {_MAX_THREADS} or None, got {self.threads!r}"
@@ -140,6 +154,10 @@ class FileGradSyncConfig:
             raise ConfigError(
                 f"run_id must be 1-64 characters from [A-Za-z0-9._-] or None, got {self.run_id!r}"
             )
+
+    def _set(self, name: str, value: object) -> None:
+        # Frozen: __post_init__ stores normalised values through object.__setattr__.
+        object.__setattr__(self, name, value)
 
     @classmethod
     def from_env(
@@ -157,6 +175,7 @@ class FileGradSyncConfig:
 
         Raises:
             ConfigError: naming the variable that is missing or bad, and its value.
+            TypeError: an override that is not a field (as for any unknown keyword).
         """
         source = os.environ if env is None else env
         values: dict[str, object] = {}
@@ -209,9 +228,9 @@ class FileGradSyncConfig:
             return cls(**values)  # type: ignore[arg-type]
         except ConfigError as exc:
             given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
-            where = f"the environment ({', '.join(used)})" + (
-                f" and the overrides ({given})" if given else ""
-            )
+            sources = [f"the environment ({', '.join(used)})"] if used else []
+            sources += [f"the overrides ({given})"] if given else []
+            where = " and ".join(sources) or "the environment"
             raise ConfigError(f"invalid configuration from {where}: {exc}") from exc
 
     @property
@@ -220,22 +239,26 @@ class FileGradSyncConfig:
         return self.world_size > 1
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_int(name: str, value: object, *, minimum: int) -> int:
+    """``value`` as an int (numpy integers too, not bools), or raise ConfigError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise ConfigError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
+    return int(value)
 
 
-def _check_seconds(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _check_seconds(name: str, value: object) -> float:
+    """``value`` as a float of seconds (numpy floats too), finite and > 0, or raise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
     try:
-        finite = math.isfinite(value)
+        seconds = float(value)
     except OverflowError:  # an int too large for a float is no usable number of seconds
-        finite = False
-    if not (finite and value > 0):
+        seconds = math.inf
+    if not (math.isfinite(seconds) and seconds > 0):
         raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return seconds
 
 
 def _first(source: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str]:
@@ -246,14 +269,16 @@ def _first(source: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str]
 
 
 def _parse_int(name: str, raw: str) -> int:
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise ConfigError(f"environment variable {name} must be an integer, got {raw!r}") from None
+    # int() alone also takes "1_0" (10) and non-ASCII digits: not what anyone meant.
+    if not _INT_RE.fullmatch(raw.strip()):
+        raise ConfigError(f"environment variable {name} must be an integer, got {raw!r}")
+    return int(raw.strip())
 
 
 def _parse_float(name: str, raw: str) -> float:
     try:
+        if not raw.isascii() or "_" in raw:
+            raise ValueError(raw)
         return float(raw.strip())
     except ValueError:
         raise ConfigError(f"environment variable {name} must be a number, got {raw!r}") from None

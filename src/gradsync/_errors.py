@@ -32,9 +32,9 @@ __all__ = [
 class GradSyncError(Exception):
     """Base class of every error gradsync raises.
 
-    Attributes are ``None`` where they do not apply: ``step`` is the caller's
-    step number, ``ranks`` the ranks the error is about, ``path`` the file or
-    directory involved.
+    ``step`` is the caller's step number, ``ranks`` the ranks the error is about
+    (a tuple), ``path`` the file or directory involved (a str); where one does not
+    apply, ``step`` and ``path`` are ``None`` and ``ranks`` is empty.
     """
 
     def __init__(
