@@ -505,6 +505,25 @@ def test_average_checks_copy_dst_before_its_step(device: Any, tmp_path: Path) ->
 
 
 @pytest.mark.wgpu
+def test_download_takes_one_dtype_for_all_buffers(device: Any, bridge: WgpuBridge) -> None:
+    # As average(dtype=...) does; it raised a bare TypeError (len() of a dtype).
+    data = [np.arange(n, dtype=np.float16) for n in (2, 6)]
+    bufs = [_buffer(device, d) for d in data]
+    for spec in (np.float16, "float16", np.dtype(np.float16), [np.float16] * 2):
+        assert [h.tobytes() for h in bridge.download(bufs, spec)] == [d.tobytes() for d in data]
+    f32 = [_buffer(device, np.full(3, 2.5, np.float32))]
+    assert bridge.download(f32)[0].tolist() == [2.5] * 3  # float32 by default
+    with pytest.raises(InvalidGradsError, match=r"^got 1 dtypes for 2 buffers; pass one dtype"):
+        bridge.download(bufs, [np.float16])
+
+
+@pytest.mark.wgpu
+def test_a_bridge_needs_a_device(device: Any) -> None:
+    with pytest.raises(InvalidGradsError, match=r"^device must be a wgpu GPUDevice, got NoneType$"):
+        WgpuBridge(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.wgpu
 def test_host_arrays_are_not_mapped_memory(device: Any, bridge: WgpuBridge) -> None:
     buf = _buffer(device, np.ones(16, np.float32))
     (h,) = bridge.download([buf], [np.dtype(np.float32)])

@@ -338,7 +338,7 @@ class GradSync:
         self, buffers: Sequence[Any], device: Any, dtype: Any, step: int
     ) -> StepStats:
         # Imported here: importing gradsync or averaging numpy arrays never loads wgpu.
-        from ._wgpu import WgpuBridge  # noqa: PLC0415
+        from ._wgpu import WgpuBridge, import_wgpu  # noqa: PLC0415
 
         with self._before_step():
             # As validate_grads would at the step: checked first, because one rank has no
@@ -346,6 +346,11 @@ class GradSync:
             if isinstance(buffers, list | tuple) and not buffers:
                 raise InvalidGradsError("grads is empty: pass at least one gradient buffer")
             if self._session.bridge is None or self._session.bridge.device is not device:
+                if not isinstance(device, import_wgpu().GPUDevice):
+                    raise InvalidGradsError(
+                        "device must be a wgpu GPUDevice (or None for numpy arrays), got "
+                        f"{type(device).__name__}"
+                    )
                 if self._session.bridge is not None:
                     self._session.bridge.close()
                 self._session.bridge = WgpuBridge(device)

@@ -114,15 +114,16 @@ def _stale_clause(ranks: list[int]) -> str:
 
 
 def _stale_error(
-    seen: _StaleError, ranks: list[int], step: int, seq: int, limit_s: float
+    seen: _StaleError, ranks: list[int], me: int, step: int, seq: int, limit_s: float
 ) -> GradSyncError:
-    """The error of a peer file still shown stale ``limit_s`` after its marker: a
-    CorruptFileError for an old call's contents, a SyncDirError (ENOENT) for no file."""
+    """The error of a peer file still shown stale to rank ``me`` ``limit_s`` after its
+    marker: a CorruptFileError for an old call's contents, a SyncDirError (ENOENT) for
+    no file. Every rank raises it as is: it names the host's rank, not "this host"."""
     message = (
         f"step {step}: rank {ranks[0]}'s file {seen.path} {seen.shown()}"
-        f"{'' if seen.held is None else f', not call {seq},'} {limit_s} s after this host "
-        f"first saw its marker of call {seq} (ranks {ranks}): this host is shown stale "
-        "contents of the shared filesystem"
+        f"{'' if seen.held is None else f', not call {seq},'} {limit_s} s after rank {me} "
+        f"first saw its marker of call {seq} (ranks {ranks}): rank {me}'s host is shown "
+        "stale contents of the shared filesystem"
     )
     if seen.held is None:
         return SyncDirError(
@@ -209,7 +210,7 @@ class PeerFiles:
                 break
             if self._closing is not None and self._closing.is_set():
                 raise GradSyncError(
-                    f"step {step}: this rank's session was closed while it waited for ranks "
+                    f"step {step}: rank {self.rank}'s session was closed while it waited for ranks "
                     f"{missing} in {step_dir}",
                     step=step,
                     ranks=[self.rank],
@@ -243,7 +244,8 @@ class PeerFiles:
                 q for q in missing if q in stale and elapsed - stale[q][1] >= self.cfg.max_wait_s
             ]
             if expired:
-                raise _stale_error(stale[expired[0]][0], expired, step, seq, self.cfg.max_wait_s)
+                seen = stale[expired[0]][0]
+                raise _stale_error(seen, expired, self.rank, step, seq, self.cfg.max_wait_s)
             if elapsed >= next_warn:
                 _log.warning(
                     "step %d: rank %d has waited %.1f s for ranks %s (alive) to publish %s in %s%s",
@@ -366,9 +368,10 @@ class PeerFiles:
         if shared is not None:
             raise shared
         member = self.gen.members[rank]
+        # Its message names the step too, mostly: said once is enough.
+        reason = note_reason(note).removeprefix(f"step {step}: ")
         raise PeerAbortedError(
-            f"step {step}: rank {rank} ({member.describe()}) gave up on this step: "
-            f"{note_reason(note)}",
+            f"step {step}: rank {rank} ({member.describe()}) gave up on this step: {reason}",
             step=step,
             ranks=[rank],
             path=path,
@@ -453,7 +456,7 @@ def check_inputs(plan: Plan, rank: int, peers: dict[int, Peer], step: int, step_
     steps = {q: p.header.step for q, p in peers.items()}
     if len(set(steps.values())) > 1:
         raise MismatchError(
-            f"ranks disagree on the step number in {step_dir}: "
+            f"step {step}: ranks disagree on the step number in {step_dir}: "
             + ", ".join(f"rank {q} is at step {s}" for q, s in sorted(steps.items())),
             step=step,
             ranks=sorted(steps),

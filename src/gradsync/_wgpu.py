@@ -321,10 +321,7 @@ class WgpuBridge:
 
     def __init__(self, device: wgpu.GPUDevice, *, threads: int = 1) -> None:
         if not isinstance(device, import_wgpu().GPUDevice):
-            raise InvalidGradsError(
-                f"device must be a wgpu GPUDevice (or None for numpy arrays), got "
-                f"{type(device).__name__}"
-            )
+            raise InvalidGradsError(f"device must be a wgpu GPUDevice, got {type(device).__name__}")
         self._device = device
         self._workers = Workers(1)
         self.threads = threads
@@ -511,10 +508,11 @@ class WgpuBridge:
     def download(
         self,
         buffers: Sequence[wgpu.GPUBuffer],
-        dtypes: Sequence[np.dtype[Any]],
+        dtypes: npt.DTypeLike | Sequence[npt.DTypeLike] = np.float32,
         into: Sequence[npt.NDArray[Any]] | None = None,
     ) -> list[npt.NDArray[Any]]:
-        """Copy each buffer's bytes to a host array of ``dtypes[i]``.
+        """Copy each buffer's bytes to a host array of ``dtypes`` (one dtype for all
+        buffers, float32 by default, or one per buffer; None is float32).
 
         Returns 1-D, C-contiguous, writeable arrays of ``buffer.size // itemsize``
         elements: ``into`` if given (arrays of exactly those dtypes and sizes),
@@ -526,13 +524,12 @@ class WgpuBridge:
             InvalidGradsError: naming the param for a missing ``COPY_SRC`` usage, a
                 destroyed, mapped or foreign buffer, a size over the device limit or
                 not a multiple of 4 bytes or of the element size, an unsupported dtype,
-                an array of ``into`` that does not fit its buffer.
+                an array of ``into`` that does not fit its buffer, a dtype count that
+                differs from the buffer count.
             WgpuBridgeError: wgpu failed while copying.
         """
         self._check_open()
-        if len(dtypes) != len(buffers):
-            raise InvalidGradsError(f"got {len(dtypes)} dtypes for {len(buffers)} buffers")
-        dts = self._resolve(buffers, dtypes if isinstance(dtypes, list) else list(dtypes))
+        dts = self._resolve(buffers, dtypes)
         if into is not None:
             if len(into) != len(buffers):
                 raise InvalidGradsError(
