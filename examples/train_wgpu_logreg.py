@@ -9,8 +9,8 @@ Run two ranks on this machine:
 
     gradsync launch --nproc 2 examples/train_wgpu_logreg.py --steps 20
 
-or one rank without a launcher (a temporary sync directory is used when
-GRADSYNC_SYNC_DIR is unset):
+or one rank without a launcher (with GRADSYNC_WORLD_SIZE and WORLD_SIZE unset,
+a world of one rank, which needs no sync directory):
 
     python examples/train_wgpu_logreg.py --steps 5
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 import numpy as np
 import wgpu
@@ -89,11 +88,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.5)
     args = ap.parse_args()
 
-    if "GRADSYNC_SYNC_DIR" in os.environ:
-        cfg = gradsync.FileGradSyncConfig.from_env()
-    else:
-        tmp = tempfile.mkdtemp(prefix="gradsync-logreg-")
-        cfg = gradsync.FileGradSyncConfig(world_size=1, rank=0, sync_dir=tmp)
+    # As gradsync launch (or torchrun) sets it; run directly, a world of one rank,
+    # which needs no sync directory.
+    env = dict(os.environ)
+    if "GRADSYNC_WORLD_SIZE" not in env and "WORLD_SIZE" not in env:
+        env.update(GRADSYNC_WORLD_SIZE="1", GRADSYNC_RANK="0")
+    cfg = gradsync.FileGradSyncConfig.from_env(env)
     dev = gradsync.request_device_for_rank()  # LOCAL_RANK picks the adapter on multi-GPU hosts
     info = dev.adapter.info
     print(

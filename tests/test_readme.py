@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -42,6 +43,28 @@ def test_readme_example_runs_on_two_ranks_and_agrees(tmp_path: Path) -> None:
     assert lines["0"] == lines["1"]
     w = [float(x) for x in lines["0"].strip("[]").split()]
     assert w == pytest.approx([1.0, -2.0, 0.5], abs=1e-3)
+
+
+def test_readme_example_runs_alone_as_the_readme_says(tmp_path: Path) -> None:
+    command = re.search(r"`(GRADSYNC_WORLD_SIZE=1 GRADSYNC_RANK=0) python example\.py`", README)
+    assert command is not None, "the README no longer says how to run the example alone"
+    code = re.search(r"```python\n(.*?)```", README, re.S)
+    assert code is not None
+    (tmp_path / "example.py").write_text(code.group(1))
+    env = {k: v for k, v in os.environ.items() if "WORLD_SIZE" not in k and "RANK" not in k}
+    env.pop("GRADSYNC_SYNC_DIR", None)
+    env.update(item.split("=") for item in command.group(1).split())
+    result = subprocess.run(
+        [sys.executable, "example.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "rank 0: w = [ 1.  -2.   0.5]\n"
 
 
 def test_readme_buffers_example_runs_on_two_ranks(tmp_path: Path) -> None:

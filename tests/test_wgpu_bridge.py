@@ -1266,6 +1266,8 @@ def test_example_trains_single_rank(tmp_path: Path) -> None:
         pytest.skip(reason)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
+    # One rank needs no sync directory: the example made one per run and left it.
+    env["TMPDIR"] = str(tmp_path)
     out = subprocess.run(
         [sys.executable, str(REPO / "examples" / "train_wgpu_logreg.py"), "--steps", "3"],
         env=env,
@@ -1277,3 +1279,4 @@ def test_example_trains_single_rank(tmp_path: Path) -> None:
     losses = [float(line.split()[-1]) for line in out.splitlines() if " loss " in line]
     assert len(losses) == 3
     assert losses[2] < losses[0]
+    assert list(tmp_path.iterdir()) == []

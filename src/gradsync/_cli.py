@@ -25,7 +25,8 @@ Everything from SCRIPT on is passed to the script untouched; `--` may precede SC
 _LAUNCH_EPILOG = """\
 exit status: 0 if every rank exited 0; else the exit code of the rank that failed
 first, or 128+N if signal N killed it; 128+N if the launcher got signal N (SIGINT: 130,
-SIGTERM: 143, SIGHUP: 129); 2 for invalid arguments."""
+SIGTERM: 143, SIGHUP: 129); 2 for invalid arguments; 1 if the ranks could not be
+started (the Python interpreter could not be run, no temporary sync directory)."""
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -142,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gradsync`` command line with ``argv`` (default ``sys.argv[1:]``).
 
     Returns:
-        The exit code; 2 for invalid arguments.
+        The exit code; 2 for invalid arguments, 1 if the ranks could not be started.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     parser, launch_parser = _build_parser()
