@@ -40,6 +40,7 @@ _RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _TAIL_LINES = 10  # lines of the failing rank's stderr shown in the failure summary
 _MAX_LINE_BYTES = 64 * 1024  # longer lines are split, so one rank cannot exhaust memory
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 _POLL_S = 0.05  # how often the supervisor looks at launcher signals and deadlines
 _DRAIN_S = 2.0  # after the ranks exit, how long to wait for their pipes to reach EOF
 _ABANDON_S = 10.0  # after SIGKILL, how long to wait for ranks before giving up on them
@@ -356,28 +357,60 @@ def _pump(
     output: _Output,
     tail: collections.deque[str] | None,
 ) -> None:
-    """Copy ``pipe`` line by line to ``dest`` with ``prefix``, until EOF."""
+    """Copy ``pipe`` to ``dest`` with ``prefix`` before every line, until EOF.
+
+    A line ends at ``\\n``, ``\\r\\n`` or a lone ``\\r``, which is forwarded as it
+    is: progress bars (tqdm) redraw their line after a ``\\r``, and each redraw then
+    shows (as the next one starts) instead of all of them at the next newline. Lines
+    longer than ``_MAX_LINE_BYTES`` are split, so one rank cannot exhaust memory.
+    ``tail`` gets the newline-ended lines, not the redraws.
+    """
     # Incremental: a line split at _MAX_LINE_BYTES may split a character too.
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    cut = False  # the previous chunk was a line cut at _MAX_LINE_BYTES
+    fd = pipe.fileno()
+    pending = b""
+    cut = False  # the last line written was cut at _MAX_LINE_BYTES
+
+    def forward(raw: bytes, end: bytes, *, final: bool = False) -> None:
+        nonlocal cut
+        # Decoded with its terminator: invalid bytes just before it become U+FFFD on
+        # this line instead of waiting in the decoder for the next.
+        text = decoder.decode(raw + end, final=final)
+        line = text[: len(text) - len(end)]
+        was_cut, cut = cut, bool(raw) and not end
+        if end == b"\r":
+            if line:
+                output.write(dest, f"{prefix}{line}\r")
+            return
+        if not line and was_cut and end:
+            return  # the newline of a line cut exactly at its end: no empty line after it
+        if tail is not None:
+            tail.append(line)
+        output.write(dest, f"{prefix}{line}\n")
+
     with pipe:
         while True:
-            chunk = pipe.readline(_MAX_LINE_BYTES)
-            if not chunk:
+            data = os.read(fd, _MAX_LINE_BYTES)
+            if not data and pending.endswith(b"\r"):
+                pending = pending[:-1] + b"\n"  # the last redraw stays on screen
+            pending += data
+            start = 0
+            for match in _LINE_END.finditer(pending):
+                if data and match.group() == b"\r" and match.end() == len(pending):
+                    break  # perhaps the first half of "\r\n"
+                line, start = pending[start : match.start()], match.end()
+                while len(line) > _MAX_LINE_BYTES:
+                    forward(line[:_MAX_LINE_BYTES], b"")
+                    line = line[_MAX_LINE_BYTES:]
+                forward(line, match.group())
+            pending = pending[start:]
+            while len(pending) - pending.endswith(b"\r") >= _MAX_LINE_BYTES:
+                forward(pending[:_MAX_LINE_BYTES], b"")
+                pending = pending[_MAX_LINE_BYTES:]
+            if not data:
+                if pending or decoder.getstate()[0]:
+                    forward(pending, b"", final=True)
                 return
-            # Short of the limit without a newline, it is the end of the output: what
-            # is left of a cut-off character then comes out as U+FFFD, on that line.
-            last = len(chunk) < _MAX_LINE_BYTES and not chunk.endswith(b"\n")
-            text = decoder.decode(chunk, final=last)
-            was_cut, cut = cut, len(chunk) == _MAX_LINE_BYTES and not chunk.endswith(b"\n")
-            if not text or (was_cut and text == "\n"):
-                # Only the newline of a line cut exactly at its end (or of its "\r\n"):
-                # the line is out already, and no empty one follows it.
-                continue
-            line = text.removesuffix("\n").removesuffix("\r")
-            if tail is not None:
-                tail.append(line)
-            output.write(dest, f"{prefix}{line}\n")
 
 
 def _killpg(pgid: int, signum: int) -> None:
