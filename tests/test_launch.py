@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -449,6 +450,54 @@ def test_ranks_ignoring_sigterm_get_sigkill_after_grace_period(tmp_path: Path) -
     assert "sending SIGKILL (grace period over); ranks still running: 0, 1\n" in err
     for r in (0, 1):
         assert_gone(json.loads((tmp_path / f"rank-{r}.json").read_text())["pid"])
+
+
+def wait_gone(pid: int, timeout_s: float) -> None:
+    """Wait until ``pid`` has exited (a zombie counts: its parent died, and whoever
+    inherited it may not reap at once)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} still running ({state})"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("ignore_sigterm", [False, True], ids=["sigterm", "sigkill"])
+def test_the_ranks_of_a_launcher_killed_with_sigkill_are_stopped(
+    tmp_path: Path, ignore_sigterm: bool
+) -> None:
+    # Ranks run in sessions of their own: a launcher killed by SIGKILL left them running
+    # (quiet ones to the end, holding their GPU). Its watchdog stops them.
+    args = ["--nproc", "2", "--grace-period-s", "0.5", str(SCRIPTS / "sleep.py"), str(tmp_path)]
+    with launcher(args + ["--ignore-sigterm"] * ignore_sigterm) as proc:
+        wait_for_files(tmp_path, ["rank-0.json", "rank-1.json"], proc)
+        proc.kill()
+        start = time.monotonic()
+        # The watchdog writes to the launcher's stderr: EOF once it is done.
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert err == (
+        f"gradsync launch: the launcher (pid {proc.pid}) ended without stopping its ranks; "
+        "stopping ranks 0, 1 (SIGTERM, SIGKILL after 0.5 s)\n"
+    )
+    for r in (0, 1):
+        wait_gone(json.loads((tmp_path / f"rank-{r}.json").read_text())["pid"], 5.0)
+    assert time.monotonic() - start < 5
+
+
+def test_a_launch_that_ends_normally_leaves_no_watchdog(capsys: pytest.CaptureFixture[str]) -> None:
+    # In this process, as a library call: its watchdog must be told to go and be reaped,
+    # not linger (or stop the next job's ranks) until this process exits.
+    assert main(["launch", "--nproc", "1", str(SCRIPTS / "print_env.py")]) == 0
+    assert capsys.readouterr().err == ""
+    ours = f"_watchdog.py\0{os.getpid()}\0".encode()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            assert ours not in cmdline.read_bytes(), cmdline
 
 
 # ---------------------------------------------------------------------------- bad arguments

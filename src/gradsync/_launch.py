@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import collections
+import contextlib
 import logging
 import math
 import os
@@ -30,6 +31,7 @@ from typing import IO, Any
 from ._errors import ConfigError
 from ._fsio import DIR_MODE
 from ._reaping import remove_dead_jobs
+from ._watchdog import group_alive
 
 __all__ = ["launch"]
 
@@ -73,7 +75,8 @@ def launch(
     prefixed with ``[rank N] ``. When a rank fails, the others get SIGTERM, then SIGKILL
     after ``grace_period_s``, and a summary of the first failure goes to stderr. SIGINT,
     SIGTERM and SIGHUP to the launcher stop the ranks the same way (when called from
-    the main thread, which is where signal handlers can be installed).
+    the main thread, which is where signal handlers can be installed), and so does a
+    watchdog process if the launcher ends without stopping them (killed by SIGKILL).
 
     Args:
         script_argv: ``SCRIPT`` (a path, or a module name if ``module``) and its arguments.
@@ -153,8 +156,14 @@ def launch(
             directory,
         )
         job = _Job(signals, grace_period_s)
-        job.start(argv, envs)
-        code = job.supervise()
+        done = False
+        try:
+            job.start(argv, envs)
+            code = job.supervise()
+            done = True
+        finally:
+            # Not done (an error of the launcher's own): the watchdog stops the ranks.
+            job.release_watchdog(done=done)
         if own_dir is None:
             # Ranks stopped by a signal or a peer's failure leave their files; ranks that
             # finished removed theirs. What is left of dead ranks of this host goes now,
@@ -422,16 +431,6 @@ def _killpg(pgid: int, signum: int) -> None:
         logger.debug("cannot send %s to process group %d: %s", _signal_name(signum), pgid, exc)
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class _Job:
     """The ranks of one node: starts them, watches them, stops them together."""
 
@@ -441,9 +440,63 @@ class _Job:
         self._output = _Output()
         self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
         self.ranks: list[_Rank] = []
+        self._watchdog: subprocess.Popen[bytes] | None = None
+
+    def _start_watchdog(self) -> None:
+        """Start the process that stops the ranks if this launcher dies (``_watchdog``)."""
+        script = Path(__file__).with_name("_watchdog.py")
+        try:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-I", str(script), str(os.getpid()), repr(self._grace_period_s)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,  # out of reach of a Ctrl-C meant for the launcher
+            )
+        except OSError as exc:
+            logger.warning(
+                "could not start the watchdog (%s): if this launcher is killed with "
+                "SIGKILL, its ranks will keep running",
+                exc,
+            )
+
+    def _tell_watchdog(self, message: str) -> None:
+        watchdog = self._watchdog
+        if watchdog is None or watchdog.stdin is None or watchdog.stdin.closed:
+            return
+        try:
+            watchdog.stdin.write(f"{message}\n".encode())
+            watchdog.stdin.flush()
+        except OSError as exc:
+            logger.warning(
+                "the watchdog (pid %d) is gone (%s): if this launcher is killed with "
+                "SIGKILL, its ranks will keep running",
+                watchdog.pid,
+                exc,
+            )
+            with contextlib.suppress(OSError):
+                watchdog.stdin.close()
+
+    def release_watchdog(self, *, done: bool) -> None:
+        """Let the watchdog go: with ``done``, the ranks are stopped or finished and it
+        exits; otherwise it stops what is left of them, as after this launcher's death."""
+        watchdog = self._watchdog
+        if watchdog is None:
+            return
+        if done:
+            self._tell_watchdog("done")
+        self._watchdog = None
+        with contextlib.suppress(OSError):
+            assert watchdog.stdin is not None
+            watchdog.stdin.close()
+        try:
+            # It exits at once after "done"; else after its grace period.
+            watchdog.wait(timeout=1.0 if done else self._grace_period_s + _ABANDON_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("the watchdog (pid %d) did not exit; leaving it", watchdog.pid)
 
     def start(self, argv: list[str], envs: list[tuple[int, dict[str, str]]]) -> None:
         """Start one rank per ``(rank, env)``; stop early if the launcher got a signal."""
+        self._start_watchdog()
         for local_rank, (rank, env) in enumerate(envs):
             if self._signals.received:
                 return
@@ -456,8 +509,8 @@ class _Job:
                 # - killpg() reaches what a rank started itself (data loader workers...);
                 # - ranks never touch the terminal (stdin is /dev/null), so they cannot be
                 #   stopped by SIGTTIN.
-                # The cost: if the launcher is SIGKILLed it cannot stop the ranks; they die
-                # of SIGPIPE at their next write to stdout/stderr, or their peers time out.
+                # The cost: a launcher killed by SIGKILL cannot stop the ranks; its
+                # watchdog, told of every rank's group, does (_watchdog).
                 proc = subprocess.Popen(
                     argv,
                     env=env,
@@ -469,7 +522,9 @@ class _Job:
             except OSError:
                 logger.error("could not start rank %d; stopping the ranks already started", rank)
                 self._stop_now()
+                self.release_watchdog(done=True)
                 raise
+            self._tell_watchdog(f"add {proc.pid} {rank}")
             info = _Rank(rank=rank, local_rank=local_rank, proc=proc)
             prefix = f"[rank {rank}] "
             assert proc.stdout is not None
@@ -505,7 +560,9 @@ class _Job:
         for info in self.ranks:
             # returncode first: a leader not yet reaped keeps its group alive.
             if not info.group_gone and info.proc.returncode is not None:
-                info.group_gone = not _group_alive(info.proc.pid)
+                info.group_gone = not group_alive(info.proc.pid)
+                if info.group_gone:
+                    self._tell_watchdog(f"gone {info.proc.pid}")
 
     def _signal_all(self, signum: int) -> None:
         # Also the groups whose leader already exited: what the rank started may live on.
