@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gradsync import _transport
 from gradsync._format import CRC_BLOCK
 from gradsync._protocol import _prune_step_dir
 from gradsync._transport import ChecksumError, Transport
@@ -149,6 +150,46 @@ def test_pread_with_checksums_refuses_a_garbled_block(tmp_path: Path) -> None:
     with pytest.raises(ChecksumError, match=f"^{re.escape(message)}$"):
         reader.read_into(8 + CRC_BLOCK - 2, np.empty(4, np.uint8))
     reader.close()
+
+
+@pytest.mark.parametrize("stale_reads", [1, 2])
+def test_a_block_failing_its_crc_on_a_shared_filesystem_is_read_again_past_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stale_reads: int
+) -> None:
+    # A host may be shown a rewritten file's old pages (JuiceFS did): only the pages
+    # this host cached can be dropped, so one more read, and a second failure counts.
+    payload = bytes(range(256)) * (CRC_BLOCK // 128)  # two blocks
+    path, crcs = _with_crcs(tmp_path, payload, 8)
+    real_read = _transport.read_exact_into
+    advised: list[tuple[int, int]] = []
+    garbled = {"left": stale_reads}
+
+    def stale_read(fd: int, offset: int, buf: memoryview, where: Path) -> None:
+        real_read(fd, offset, buf, where)
+        if offset == 8 + CRC_BLOCK and garbled["left"]:
+            garbled["left"] -= 1
+            buf[17] ^= 0xFF
+
+    def advising(fd: int, offset: int, length: int, advice: int) -> None:
+        advised.append((offset, length))
+
+    monkeypatch.setattr(_transport, "read_exact_into", stale_read)
+    monkeypatch.setattr(os, "posix_fadvise", advising)
+    reader = Transport(mapped=False, head_bytes=16, shared=True).open(path)
+    reader.expect_crcs(crcs, 8, len(payload))
+    out = np.empty(2 * CRC_BLOCK, np.uint8)
+    if stale_reads == 1:
+        reader.read_into(8, out)
+        assert out.tobytes() == payload
+    else:
+        message = (
+            f"{path} fails its checksum in bytes {8 + CRC_BLOCK}..{8 + 2 * CRC_BLOCK}, "
+            "read again past this host's cache"
+        )
+        with pytest.raises(ChecksumError, match=f"^{re.escape(message)}$"):
+            reader.read_into(8, out)
+    reader.close()
+    assert advised == [(0, 0), (8 + CRC_BLOCK, CRC_BLOCK)]
 
 
 def test_its_own_file_is_read_back_without_opening_it_until_its_payload_is_needed(
