@@ -303,7 +303,48 @@ def test_progress_bar_redraws_are_forwarded_as_they_come(tmp_path: Path) -> None
             proc.communicate()
     assert proc.returncode == 0
     assert seen + rest == (
-        b"[rank 0] one 10%\r[rank 0] two 20%\r[rank 0] three 100%\n[rank 0] crlf\n[rank 0] last\n"
+        b"[rank 0] one 10%\r[rank 0] two 20%\r[rank 0] three 100%\n[rank 0] crlf\n"
+        b"[rank 0] last\r\n"  # the last redraw stays on screen
+    )
+
+
+def test_a_line_after_a_redraw_of_another_stream_starts_on_a_line_of_its_own(
+    tmp_path: Path,
+) -> None:
+    # tqdm on stderr, print on stdout, one terminal: the line overwrote the bar's start
+    # and left its end behind ("loss 0.4225%|###").
+    script = tmp_path / "bar.py"
+    script.write_text(
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "sys.stderr.write('\\repoch 1: 25%|#####   |\\repoch 1: 50%')\n"
+        "sys.stderr.flush()\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not Path(sys.argv[1]).exists() and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "print('loss 0.42', flush=True)\n"
+    )
+    go = tmp_path / "go"
+    proc = subprocess.Popen(
+        [*LAUNCH, "--nproc", "1", str(script), str(go)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        assert proc.stdout is not None
+        seen = b""
+        deadline = time.monotonic() + TIMEOUT_S
+        while b"\r" not in seen and time.monotonic() < deadline:
+            seen += os.read(proc.stdout.fileno(), 4096)
+        go.touch()
+        rest, _ = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0
+    assert seen + rest == (
+        b"[rank 0] epoch 1: 25%|#####   |\r\n[rank 0] loss 0.42\n[rank 0] epoch 1: 50%\n"
     )
 
 

@@ -318,29 +318,51 @@ class _SignalCatcher:
 
 
 class _Output:
-    """Writes whole lines to the launcher's stdout or stderr, one line at a time."""
+    """Writes the ranks' lines to the launcher's stdout or stderr, one at a time.
+
+    A line ending in ``\\r`` (a progress bar's redraw) leaves the cursor at the start
+    of a full line: the next line of another rank or stream would overwrite its start
+    and leave the rest of the bar behind it ("loss 0.4225%|###"), so that line is
+    ended first (the bar stays on screen, above it).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._broken: set[str] = set()
+        self._redraw: tuple[str, str] | None = None  # (dest, source) of a redraw on screen
 
-    def write(self, dest: str, text: str) -> None:
-        """Write ``text`` to ``sys.stdout`` (``dest="stdout"``) or ``sys.stderr`` and flush."""
-        stream = sys.stdout if dest == "stdout" else sys.stderr
+    def write(self, dest: str, text: str, source: str = "") -> None:
+        """Write ``text`` to ``sys.stdout`` (``dest="stdout"``) or ``sys.stderr`` and
+        flush; ``source`` names the writer (a rank's prefix) whose redraws it may
+        overwrite."""
         with self._lock:
-            if dest in self._broken:
-                return
+            if self._redraw is not None and self._redraw != (dest, source):
+                self._emit(self._redraw[0], "\n")
+            self._redraw = (dest, source) if text.endswith("\r") else None
+            self._emit(dest, text)
+
+    def settle(self, dest: str | None = None, source: str = "") -> None:
+        """End the redraw on screen (only ``source``'s on ``dest``, if given) with a newline."""
+        with self._lock:
+            if self._redraw is not None and (dest is None or self._redraw == (dest, source)):
+                self._emit(self._redraw[0], "\n")
+                self._redraw = None
+
+    def _emit(self, dest: str, text: str) -> None:
+        stream = sys.stdout if dest == "stdout" else sys.stderr
+        if dest in self._broken:
+            return
+        try:
             try:
-                try:
-                    stream.write(text)
-                except UnicodeEncodeError:
-                    encoding = stream.encoding or "utf-8"
-                    stream.write(text.encode(encoding, "replace").decode(encoding))
-                stream.flush()
-            except (OSError, ValueError):
-                # Closed or broken (e.g. `gradsync launch ... | head`): keep draining the
-                # ranks' pipes so they never block, but drop their output.
-                self._broken.add(dest)
+                stream.write(text)
+            except UnicodeEncodeError:
+                encoding = stream.encoding or "utf-8"
+                stream.write(text.encode(encoding, "replace").decode(encoding))
+            stream.flush()
+        except (OSError, ValueError):
+            # Closed or broken (e.g. `gradsync launch ... | head`): keep draining the
+            # ranks' pipes so they never block, but drop their output.
+            self._broken.add(dest)
 
 
 @dataclass
@@ -372,39 +394,43 @@ def _pump(
     is: progress bars (tqdm) redraw their line after a ``\\r``, and each redraw then
     shows (as the next one starts) instead of all of them at the next newline. Lines
     longer than ``_MAX_LINE_BYTES`` are split, so one rank cannot exhaust memory.
-    ``tail`` gets the newline-ended lines, not the redraws.
+    ``tail`` gets the newline-ended lines, and the last redraw if the output ends on one.
     """
     # Incremental: a line split at _MAX_LINE_BYTES may split a character too.
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     fd = pipe.fileno()
-    pending = b""
+    pending = bytearray()
     cut = False  # the last line written was cut at _MAX_LINE_BYTES
+    redraw: str | None = None  # the last line written, if it was a redraw
 
-    def forward(raw: bytes, end: bytes, *, final: bool = False) -> None:
-        nonlocal cut
+    def forward(raw: bytes | bytearray, end: bytes, *, final: bool = False) -> None:
+        nonlocal cut, redraw
         # Decoded with its terminator: invalid bytes just before it become U+FFFD on
         # this line instead of waiting in the decoder for the next.
-        text = decoder.decode(raw + end, final=final)
+        text = decoder.decode(bytes(raw) + end, final=final)
         line = text[: len(text) - len(end)]
         was_cut, cut = cut, bool(raw) and not end
         if end == b"\r":
             if line:
-                output.write(dest, f"{prefix}{line}\r")
+                redraw = line
+                output.write(dest, f"{prefix}{line}\r", prefix)
             return
         if not line and was_cut and end:
             return  # the newline of a line cut exactly at its end: no empty line after it
+        redraw = None
         if tail is not None:
             tail.append(line)
-        output.write(dest, f"{prefix}{line}\n")
+        output.write(dest, f"{prefix}{line}\n", prefix)
 
     with pipe:
         while True:
             data = os.read(fd, _MAX_LINE_BYTES)
-            if not data and pending.endswith(b"\r"):
-                pending = pending[:-1] + b"\n"  # the last redraw stays on screen
+            # Only the new bytes, and a "\r" held back before them, can end a line: a
+            # rank writing a long line a byte at a time must not cost a rescan a byte.
+            scan_from = max(len(pending) - 1, 0)
             pending += data
             start = 0
-            for match in _LINE_END.finditer(pending):
+            for match in _LINE_END.finditer(pending, scan_from):
                 if data and match.group() == b"\r" and match.end() == len(pending):
                     break  # perhaps the first half of "\r\n"
                 line, start = pending[start : match.start()], match.end()
@@ -412,13 +438,17 @@ def _pump(
                     forward(line[:_MAX_LINE_BYTES], b"")
                     line = line[_MAX_LINE_BYTES:]
                 forward(line, match.group())
-            pending = pending[start:]
+            del pending[:start]
             while len(pending) - pending.endswith(b"\r") >= _MAX_LINE_BYTES:
                 forward(pending[:_MAX_LINE_BYTES], b"")
-                pending = pending[_MAX_LINE_BYTES:]
+                del pending[:_MAX_LINE_BYTES]
             if not data:
                 if pending or decoder.getstate()[0]:
                     forward(pending, b"", final=True)
+                if redraw is not None:
+                    output.settle(dest, prefix)  # the last redraw stays on screen
+                    if tail is not None:
+                        tail.append(redraw)
                 return
 
 
@@ -604,6 +634,7 @@ class _Job:
                 # been reaped by its waiter thread, though its exit is still queued.
                 info.stopped = info.returncode is None and info.proc.returncode is None
             names = ", ".join(str(i.rank) for i in self.ranks if i.stopped) or "none"
+            self._output.settle()  # the launcher's own lines must not overwrite a bar
             logger.warning(
                 "%s; stopping ranks (still running: %s) with SIGTERM, SIGKILL after %g s",
                 reason,
@@ -645,6 +676,7 @@ class _Job:
                     break
                 if hurry or now >= kill_at:
                     left = ", ".join(str(self.ranks[i].rank) for i in sorted(running))
+                    self._output.settle()
                     logger.warning(
                         "sending SIGKILL (%s); ranks still running: %s",
                         "launcher signalled again" if hurry else "grace period over",
@@ -656,6 +688,7 @@ class _Job:
                 break
             elif now >= abandon_at:
                 left = ", ".join(str(self.ranks[i].rank) for i in sorted(running))
+                self._output.settle()
                 logger.error("ranks %s survived SIGKILL; leaving them behind", left)
                 break
 
