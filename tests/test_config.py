@@ -92,6 +92,21 @@ def test_sync_dir_is_made_absolute_when_the_config_is_made(
     assert make(sync_dir=Path("~")).sync_dir == Path("/home/someone")
 
 
+def test_a_relative_sync_dir_needs_a_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with raises_config(
+        "sync_dir 'gs' is relative, and the current directory it would be taken from is "
+        "unusable: No such file or directory"
+    ):
+        make(sync_dir="gs")
+    assert make(sync_dir="/tmp/gs").sync_dir == Path("/tmp/gs")
+
+
 def test_numpy_numbers_are_taken_and_stored_as_python_numbers() -> None:
     cfg = make(
         world_size=np.int64(4),
@@ -102,6 +117,9 @@ def test_numpy_numbers_are_taken_and_stored_as_python_numbers() -> None:
         heartbeat_timeout_s=np.int64(5),
     )
     assert (cfg.world_size, cfg.rank, cfg.threads) == (4, 3, 2)
+    flags = make(check_finite=np.bool_(True), use_mmap=np.bool_(False))
+    assert (flags.check_finite, flags.use_mmap) == (True, False)
+    assert type(flags.check_finite) is type(flags.use_mmap) is bool
     assert (cfg.max_wait_s, cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s) == (2.5, 1.0, 5.0)
     assert [type(v) for v in (cfg.world_size, cfg.rank, cfg.threads)] == [int] * 3
     assert type(cfg.max_wait_s) is type(cfg.heartbeat_interval_s) is float
@@ -372,6 +390,10 @@ def test_from_env_sync_dir_expands_home_and_refuses_surrounding_blanks(
         (
             base_env(GRADSYNC_RANK="\u0663"),
             "environment variable GRADSYNC_RANK must be an integer, got '\u0663'",
+        ),
+        (
+            base_env(GRADSYNC_RANK="\u20033"),
+            "environment variable GRADSYNC_RANK must be an integer, got '\\u20033'",
         ),
         (
             base_env(GRADSYNC_MAX_WAIT_S="1_0"),

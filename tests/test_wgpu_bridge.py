@@ -509,7 +509,9 @@ def test_download_takes_one_dtype_for_all_buffers(device: Any, bridge: WgpuBridg
     # As average(dtype=...) does; it raised a bare TypeError (len() of a dtype).
     data = [np.arange(n, dtype=np.float16) for n in (2, 6)]
     bufs = [_buffer(device, d) for d in data]
-    for spec in (np.float16, "float16", np.dtype(np.float16), [np.float16] * 2):
+    per_param = {"a": np.float16, "b": np.float16}
+    specs = (np.float16, "float16", np.dtype(np.float16), [np.float16] * 2, per_param.values())
+    for spec in (*specs, np.array([np.dtype(np.float16)] * 2, dtype=object)):
         assert [h.tobytes() for h in bridge.download(bufs, spec)] == [d.tobytes() for d in data]
     f32 = [_buffer(device, np.full(3, 2.5, np.float32))]
     assert bridge.download(f32)[0].tolist() == [2.5] * 3  # float32 by default

@@ -79,8 +79,9 @@ class FileGradSyncConfig:
             so concurrent jobs sharing one sync_dir stay apart. ``gradsync launch`` sets
             one; without it, a fresh rendezvous still keeps earlier runs' files out.
 
-    Integer fields take any integer (``numpy.int64`` too), stored as ``int``; seconds
-    take any real number, stored as ``float``.
+    Integer fields take any integer (``numpy.int64`` too), stored as ``int``; flags
+    any bool (``numpy.bool_`` too), stored as ``bool``; seconds any ``numbers.Real``
+    (``numpy.float32`` too, not ``Decimal``), stored as ``float``.
 
     Raises:
         ConfigError: (a ``ValueError``) naming the field and showing the bad value.
@@ -117,7 +118,15 @@ class FileGradSyncConfig:
         # each use would follow an os.chdir and split the job. Not normalised (".."
         # after a symbolic link means what the kernel says).
         where = Path(os.path.expanduser(os.fspath(self.sync_dir)))
-        self._set("sync_dir", where if where.is_absolute() else Path(os.getcwd(), where))
+        if not where.is_absolute():
+            try:
+                where = Path(os.getcwd(), where)
+            except OSError as exc:
+                raise ConfigError(
+                    f"sync_dir {self.sync_dir!r} is relative, and the current directory it "
+                    f"would be taken from is unusable: {exc.strerror or exc}"
+                ) from exc
+        self._set("sync_dir", where)
         for name in ("max_wait_s", "heartbeat_interval_s", "heartbeat_timeout_s", "warn_after_s"):
             self._set(name, _check_seconds(name, getattr(self, name)))
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s"):
@@ -134,14 +143,10 @@ class FileGradSyncConfig:
             )
         if self.strategy not in _STRATEGIES:
             raise ConfigError(f"strategy must be one of {_STRATEGIES}, got {self.strategy!r}")
-        if not isinstance(self.check_finite, bool):
-            raise ConfigError(f"check_finite must be a bool, got {self.check_finite!r}")
-        if not isinstance(self.checksums, bool):
-            raise ConfigError(f"checksums must be a bool, got {self.checksums!r}")
-        if not isinstance(self.wide_sum, bool):
-            raise ConfigError(f"wide_sum must be a bool, got {self.wide_sum!r}")
-        if self.use_mmap is not None and not isinstance(self.use_mmap, bool):
-            raise ConfigError(f"use_mmap must be a bool or None, got {self.use_mmap!r}")
+        for name in ("check_finite", "checksums", "wide_sum"):
+            self._set(name, _check_bool(name, getattr(self, name)))
+        if self.use_mmap is not None:
+            self._set("use_mmap", _check_bool("use_mmap", self.use_mmap, " or None"))
         if self.threads is not None:
             self._set("threads", _check_int("threads", self.threads, minimum=1))
             if self.threads > _MAX_THREADS:
@@ -248,6 +253,13 @@ def _check_int(name: str, value: object, *, minimum: int) -> int:
     return int(value)
 
 
+def _check_bool(name: str, value: object, alternative: str = "") -> bool:
+    """``value`` as a bool (numpy bools too), or raise ConfigError."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{name} must be a bool{alternative}, got {value!r}")
+    return bool(value)
+
+
 def _check_seconds(name: str, value: object) -> float:
     """``value`` as a float of seconds (numpy floats too), finite and > 0, or raise."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -270,7 +282,7 @@ def _first(source: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str]
 
 def _parse_int(name: str, raw: str) -> int:
     # int() alone also takes "1_0" (10) and non-ASCII digits: not what anyone meant.
-    if not _INT_RE.fullmatch(raw.strip()):
+    if not raw.isascii() or not _INT_RE.fullmatch(raw.strip()):
         raise ConfigError(f"environment variable {name} must be an integer, got {raw!r}")
     return int(raw.strip())
 

@@ -118,7 +118,8 @@ def _stale_error(
 ) -> GradSyncError:
     """The error of a peer file still shown stale to rank ``me`` ``limit_s`` after its
     marker: a CorruptFileError for an old call's contents, a SyncDirError (ENOENT) for
-    no file. Every rank raises it as is: it names the host's rank, not "this host"."""
+    no file. Peers see its message too (the CorruptFileError as is, the SyncDirError in
+    a PeerAbortedError): it names rank ``me``'s host, not "this host"."""
     message = (
         f"step {step}: rank {ranks[0]}'s file {seen.path} {seen.shown()}"
         f"{'' if seen.held is None else f', not call {seq},'} {limit_s} s after rank {me} "

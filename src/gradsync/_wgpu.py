@@ -23,7 +23,7 @@ import importlib
 import logging
 import operator
 import time
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -529,6 +529,8 @@ class WgpuBridge:
             WgpuBridgeError: wgpu failed while copying.
         """
         self._check_open()
+        if isinstance(dtypes, Iterable) and not isinstance(dtypes, str | bytes | Sequence):
+            dtypes = list(dtypes)  # dict values, a numpy array of dtypes: one per buffer
         dts = self._resolve(buffers, dtypes)
         if into is not None:
             if len(into) != len(buffers):
