@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gradsync import _launch
+from gradsync import _launch, _watchdog
 from gradsync._cli import main
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -528,6 +528,34 @@ def test_the_ranks_of_a_launcher_killed_with_sigkill_are_stopped(
     for r in (0, 1):
         wait_gone(json.loads((tmp_path / f"rank-{r}.json").read_text())["pid"], 5.0)
     assert time.monotonic() - start < 5
+
+
+def test_the_watchdog_signals_only_the_groups_left_and_only_without_done(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sent: list[tuple[int, int]] = []
+    alive = {101: True, 102: False}
+
+    def killpg(pgid: int, signum: int) -> None:
+        sent.append((pgid, signum))
+        if signum == 0 and not alive[pgid]:
+            raise ProcessLookupError(pgid)
+
+    monkeypatch.setattr(os, "killpg", killpg)
+    said = [b"add 101 10\n", b"add 102 2\n", b"add 103 3\n", b"\n", b"junk\n"]
+    assert _watchdog.watch([*said, b"gone 103\n", b"done\n"], 7, 0.0) == 0
+    assert sent == []
+    assert _watchdog.watch([*said, b"gone 103\n"], 7, 0.2) == 1
+    assert (101, signal.SIGKILL) in sent
+    assert (102, signal.SIGKILL) not in sent  # seen gone during the grace period
+    assert [s for s in sent if s[1] == signal.SIGTERM] == [
+        (101, signal.SIGTERM),
+        (102, signal.SIGTERM),
+    ]
+    assert capsys.readouterr().err == (
+        "gradsync launch: the launcher (pid 7) ended without stopping its ranks; stopping "
+        "ranks 2, 10 (SIGTERM, SIGKILL after 0.2 s)\n"
+    )
 
 
 def test_a_launch_that_ends_normally_leaves_no_watchdog(capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,10 +21,9 @@ import sys
 import time
 from collections.abc import Iterable
 
-_POLL_S = 0.05
-
-
 __all__ = ["group_alive", "main", "watch"]
+
+_POLL_S = 0.05
 
 
 def group_alive(pgid: int) -> bool:
@@ -49,23 +48,24 @@ def watch(lines: Iterable[bytes], launcher_pid: int, grace_period_s: float) -> i
     it said ``done``, else 1 after stopping the groups it had started."""
     groups: dict[int, str] = {}  # process group -> the rank it runs
     for raw in lines:
-        word, *args = raw.decode("ascii", "replace").split()
-        if word == "add" and len(args) == 2:
-            groups[int(args[0])] = args[1]
-        elif word == "gone" and len(args) == 1:
-            groups.pop(int(args[0]), None)
-        elif word == "done":
+        words = raw.decode("ascii", "replace").split()
+        if words == ["done"]:
             return 0
+        if len(words) == 3 and words[0] == "add" and words[1].isdigit():
+            groups[int(words[1])] = words[2]
+        elif len(words) == 2 and words[0] == "gone" and words[1].isdigit():
+            groups.pop(int(words[1]), None)
     if not groups:
         return 1
-    ranks = ", ".join(sorted(groups.values(), key=int))
-    print(
-        f"gradsync launch: the launcher (pid {launcher_pid}) ended without stopping its "
-        f"ranks; stopping ranks {ranks} (SIGTERM, SIGKILL after {grace_period_s:g} s)",
-        file=sys.stderr,
-        flush=True,
-    )
     _signal(groups, signal.SIGTERM)
+    ranks = ", ".join(sorted(groups.values(), key=lambda r: (len(r), r)))
+    with contextlib.suppress(OSError):  # the launcher's stderr may be gone with it
+        print(
+            f"gradsync launch: the launcher (pid {launcher_pid}) ended without stopping its "
+            f"ranks; stopping ranks {ranks} (SIGTERM, SIGKILL after {grace_period_s:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     deadline = time.monotonic() + grace_period_s
     while groups and time.monotonic() < deadline:
         time.sleep(_POLL_S)
