@@ -265,64 +265,19 @@ def test_a_line_of_exactly_64_kib_adds_no_empty_line(tmp_path: Path) -> None:
     assert out.splitlines() == [f"[rank 0] {'a' * 65536}", f"[rank 0] {'b' * 65535}", "[rank 0] "]
 
 
-def test_progress_bar_redraws_are_forwarded_as_they_come(tmp_path: Path) -> None:
-    # tqdm redraws its line after a "\r" and writes a newline only at the end: the
-    # launcher forwarded whole lines, so a progress bar showed nothing until it ended.
+def _output_around_a_pause(tmp_path: Path, before: str, after: str) -> tuple[bytes, bytes]:
+    """Launch one rank that runs ``before``, waits until told, then runs ``after``;
+    return the launcher's stdout and stderr together, in bytes (text mode would turn
+    every "\\r" into "\\n"), up to the first "\\r", and the rest."""
     script = tmp_path / "bar.py"
     script.write_text(
         "import sys, time\n"
         "from pathlib import Path\n"
-        "sys.stderr.write('\\rone 10%')\n"
-        "sys.stderr.write('\\rtwo 20%')\n"
-        "sys.stderr.flush()\n"
+        f"{before}\n"
         "deadline = time.monotonic() + 60\n"
         "while not Path(sys.argv[1]).exists() and time.monotonic() < deadline:\n"
         "    time.sleep(0.01)\n"
-        "sys.stderr.write('\\rthree 100%\\n' + 'crlf\\r\\n' + 'last\\r')\n"
-    )
-    go = tmp_path / "go"
-    # Bytes, not text: text mode would turn every "\r" into "\n".
-    proc = subprocess.Popen(
-        [*LAUNCH, "--nproc", "1", str(script), str(go)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        assert proc.stderr is not None
-        seen = b""
-        deadline = time.monotonic() + TIMEOUT_S
-        while b"[rank 0] one 10%\r" not in seen and time.monotonic() < deadline:
-            seen += os.read(proc.stderr.fileno(), 4096)
-        # A redraw shows once the next starts: before, its line's end is not known.
-        assert seen == b"[rank 0] one 10%\r"
-        go.touch()
-        _, rest = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0
-    assert seen + rest == (
-        b"[rank 0] one 10%\r[rank 0] two 20%\r[rank 0] three 100%\n[rank 0] crlf\n"
-        b"[rank 0] last\r\n"  # the last redraw stays on screen
-    )
-
-
-def test_a_line_after_a_redraw_of_another_stream_starts_on_a_line_of_its_own(
-    tmp_path: Path,
-) -> None:
-    # tqdm on stderr, print on stdout, one terminal: the line overwrote the bar's start
-    # and left its end behind ("loss 0.4225%|###").
-    script = tmp_path / "bar.py"
-    script.write_text(
-        "import sys, time\n"
-        "from pathlib import Path\n"
-        "sys.stderr.write('\\repoch 1: 25%|#####   |\\repoch 1: 50%')\n"
-        "sys.stderr.flush()\n"
-        "deadline = time.monotonic() + 60\n"
-        "while not Path(sys.argv[1]).exists() and time.monotonic() < deadline:\n"
-        "    time.sleep(0.01)\n"
-        "print('loss 0.42', flush=True)\n"
+        f"{after}\n"
     )
     go = tmp_path / "go"
     proc = subprocess.Popen(
@@ -343,6 +298,35 @@ def test_a_line_after_a_redraw_of_another_stream_starts_on_a_line_of_its_own(
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0
+    return seen, rest
+
+
+def test_progress_bar_redraws_are_forwarded_as_they_come(tmp_path: Path) -> None:
+    # tqdm redraws its line after a "\r" and writes a newline only at the end: the
+    # launcher forwarded whole lines, so a progress bar showed nothing until it ended.
+    seen, rest = _output_around_a_pause(
+        tmp_path,
+        "sys.stderr.write('\\rone 10%')\nsys.stderr.write('\\rtwo 20%')\nsys.stderr.flush()",
+        "sys.stderr.write('\\rthree 100%\\n' + 'crlf\\r\\n' + 'last\\r')",
+    )
+    # A redraw shows once the next starts: before, its line's end is not known.
+    assert seen == b"[rank 0] one 10%\r"
+    assert seen + rest == (
+        b"[rank 0] one 10%\r[rank 0] two 20%\r[rank 0] three 100%\n[rank 0] crlf\n"
+        b"[rank 0] last\r\n"  # the last redraw stays on screen
+    )
+
+
+def test_a_line_after_a_redraw_of_another_stream_starts_on_a_line_of_its_own(
+    tmp_path: Path,
+) -> None:
+    # tqdm on stderr, print on stdout, one terminal: the line overwrote the bar's start
+    # and left its end behind ("loss 0.4225%|###").
+    seen, rest = _output_around_a_pause(
+        tmp_path,
+        "sys.stderr.write('\\repoch 1: 25%|#####   |\\repoch 1: 50%')\nsys.stderr.flush()",
+        "print('loss 0.42', flush=True)",
+    )
     assert seen + rest == (
         b"[rank 0] epoch 1: 25%|#####   |\r\n[rank 0] loss 0.42\n[rank 0] epoch 1: 50%\n"
     )
