@@ -269,13 +269,14 @@ def test_a_damaged_roster_is_unreadable_not_a_rendezvous(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     gen = _rendezvous_of_3(tmp_path)
-    (gen / "roster.json").write_bytes(b"\x00" * 16)
-    assert gradsync._status.status_main(tmp_path, as_json=False) == 1
-    out = capsys.readouterr().out
-    assert (
-        f"  generation {gen.name[4:]}: unreadable, 0 bytes\n"
-        f"    error: cannot read {gen / 'roster.json'}: not a roster gradsync wrote\n" in out
-    ), out
+    for damage in (b"\x00" * 16, b'{"members": "none"}'):
+        (gen / "roster.json").write_bytes(damage)
+        assert gradsync._status.status_main(tmp_path, as_json=False) == 1
+        out = capsys.readouterr().out
+        assert (
+            f"  generation {gen.name[4:]}: unreadable, 0 bytes\n"
+            f"    error: cannot read {gen / 'roster.json'}: not a roster gradsync wrote\n" in out
+        ), out
 
 
 def test_an_unreadable_abort_note_is_failed(tmp_path: Path) -> None:

@@ -314,13 +314,11 @@ class PeerFiles:
             reader = self._transport.open(path)
         except NotAFileError as exc:
             raise _unusable(step, rank, path, f"is unusable: {exc.strerror}") from exc
-        except FileNotFoundError as exc:
-            if self._transport.shared:
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError) and self._transport.shared:
                 # Its marker is there, so the file was written: this host may not see
                 # it yet (NFS caches that a name is absent, for up to acdirmax, 60 s).
                 raise _StaleError(path, None) from exc
-            raise translate_oserror(exc, "opening", path, step=step) from exc
-        except OSError as exc:
             raise translate_oserror(exc, "opening", path, step=step) from exc
         try:
             head = reader.head_of(header_length(reader.head))

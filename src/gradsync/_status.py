@@ -94,13 +94,15 @@ def _strategy(gen: Path) -> str | None:
 
 def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
     roster = load(gen / ROSTER)
-    if roster is None and os.path.lexists(gen / ROSTER):
-        # Written whole by one rename, so never seen half-written: damaged, not a
-        # rendezvous still in progress (which has no roster yet).
-        raise OSError(errno.EINVAL, "not a roster gradsync wrote", str(gen / ROSTER))
+    if roster is None or not isinstance(roster.get("members"), list):
+        if os.path.lexists(gen / ROSTER):
+            # Written whole by one rename, so never seen half-written: damaged, not a
+            # rendezvous still in progress (which has no roster yet).
+            raise OSError(errno.EINVAL, "not a roster gradsync wrote", str(gen / ROSTER))
+        roster = None
     info: dict[str, Any] = {"path": str(gen), "id": gen.name[len(GEN_PREFIX) :]}
     members: list[MemberInfo] = []
-    if roster is not None and isinstance(roster.get("members"), list):
+    if roster is not None:
         for raw in roster["members"]:
             try:
                 members.append(MemberInfo.from_json(raw))
