@@ -452,6 +452,9 @@ def test_world_size_mismatch_at_rendezvous(tmp_path: Path) -> None:
         # the check would otherwise take a peer's unchecked data silently.
         ("check_finite", [True, False], ("True", "False")),
         ("checksums", [False, True], ("False", "True")),
+        # A peer beating every 20 s was declared lost by one waiting 15 s for a beat.
+        ("heartbeat_interval_s", [1.0, 2.0], ("1.0", "2.0")),
+        ("heartbeat_timeout_s", [15.0, 60.0], ("15.0", "60.0")),
     ],
 )
 def test_settings_mismatch_at_rendezvous(
@@ -477,8 +480,8 @@ def test_settings_mismatch_at_rendezvous(
         (
             {"world_size": 2},
             r"rendezvous: rank 1 \(pid \d+ on \S+\) sent no settings \(strategy, wide_sum, "
-            r"check_finite, checksums\) in \S+: it runs an older gradsync; every rank must run "
-            r"the same gradsync version",
+            r"check_finite, checksums, heartbeat_interval_s, heartbeat_timeout_s\) in \S+: it "
+            r"runs an older gradsync; every rank must run the same gradsync version",
         ),
         # Settings without one of the keys this gradsync needs agreed on.
         (
@@ -500,7 +503,9 @@ def test_member_without_settings_is_refused(
     assert info.value.ranks == (0, 1)
     assert info.value.path == str(tmp_path)
     settings = {"strategy": "sharded", "wide_sum": False, "check_finite": False}
-    leader._check_agreement(joiner, {"world_size": 2, "settings": {**settings, "checksums": False}})
+    heartbeat = {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 15.0}
+    settings = {**settings, "checksums": False, **heartbeat}
+    leader._check_agreement(joiner, {"world_size": 2, "settings": settings})
 
 
 def test_rank_0_reads_each_confirmation_once(

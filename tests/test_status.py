@@ -252,6 +252,53 @@ def test_a_rank_on_another_host_is_never_judged_gone(tmp_path: Path) -> None:
     assert job["ranks"][1]["beating"] is False
 
 
+def _two_host_job(sync_dir: Path, interval_s: float) -> Path:
+    """A running job of two ranks, rank 1 on another host, beating every ``interval_s``
+    (its confirmation says so) and last published in call 4."""
+    gen = sync_dir / "gen-00000000000000aa"
+    (gen / "s-4").mkdir(parents=True)
+    me = gradsync._liveness.MemberInfo.for_self(0, "00000000000000aa").to_json()
+    far = {**gradsync._liveness.MemberInfo.for_self(1, "00000000000000bb").to_json()}
+    far["host_id"] = "elsewhere/boot/pidns"
+    (gen / "roster.json").write_text(json.dumps({"members": [me, far], "run_id": None}))
+    settings = {"strategy": "sharded", "heartbeat_interval_s": interval_s}
+    confirmation = {"member": far, "settings": settings}
+    (gen / "member-1-00000000000000bb.json").write_text(json.dumps(confirmation))
+    (gen / "hb-00000000000000bb").write_text("7")
+    (gen / "s-4" / "in-1").touch()
+    return gen
+
+
+@pytest.mark.parametrize("publishes", [False, True], ids=["quiet", "publishing"])
+def test_a_remote_rank_beating_less_often_than_status_can_wait_is_not_called_dead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, publishes: bool
+) -> None:
+    # Sampled 1.3 s apart, a rank beating every 5 s was shown NOT BEATING 5 times in 6
+    # while it published call after call.
+    gen = _two_host_job(tmp_path, interval_s=60.0)
+    monkeypatch.setattr(gradsync._status, "_MAX_SAMPLE_S", 0.3)
+    later = gen / "s-5"
+    publish = threading.Timer(0.1, lambda: later.mkdir() or (later / "in-1").touch())
+    if publishes:  # its next call, while status watches
+        publish.start()
+    report = gradsync._status.describe(tmp_path, sample_s=0.05)
+    (job,) = report["jobs"]
+    assert job["heartbeat_interval_s"] == 60.0
+    far = job["ranks"][1]
+    assert (far["beating"], far["sampled_s"]) == (True if publishes else None, 0.3)
+    if publishes:
+        publish.join()
+    text = gradsync._status._text(report)
+    life = "beating" if publishes else "no beat seen in 0.3 s (it beats every 60 s)"
+    assert f"    rank 1: pid {far['pid']} on {far['host']}, {life}, last published" in text
+
+
+def test_a_remote_rank_sampled_long_enough_and_silent_is_not_beating(tmp_path: Path) -> None:
+    _two_host_job(tmp_path, interval_s=0.1)
+    (job,) = gradsync._status.describe(tmp_path, sample_s=0.2)["jobs"]
+    assert (job["ranks"][1]["beating"], job["ranks"][1]["sampled_s"]) == (False, 0.2)
+
+
 def test_a_failed_rendezvous_with_an_empty_note_is_failed(tmp_path: Path) -> None:
     # On a full disk rank 0's abort note is written empty: it used to count as no note.
     gen = _rendezvous_of_3(tmp_path)

@@ -46,6 +46,8 @@ class FileGradSyncConfig:
             on other hosts that it is alive.
         heartbeat_timeout_s: A peer on another host whose heartbeat has not advanced
             for this many seconds (measured on this host's clock) is declared lost.
+            Both heartbeat settings must be the same on every rank (the first call
+            raises MismatchError otherwise).
         warn_after_s: While waiting, log a warning naming the slow ranks every this
             many seconds.
         check_finite: Check every published gradient for NaN/Inf and fail the step on

@@ -110,14 +110,17 @@ class Generation:
 
 def _settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
     """The config fields every rank must share: they decide the file layout (strategy),
-    the maths (wide_sum) and what a reader can check, which only its publisher can make
-    possible (check_finite: the publisher flags NaN/Inf; checksums: it writes the CRCs).
-    The rest may differ between ranks."""
+    the maths (wide_sum), what a reader can check, which only its publisher can make
+    possible (check_finite: the publisher flags NaN/Inf; checksums: it writes the CRCs),
+    and when a silent peer counts as lost: a rank that beats every 20 s was declared
+    lost by a peer waiting 15 s for a beat. The rest may differ between ranks."""
     return {
         "strategy": cfg.strategy,
         "wide_sum": cfg.wide_sum,
         "check_finite": cfg.check_finite,
         "checksums": cfg.checksums,
+        "heartbeat_interval_s": cfg.heartbeat_interval_s,
+        "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
     }
 
 
@@ -131,7 +134,8 @@ def rendezvous(cfg: FileGradSyncConfig, closing: threading.Event | None = None) 
         RendezvousError: a rank is claimed twice, or a live job with the same run id
             already uses the directory.
         MismatchError: ranks were started with different world sizes or settings
-            (strategy, wide_sum, check_finite, checksums).
+            (strategy, wide_sum, check_finite, checksums, the heartbeat's interval and
+            timeout).
         SyncDirError: the sync directory cannot be created or written.
         GradSyncError: ``closing`` was set.
     """

@@ -31,8 +31,10 @@ from ._protocol import data_name
 
 __all__ = ["describe", "status_main"]
 
-# Long enough to see a heartbeat move at the default 1 s interval.
+# Long enough to see a heartbeat move at the default 1 s interval; a job that beats
+# less often is watched for 1.5 intervals, but never longer than _MAX_SAMPLE_S.
 _SAMPLE_S = 1.3
+_MAX_SAMPLE_S = 5.0
 
 
 def _disk_bytes(path: Path) -> int:
@@ -80,16 +82,27 @@ def _user_step(gen: Path, rank: int, call: int) -> int | None:
     return None
 
 
-def _strategy(gen: Path) -> str | None:
-    """The job's strategy, from the settings its ranks > 0 confirmed with (rank 0
+def _setting(gen: Path, key: str) -> object:
+    """One of the job's settings, from those its ranks > 0 confirmed with (rank 0
     admitted them only if they matched its own); None if no member file says."""
     for name in sorted(_names(gen)):
         if member_rank(name) is not None:
             data = load(gen / name)
             settings = data.get("settings") if data is not None else None
-            if isinstance(settings, dict) and isinstance(settings.get("strategy"), str):
-                return str(settings["strategy"])
+            if isinstance(settings, dict) and settings.get(key) is not None:
+                return settings[key]
     return None
+
+
+def _published(gen: Path) -> dict[int, int]:
+    """Each rank's last call with its input marker still on disk."""
+    last: dict[int, int] = {}
+    for seq in _steps(gen):
+        for name in _names(gen / f"s-{seq}"):
+            rank = name[3:]
+            if name.startswith("in-") and rank.isdigit() and rank.isascii():
+                last[int(rank)] = max(seq, last.get(int(rank), seq))
+    return last
 
 
 def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
@@ -163,6 +176,9 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
         entry["failed"] = any(f"abort-{m.rank}" in names.get(seq, set()) for seq in seqs)
         ranks.append(entry)
     info["ranks"] = ranks
+    interval = _setting(gen, "heartbeat_interval_s")
+    if isinstance(interval, (int, float)) and not isinstance(interval, bool):
+        info["heartbeat_interval_s"] = float(interval)
     if seqs and members:
         seq = seqs[-1]
         present = names.get(seq, set())
@@ -175,7 +191,7 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
             # With strategy "root" only rank 0 publishes a shard (the whole mean), on
             # every call; otherwise every rank does, except in calls small enough for
             # each rank to reduce all (no shard at all: nobody waits once inputs are in).
-            root = _strategy(gen) == "root"
+            root = _setting(gen, "strategy") == "root"
             publishers = [0] if root else [m.rank for m in members]
             have_out = [r for r in publishers if f"out-{r}" in present]
             missing_out = sorted(r for r in publishers if r not in have_out)
@@ -278,12 +294,21 @@ def describe(sync_dir: Path, *, sample_s: float = _SAMPLE_S) -> dict[str, Any]:
                 jobs.append(_generation(gen, watch))
         except OSError as exc:  # one unreadable job does not hide the others
             jobs.append(_unreadable(gen, exc))
-    remote = [r for job in jobs for r in job["ranks"] if not r["same_host"]]
+    remote = [(job, r) for job in jobs for r in job["ranks"] if not r["same_host"]]
     if remote:
-        time.sleep(sample_s)
-        for r in remote:
+        # A rank beats every heartbeat_interval_s: sampled for less, a live one may
+        # not have beaten (status called every rank of a 5 s interval NOT BEATING).
+        needed = max(1.5 * job.get("heartbeat_interval_s", 0.0) for job, _ in remote)
+        waited = min(max(sample_s, needed), max(sample_s, _MAX_SAMPLE_S))
+        time.sleep(waited)
+        calls = {job["path"]: _published(Path(job["path"])) for job, _ in remote}
+        for job, r in remote:
             later = read_counter(Path(r.pop("hb_path")))
-            r["beating"] = later is not None and later != r["heartbeat"]
+            # A rank that published a later call meanwhile is alive, whatever its beat.
+            published = calls[job["path"]].get(r["rank"], -1) > r.get("last_call", -1)
+            beating = published or (later is not None and later != r["heartbeat"])
+            r["beating"] = True if beating else False if waited >= needed else None
+            r["sampled_s"] = round(waited, 3)
     for job in jobs:
         _settle(job)
     report = {"sync_dir": str(sync_dir), "disk_bytes": _disk_bytes(sync_dir), "jobs": jobs}
@@ -308,6 +333,11 @@ def _text(report: dict[str, Any]) -> str:
                 life = "left"
             elif r["same_host"]:
                 life = "alive" if r["alive"] else "DEAD"
+            elif r.get("beating") is None:
+                life = (
+                    f"no beat seen in {r['sampled_s']:g} s (it beats every "
+                    f"{job['heartbeat_interval_s']:g} s)"
+                )
             else:
                 life = "beating" if r.get("beating") else "NOT BEATING"
             last = (
