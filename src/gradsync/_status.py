@@ -94,14 +94,19 @@ def _setting(gen: Path, key: str) -> object:
     return None
 
 
-def _published(gen: Path) -> dict[int, int]:
-    """Each rank's last call with its input marker still on disk."""
+def _step_names(gen: Path) -> dict[int, set[str]]:
+    """The names in each step directory of ``gen`` still on disk, by call."""
+    return {seq: set(_names(gen / f"s-{seq}")) for seq in _steps(gen)}
+
+
+def _last_calls(names: dict[int, set[str]]) -> dict[int, int]:
+    """Each rank's last call with its input marker among ``names`` (:func:`_step_names`)."""
     last: dict[int, int] = {}
-    for seq in _steps(gen):
-        for name in _names(gen / f"s-{seq}"):
+    for seq in sorted(names):
+        for name in names[seq]:
             rank = name[3:]
-            if name.startswith("in-") and rank.isdigit() and rank.isascii():
-                last[int(rank)] = max(seq, last.get(int(rank), seq))
+            if name.startswith("in-") and rank.isascii() and rank.isdigit():
+                last[int(rank)] = seq
     return last
 
 
@@ -150,8 +155,9 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
         info["state"] = "failed"
         info["error"] = note_reason(parse_note(abort))
         info.pop("waiting", None)  # the rendezvous is over: nobody waits to join
-    seqs = _steps(gen)
-    names = {seq: set(_names(gen / f"s-{seq}")) for seq in seqs}
+    names = _step_names(gen)
+    seqs = sorted(names)
+    last_calls = _last_calls(names)
     ranks = []
     for m in members:
         entry: dict[str, Any] = {
@@ -167,9 +173,8 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
         else:
             entry["heartbeat"] = read_counter(gen / f"hb-{m.nonce}")
             entry["hb_path"] = str(gen / f"hb-{m.nonce}")
-        published = [seq for seq in seqs if f"in-{m.rank}" in names.get(seq, set())]
-        if published:
-            last = published[-1]
+        last = last_calls.get(m.rank)
+        if last is not None:
             entry["last_call"] = last
             # The marker is empty; the header lives in the rank's reused data file.
             entry["last_step"] = _user_step(gen, m.rank, last)
@@ -298,16 +303,19 @@ def describe(sync_dir: Path, *, sample_s: float = _SAMPLE_S) -> dict[str, Any]:
     if remote:
         # A rank beats every heartbeat_interval_s: sampled for less, a live one may
         # not have beaten (status called every rank of a 5 s interval NOT BEATING).
-        needed = max(1.5 * job.get("heartbeat_interval_s", 0.0) for job, _ in remote)
-        waited = min(max(sample_s, needed), max(sample_s, _MAX_SAMPLE_S))
+        def needed(job: dict[str, Any]) -> float:
+            return 1.5 * float(job.get("heartbeat_interval_s", 0.0))
+
+        waited = min(max([sample_s, *(needed(job) for job, _ in remote)]), _MAX_SAMPLE_S)
+        waited = max(waited, sample_s)
         time.sleep(waited)
-        calls = {job["path"]: _published(Path(job["path"])) for job, _ in remote}
+        calls = {job["path"]: _last_calls(_step_names(Path(job["path"]))) for job, _ in remote}
         for job, r in remote:
             later = read_counter(Path(r.pop("hb_path")))
             # A rank that published a later call meanwhile is alive, whatever its beat.
             published = calls[job["path"]].get(r["rank"], -1) > r.get("last_call", -1)
             beating = published or (later is not None and later != r["heartbeat"])
-            r["beating"] = True if beating else False if waited >= needed else None
+            r["beating"] = True if beating else False if waited >= needed(job) else None
             r["sampled_s"] = round(waited, 3)
     for job in jobs:
         _settle(job)
