@@ -252,10 +252,10 @@ def test_a_rank_on_another_host_is_never_judged_gone(tmp_path: Path) -> None:
     assert job["ranks"][1]["beating"] is False
 
 
-def _two_host_job(sync_dir: Path, interval_s: float) -> Path:
+def _two_host_job(sync_dir: Path, interval_s: float, gen_id: str = "00000000000000aa") -> Path:
     """A running job of two ranks, rank 1 on another host, beating every ``interval_s``
     (its confirmation says so) and last published in call 4."""
-    gen = sync_dir / "gen-00000000000000aa"
+    gen = sync_dir / f"gen-{gen_id}"
     (gen / "s-4").mkdir(parents=True)
     me = gradsync._liveness.MemberInfo.for_self(0, "00000000000000aa").to_json()
     far = {**gradsync._liveness.MemberInfo.for_self(1, "00000000000000bb").to_json()}
@@ -293,10 +293,16 @@ def test_a_remote_rank_beating_less_often_than_status_can_wait_is_not_called_dea
     assert f"    rank 1: pid {far['pid']} on {far['host']}, {life}, last published" in text
 
 
-def test_a_remote_rank_sampled_long_enough_and_silent_is_not_beating(tmp_path: Path) -> None:
+def test_a_remote_rank_sampled_long_enough_and_silent_is_not_beating(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Judged by its own job's interval, even beside a job status cannot wait for.
     _two_host_job(tmp_path, interval_s=0.1)
-    (job,) = gradsync._status.describe(tmp_path, sample_s=0.2)["jobs"]
-    assert (job["ranks"][1]["beating"], job["ranks"][1]["sampled_s"]) == (False, 0.2)
+    _two_host_job(tmp_path, interval_s=60.0, gen_id="00000000000000cc")
+    monkeypatch.setattr(gradsync._status, "_MAX_SAMPLE_S", 0.3)
+    fast, slow = gradsync._status.describe(tmp_path, sample_s=0.2)["jobs"]
+    assert (fast["ranks"][1]["beating"], fast["ranks"][1]["sampled_s"]) == (False, 0.3)
+    assert (slow["ranks"][1]["beating"], slow["ranks"][1]["sampled_s"]) == (None, 0.3)
 
 
 def test_a_failed_rendezvous_with_an_empty_note_is_failed(tmp_path: Path) -> None:
