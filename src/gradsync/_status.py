@@ -306,10 +306,10 @@ def describe(sync_dir: Path, *, sample_s: float = _SAMPLE_S) -> dict[str, Any]:
         def needed(job: dict[str, Any]) -> float:
             return 1.5 * float(job.get("heartbeat_interval_s", 0.0))
 
-        waited = min(max([sample_s, *(needed(job) for job, _ in remote)]), _MAX_SAMPLE_S)
-        waited = max(waited, sample_s)
+        watched = {job["path"]: job for job, _ in remote}  # each job once
+        waited = max(sample_s, min(max(map(needed, watched.values())), _MAX_SAMPLE_S))
         time.sleep(waited)
-        calls = {job["path"]: _last_calls(_step_names(Path(job["path"]))) for job, _ in remote}
+        calls = {path: _last_calls(_step_names(Path(path))) for path in watched}
         for job, r in remote:
             later = read_counter(Path(r.pop("hb_path")))
             # A rank that published a later call meanwhile is alive, whatever its beat.
