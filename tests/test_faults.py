@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -795,6 +796,7 @@ def test_fuzz_roster_readers_raise_only_gradsync_errors(roster: Any) -> None:
         assert members is None or all(isinstance(m, MemberInfo) for m in members), members
         # Any cross-host member is judged later, in a daemon thread: make that at once.
         _reaping.reap_stale_generations(sync, sync / "gen-keep", 0.0)
+        _reaping.note_ended(sync, 1, os.getpid(), "has exited (exit code 0)")
 
 
 ROSTER_READERS = (
@@ -802,6 +804,7 @@ ROSTER_READERS = (
     (rdzv, "_accept"),
     (_reaping, "members_of"),
     (_reaping, "reap_stale_generations"),
+    (_reaping, "note_ended"),
 )
 
 
@@ -810,6 +813,65 @@ def _need_roster_readers() -> None:
     missing = [f"{m.__name__}.{f}" for m, f in ROSTER_READERS if not hasattr(m, f)]
     if missing:
         pytest.fail(f"{missing} no longer exist: adapt these tests")
+
+
+def _job(sync: Path, gen_id: str, pids: list[int], *, roster: bool = True) -> Path:
+    """A generation of ranks of this host with processes ``pids`` (rank 0 registered)."""
+    gen = sync / f"gen-{gen_id}"
+    gen.mkdir(parents=True)
+    members = [
+        {**MemberInfo.for_self(r, f"{r:016x}").to_json(), "pid": p} for r, p in enumerate(pids)
+    ]
+    (sync / "rdzv").mkdir(exist_ok=True)
+    _file(sync / "rdzv", f"leader-{gen_id}.json", json.dumps({"member": members[0]}).encode())
+    if roster:
+        _file(gen, "roster.json", json.dumps({"members": members, "run_id": None}).encode())
+    return gen
+
+
+def test_a_launcher_leaves_for_its_ended_rank_only_the_jobs_it_was_in(tmp_path: Path) -> None:
+    ended = {"ended": "was stopped by its launcher (killed by SIGTERM)"}
+    mine = _job(tmp_path, "00000000000000a1", [4000001, os.getpid()])
+    other = _job(tmp_path, "00000000000000a2", [4000002, os.getpid()])  # another process
+    done = _job(tmp_path, "00000000000000a3", [os.getpid(), 4000001])
+    (done / "left-0").write_text('{"calls":7}')
+    forming = _job(tmp_path, "00000000000000a4", [4000001], roster=False)
+    (tmp_path / "gen-00000000000000a5").write_text("not a directory")
+    _reaping.note_ended(tmp_path, 0, 4000001, ended["ended"])
+    _reaping.note_ended(tmp_path, 1, 4000001, "has exited (killed by SIGKILL)")
+    assert json.loads((mine / "left-0").read_text()) == ended
+    assert _jobfiles.how_it_ended(mine, 0) == ended["ended"]
+    assert not (other / "left-0").exists()
+    assert json.loads((forming / "left-0").read_text()) == ended  # rank 0, before its roster
+    # The last to leave a job removes it, its leader file first.
+    assert not done.exists()
+    assert not (tmp_path / "rdzv" / "leader-00000000000000a3.json").exists()
+    assert (tmp_path / "rdzv" / "leader-00000000000000a1.json").exists()
+    # A rank that closed its session said so itself: its note stays as it wrote it.
+    (mine / "left-1").write_text('{"calls":3}')
+    _reaping.note_ended(tmp_path, 1, os.getpid(), "has exited (exit code 0)")
+    assert (mine / "left-1").read_text() == '{"calls":3}'
+    assert _jobfiles.how_it_ended(mine, 1) is None
+
+
+def test_a_joiner_names_how_a_rank_0_of_another_host_ended_as_its_launcher_says(
+    tmp_path: Path,
+) -> None:
+    # Without the note, a joiner on another host would wait out heartbeat_timeout_s.
+    gen = _job(tmp_path, "00000000000000b1", [4000001], roster=False)
+    leader = MemberInfo.from_json(
+        {**MemberInfo.for_self(0, "00").to_json(), "host_id": "elsewhere/boot/ns", "pid": 7}
+    )
+    cfg = gradsync.FileGradSyncConfig(2, 1, tmp_path, max_wait_s=1.0)
+    watch = rdzv.HeartbeatWatch(3600.0)
+    rdzv._check_leader(cfg, leader, gen, watch)  # beating as far as it can tell
+    (gen / "left-0").write_text('{"ended": "has exited (killed by SIGSEGV)"}')
+    with pytest.raises(gradsync.PeerLostError) as info:
+        rdzv._check_leader(cfg, leader, gen, watch)
+    assert str(info.value) == (
+        f"rendezvous: rank 0 (pid 7 on {socket.gethostname()}) has exited (killed by SIGSEGV) "
+        f"before completing the rendezvous in {gen}"
+    )
 
 
 DEEP = b"[" * 100_000 + b"]" * 100_000

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -234,6 +236,36 @@ def test_a_job_stopped_by_a_signal_leaves_nothing_in_a_given_sync_dir(tmp_path: 
         _, err = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == 130, err
     assert [str(p.relative_to(sync_dir)) for p in sync_dir.rglob("*")] == ["rdzv"]
+
+
+def test_a_rank_stopped_by_its_launcher_is_known_at_once_to_peers_on_other_hosts(
+    tmp_path: Path,
+) -> None:
+    # A peer on another host sees neither the stopped rank's process nor, for
+    # heartbeat_timeout_s (20 s here), the end of its heartbeat: its launcher leaves the
+    # job on its behalf, and the peer's next liveness check finds that.
+    sync_dir = tmp_path / "sync"
+    job = ["--nnodes", "2", "--nproc", "1", "--sync-dir", str(sync_dir), "--run-id", "split"]
+    script = [str(SCRIPTS / "average_forever.py"), str(tmp_path), "--heartbeat-timeout-s", "20"]
+    with (
+        launcher([*job, "--node-rank", "0", *script, "--elsewhere"]) as far,
+        launcher([*job, "--node-rank", "1", *script]) as near,
+    ):
+        wait_for_files(tmp_path, ["ready-0", "ready-1"], near)
+        near.send_signal(signal.SIGTERM)
+        _, near_err = near.communicate(timeout=TIMEOUT_S)
+        assert near.returncode == 143, near_err
+        _, far_err = far.communicate(timeout=TIMEOUT_S)
+    assert far.returncode == 1, far_err
+    pid = int((tmp_path / "ready-1").read_text())
+    lost = re.search(r"PeerLostError: step \d+: (rank 1 .*) before publishing", far_err)
+    assert lost is not None, far_err
+    assert lost[1] == (
+        f"rank 1 (pid {pid} on {socket.gethostname()}) was stopped by its launcher "
+        "(killed by SIGTERM)"
+    )
+    # Both ranks have left (one through its launcher): the last one removed the job.
+    assert not [p.name for p in sync_dir.iterdir() if p.name.startswith("gen-")]
 
 
 def test_output_ending_in_a_cut_off_character_is_not_lost(tmp_path: Path) -> None:

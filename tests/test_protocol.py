@@ -1315,6 +1315,14 @@ def test_a_session_abandoned_at_exit_refuses_later_calls(tmp_path: Path) -> None
         gs.average([np.ones(4)])
 
 
+def test_a_closed_session_cannot_be_entered_again(tmp_path: Path) -> None:
+    with gradsync.GradSync(gradsync.FileGradSyncConfig(1, 0, tmp_path)) as gs:
+        gs.average([np.ones(4)])
+    closed = r"^this GradSync \(rank 0\) is closed$"
+    with pytest.raises(gradsync.GradSyncError, match=closed), gs:
+        pass
+
+
 def test_a_session_dropped_without_close_leaves_the_job(tmp_path: Path) -> None:
     results = run_ranks(workers.dropped_without_close, 2, (2, str(tmp_path)))
     assert_ok(results)

@@ -305,6 +305,21 @@ def test_a_remote_rank_sampled_long_enough_and_silent_is_not_beating(
     assert (slow["ranks"][1]["beating"], slow["ranks"][1]["sampled_s"]) == (None, 0.3)
 
 
+@pytest.mark.parametrize("note", ['{"calls": 4}', "", '{"ended": 3}', '{"ended": "E"}'])
+def test_a_rank_left_by_its_launcher_is_shown_with_how_it_ended(tmp_path: Path, note: str) -> None:
+    gen = _two_host_job(tmp_path, interval_s=60.0)
+    ended = "was stopped by its launcher (killed by SIGTERM)"
+    (gen / "left-1").write_text(note.replace("E", ended))
+    (job,) = gradsync._status.describe(tmp_path, sample_s=0.0)["jobs"]
+    far = job["ranks"][1]
+    by_launcher = note.endswith('"E"}')
+    assert far.get("ended") == (ended if by_launcher else None)
+    assert "beating" not in far  # a rank that left is not watched (nor waited for)
+    life = ended if by_launcher else "left"
+    expected = f"    rank 1: pid {far['pid']} on {far['host']}, {life}, last published call 4 "
+    assert expected in gradsync._status._text({"sync_dir": "", "disk_bytes": 0, "jobs": [job]})
+
+
 def test_a_failed_rendezvous_with_an_empty_note_is_failed(tmp_path: Path) -> None:
     # On a full disk rank 0's abort note is written empty: it used to count as no note.
     gen = _rendezvous_of_3(tmp_path)

@@ -90,6 +90,9 @@ class GradSync:
         self._closing = threading.Event()
 
     def __enter__(self) -> GradSync:
+        """Raises: GradSyncError: it is closed (a ``with`` block would average nothing)."""
+        if self._closed:
+            raise GradSyncError(f"this GradSync (rank {self.cfg.rank}) is closed")
         return self
 
     def __exit__(

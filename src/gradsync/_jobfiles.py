@@ -20,9 +20,11 @@ __all__ = [
     "RDZV",
     "ROSTER",
     "dump",
+    "how_it_ended",
     "join_name",
     "join_nonce",
     "leader_file",
+    "left_name",
     "load",
     "member_name",
     "member_of",
@@ -70,6 +72,23 @@ def member_rank(name: str) -> int | None:
         return None
     rank = name.split("-")[1]
     return int(rank) if rank.isascii() and rank.isdigit() else None
+
+
+def left_name(rank: int) -> str:
+    """The name, in a generation's directory, of the note that rank ``rank`` has left the
+    job: written by the rank as its session closes (``{"calls": N}``, the calls it
+    finished), or by its launcher once its process ended without closing it
+    (``{"ended": "was stopped by its launcher (killed by SIGTERM)"}``)."""
+    return f"left-{rank}"
+
+
+def how_it_ended(gen_path: Path, rank: int) -> str | None:
+    """How rank ``rank``'s process ended, as its launcher wrote in the rank's ``left``
+    note in the generation at ``gen_path``; None where the rank closed its session
+    itself, or left no readable note."""
+    note = load(gen_path / left_name(rank))
+    ended = None if note is None else note.get("ended")
+    return ended if isinstance(ended, str) and ended else None
 
 
 def offer_name(nonce: str) -> str:

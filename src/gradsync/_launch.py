@@ -30,7 +30,7 @@ from typing import IO, Any
 
 from ._errors import ConfigError
 from ._fsio import DIR_MODE
-from ._reaping import remove_dead_jobs
+from ._reaping import note_ended, remove_dead_jobs
 from ._watchdog import group_alive
 
 __all__ = ["launch"]
@@ -46,6 +46,7 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 _POLL_S = 0.05  # how often the supervisor looks at launcher signals and deadlines
 _DRAIN_S = 2.0  # after the ranks exit, how long to wait for their pipes to reach EOF
 _ABANDON_S = 10.0  # after SIGKILL, how long to wait for ranks before giving up on them
+_NOTES_S = 5.0  # after the ranks exit, how long to wait for the notes of their ends
 # Each rank costs the launcher a copy of the environment and three threads before any
 # starts; no host runs more ranks than this usefully.
 _MAX_NPROC = 4096
@@ -77,6 +78,9 @@ def launch(
     SIGTERM and SIGHUP to the launcher stop the ranks the same way (when called from
     the main thread, which is where signal handlers can be installed), and so does a
     watchdog process if the launcher ends without stopping them (killed by SIGKILL).
+    When a rank ends without closing its gradsync session, the launcher leaves its job
+    in ``GRADSYNC_SYNC_DIR`` on its behalf, saying how it ended: its peers on other
+    nodes learn it at once instead of after their heartbeat timeout.
 
     Args:
         script_argv: ``SCRIPT`` (a path, or a module name if ``module``) and its arguments.
@@ -155,7 +159,7 @@ def launch(
             run_id,
             directory,
         )
-        job = _Job(signals, grace_period_s)
+        job = _Job(signals, grace_period_s, directory)
         done = False
         try:
             job.start(argv, envs)
@@ -464,9 +468,11 @@ def _killpg(pgid: int, signum: int) -> None:
 class _Job:
     """The ranks of one node: starts them, watches them, stops them together."""
 
-    def __init__(self, signals: _SignalCatcher, grace_period_s: float) -> None:
+    def __init__(self, signals: _SignalCatcher, grace_period_s: float, sync_dir: Path) -> None:
         self._signals = signals
         self._grace_period_s = grace_period_s
+        self._sync_dir = sync_dir
+        self._notes: list[threading.Thread] = []
         self._output = _Output()
         self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
         self.ranks: list[_Rank] = []
@@ -663,6 +669,7 @@ class _Job:
                 if returncode != 0 and not stopping:
                     first_failure = info
                     begin_stop(f"rank {info.rank} failed ({_describe(returncode)})")
+                self._note_end(info)
                 continue  # collect every exit already queued before looking at the clock
             self._note_gone_groups()
             now = time.monotonic()
@@ -696,6 +703,9 @@ class _Job:
         for info in self.ranks:
             for reader in info.readers:
                 reader.join(timeout=max(0.0, drain_until - time.monotonic()))
+        notes_until = time.monotonic() + _NOTES_S
+        for note in self._notes:
+            note.join(timeout=max(0.0, notes_until - time.monotonic()))
 
         if first_failure is not None:
             self._output.write("stderr", self._summary(first_failure))
@@ -705,6 +715,26 @@ class _Job:
         if stop_signal is not None:
             return 128 + stop_signal
         return 0
+
+    def _note_end(self, info: _Rank) -> None:
+        """Leave the rank's job on its behalf if it ended without closing its session
+        (killed by a signal, say): its peers on other hosts then learn of it at once,
+        not after their heartbeat timeout. In a thread: a hung shared filesystem must
+        not keep the launcher from stopping the other ranks."""
+        code = info.returncode
+        assert code is not None
+        if info.stopped and code in (-signal.SIGTERM, -signal.SIGKILL):
+            how = f"was stopped by its launcher ({_describe(code)})"
+        else:
+            how = f"has exited ({_describe(code)})"
+        note = threading.Thread(
+            target=note_ended,
+            args=(self._sync_dir, info.rank, info.proc.pid, how),
+            name=f"gradsync-launch-rank{info.rank}-note",
+            daemon=True,
+        )
+        note.start()
+        self._notes.append(note)
 
     def _summary(self, failed: _Rank) -> str:
         """The root-cause report printed when a rank fails."""

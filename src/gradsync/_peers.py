@@ -51,6 +51,7 @@ from ._format import (
     header_length,
 )
 from ._fsio import Backoff, NotAFileError, list_names, read_small, translate_oserror
+from ._jobfiles import how_it_ended, left_name
 from ._liveness import HeartbeatWatch, exact_process_checks
 from ._plan import Plan
 from ._rendezvous import Generation, calls_finished
@@ -391,13 +392,13 @@ class PeerFiles:
         for q in missing:
             member = self.gen.members[q]
             reason: str | None
-            if f"left-{q}" in names:
+            if left_name(q) in names:
                 finished = calls_finished(self.gen, q)
                 if finished is not None and finished >= seq:
                     # It finished this call, so it published all of it: a shared
                     # filesystem's listing of the step can lag behind its "left" file.
                     continue
-                reason = "closed its gradsync session"
+                reason = how_it_ended(self.gen.path, q) or "closed its gradsync session"
             elif member.same_host:
                 reason = member.local_death()
                 if reason is None and not exact_process_checks():

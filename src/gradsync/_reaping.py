@@ -2,9 +2,11 @@
 
 Ranks killed by a signal never close their sessions, and a job whose hosts all died
 leaves everything: its generation directory, its leader file, joins that got no
-answer. Each new rank 0 removes, before it registers (on a full disk that frees
-space first), every generation whose members are all gone; the launcher does the
-same after a job it ran in a given directory. Members on this host are judged at
+answer. A launcher that saw its rank's process end leaves the job on its behalf
+(:func:`note_ended`), so that peers on other hosts need not wait for the heartbeat.
+Each new rank 0 removes, before it registers (on a full disk that frees space
+first), every generation whose members are all gone; the launcher does the same
+after a job it ran in a given directory. Members on this host are judged at
 once by their process; members on other hosts by a heartbeat that stays still for
 ``heartbeat_timeout_s``, which a daemon thread waits out so that no job waits for it.
 """
@@ -19,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from ._fsio import list_names, remove_tree, write_atomic
+from ._fsio import list_names, remove_tree, write_atomic, write_note
 from ._jobfiles import (
     GEN_PREFIX,
     RDZV,
@@ -27,13 +29,20 @@ from ._jobfiles import (
     dump,
     join_nonce,
     leader_file,
+    left_name,
     load,
     member_of,
     offer_name,
 )
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
 
-__all__ = ["members_of", "reap_stale_generations", "remove_dead_jobs", "remove_dead_joins"]
+__all__ = [
+    "members_of",
+    "note_ended",
+    "reap_stale_generations",
+    "remove_dead_jobs",
+    "remove_dead_joins",
+]
 
 _log = logging.getLogger("gradsync")
 
@@ -79,11 +88,45 @@ def remove_dead_jobs(sync_dir: Path) -> None:
         _log.debug("tidying %s stopped: %s", sync_dir, exc)
 
 
+def note_ended(sync_dir: Path, rank: int, pid: int, how: str) -> None:
+    """Leave, for rank ``rank``'s process ``pid`` of this host, which has ended without
+    closing its session, every job in ``sync_dir`` it is a member of: a ``left-<rank>``
+    note saying ``how`` it ended ("was stopped by its launcher (killed by SIGTERM)"),
+    which its peers on other hosts find at their next liveness check instead of after
+    ``heartbeat_timeout_s``. A job whose every member has left is removed, as the last
+    rank to close its session would. Never raises: where no note could be written, the
+    heartbeat tells."""
+    try:
+        names = sorted(n for n in list_names(sync_dir) if n.startswith(GEN_PREFIX))
+    except OSError as exc:
+        _log.debug("no note for rank %d (pid %d) in %s: %s", rank, pid, sync_dir, exc)
+        return
+    for name in names:
+        gen_path = sync_dir / name
+        try:
+            _note_ended_in(gen_path, rank, pid, how)
+        except OSError as exc:
+            _log.debug("no note for rank %d (pid %d) in %s: %s", rank, pid, gen_path, exc)
+
+
+def _note_ended_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
+    rostered = (gen_path / ROSTER).exists()
+    members = members_of(gen_path)  # before the roster, just rank 0
+    if not members or not any(m.rank == rank and m.pid == pid and m.same_host for m in members):
+        return
+    note = gen_path / left_name(rank)
+    if note.exists():
+        return  # it closed its session itself
+    write_note(note, dump({"ended": how}))
+    if rostered and all((gen_path / left_name(m.rank)).exists() for m in members):
+        _remove(gen_path)
+
+
 def _gone(gen_path: Path, member: MemberInfo) -> bool | None:
     """Whether ``member`` of the generation at ``gen_path`` is gone: it left, or its
     process on this host has ended (True), or lives (False); None for a member on
     another host that has not left: only its heartbeat can tell."""
-    if (gen_path / f"left-{member.rank}").exists():
+    if (gen_path / left_name(member.rank)).exists():
         return True
     if member.same_host:
         return member.local_death() is not None

@@ -61,9 +61,11 @@ from ._jobfiles import (
     RDZV,
     ROSTER,
     dump,
+    how_it_ended,
     join_name,
     join_nonce,
     leader_file,
+    left_name,
     load,
     member_name,
     member_of,
@@ -105,7 +107,7 @@ class Generation:
         return self.path / f"hb-{self.members[rank].nonce}"
 
     def left_path(self, rank: int) -> Path:
-        return self.path / f"left-{rank}"
+        return self.path / left_name(rank)
 
 
 def _settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
@@ -222,7 +224,7 @@ class _Leader:
             # Rank 0 has left: nobody's rival now, and the next rank 0 on this host
             # removes the directory at once (as a generation whose members are gone).
             with contextlib.suppress(OSError):
-                write_note(self.gen_path / "left-0", b"{}")
+                write_note(self.gen_path / left_name(0), b"{}")
             raise
 
     def _admit_ranks(self) -> Generation:
@@ -648,7 +650,7 @@ def _check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWa
             )
         except (KeyError, TypeError, ValueError):
             continue
-        if (gen_path / f"left-{cfg.rank}").exists() or (gen_path / "left-0").exists():
+        if (gen_path / left_name(cfg.rank)).exists() or (gen_path / left_name(0)).exists():
             continue  # the rank, or the job's rank 0, has left (after a failure, say)
         # The last rank to leave a job unlinks its leader file before the rest: a job
         # without one is being removed (its "left" files may be gone already).
@@ -663,7 +665,7 @@ def _left(sync_dir: Path, leader_data: dict[str, Any]) -> bool:
     makes its directory before this file, and the last rank to leave removes the file
     first.)"""
     gen = sync_dir / f"{GEN_PREFIX}{leader_data.get('gen')}"
-    return (gen / "left-0").exists() or not gen.is_dir()
+    return (gen / left_name(0)).exists() or not gen.is_dir()
 
 
 def _held_here(rank: int, path: Path) -> RendezvousError:
@@ -699,7 +701,10 @@ def _is_alive(member: MemberInfo, gen_path: Path, watch: HeartbeatWatch) -> bool
 def _check_leader(
     cfg: FileGradSyncConfig, leader: MemberInfo, gen_path: Path, watch: HeartbeatWatch
 ) -> None:
-    if leader.same_host:
+    ended = how_it_ended(gen_path, 0)  # its launcher saw its process end
+    if ended is not None:
+        reason = ended
+    elif leader.same_host:
         death = leader.local_death()
         if death is None:
             return
@@ -751,7 +756,7 @@ def leave(gen: Generation, calls: int) -> None:
         names = list_names(gen.path)
     except OSError:
         return  # not knowing who is left, leave the directory to the last rank
-    if all(f"left-{r}" in names for r in range(len(gen.members))):
+    if all(left_name(r) in names for r in range(len(gen.members))):
         with contextlib.suppress(OSError):
             leader_file(gen.path.parent, gen.gen_id).unlink()
         remove_tree(gen.path)

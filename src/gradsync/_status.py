@@ -19,8 +19,10 @@ from ._jobfiles import (
     GEN_PREFIX,
     RDZV,
     ROSTER,
+    how_it_ended,
     join_nonce,
     leader_file,
+    left_name,
     load,
     member_of,
     member_rank,
@@ -165,12 +167,15 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
             "host": m.hostname,
             "pid": m.pid,
             "same_host": m.same_host,
-            "left": (gen / f"left-{m.rank}").exists(),
+            "left": (gen / left_name(m.rank)).exists(),
         }
+        ended = how_it_ended(gen, m.rank) if entry["left"] else None
+        if ended is not None:
+            entry["ended"] = ended  # its launcher's words: it never closed its session
         if m.same_host:
             death = m.local_death()
             entry["alive"] = death is None
-        else:
+        elif not entry["left"]:  # a rank that left beats no more: nothing to watch
             entry["heartbeat"] = read_counter(gen / f"hb-{m.nonce}")
             entry["hb_path"] = str(gen / f"hb-{m.nonce}")
         last = last_calls.get(m.rank)
@@ -299,7 +304,7 @@ def describe(sync_dir: Path, *, sample_s: float = _SAMPLE_S) -> dict[str, Any]:
                 jobs.append(_generation(gen, watch))
         except OSError as exc:  # one unreadable job does not hide the others
             jobs.append(_unreadable(gen, exc))
-    remote = [(job, r) for job in jobs for r in job["ranks"] if not r["same_host"]]
+    remote = [(job, r) for job in jobs for r in job["ranks"] if "hb_path" in r]
     if remote:
         # A rank beats every heartbeat_interval_s: sampled for less, a live one may
         # not have beaten (status called every rank of a 5 s interval NOT BEATING).
@@ -338,7 +343,7 @@ def _text(report: dict[str, Any]) -> str:
             lines.append(f"    error: {job['error']}")
         for r in job["ranks"]:
             if r["left"]:
-                life = "left"
+                life = r.get("ended", "left")
             elif r["same_host"]:
                 life = "alive" if r["alive"] else "DEAD"
             elif r.get("beating") is None:

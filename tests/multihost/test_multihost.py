@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -318,6 +319,25 @@ def test_killing_a_hosts_processes_is_reported(cluster: Cluster) -> None:
     assert codes["h1"] == 0, f"h1's launcher: {codes}\n{job.log_text()}"
     delays = _assert_survivors_name_lost_ranks(out, t_kill, job)
     print(f"\nh1's ranks raised PeerLostError {max(delays):.1f} s after h2's processes died")
+
+
+def test_stopping_a_hosts_launcher_is_reported_as_such_at_once(cluster: Cluster) -> None:
+    """SIGTERM to h2's launcher: it stops its ranks and leaves the job on their behalf, so
+    h1's ranks name them stopped, without waiting out their heartbeats."""
+    job, out = _lost_host_job(cluster, "host-stop")
+    try:
+        t_stop = time.time()
+        job.procs["h2"].send_signal(signal.SIGKILL)  # nsenter dies -> launcher gets SIGTERM
+        codes = job.wait(40)
+    finally:
+        job.stop()
+    assert codes["h1"] == 0, f"h1's launcher: {codes}\n{job.log_text()}"
+    delays = _assert_survivors_name_lost_ranks(out, t_stop, job)
+    for r in (0, 1):
+        message = _json(out / f"error-{r}.json")["message"]
+        assert "was stopped by its launcher (killed by SIGTERM)" in message, message
+        assert "heartbeat" not in message, message
+    print(f"\nh1's ranks raised PeerLostError {max(delays):.1f} s after h2's launcher was stopped")
 
 
 def test_killing_a_hosts_juicefs_client_is_reported(cluster: Cluster) -> None:

@@ -1,22 +1,37 @@
-"""Average a gradient step after step until stopped; after the first step, write DIR/ready-N.
+"""Average a gradient step after step until stopped; after the first step, write
+DIR/ready-N holding the rank's pid.
 
+Usage: average_forever.py DIR [--heartbeat-timeout-s S] [--elsewhere]
+
+``--elsewhere`` makes this rank take itself for a process of another host (its peers
+here then see neither its process nor it theirs: only files and heartbeats tell).
 SIGTERM (what the launcher sends) is left at its default: the process dies at once,
 without closing its session, as a training script stopped that way would.
 """
 
+import argparse
 import os
-import sys
 
 import numpy as np
 
 import gradsync
+from gradsync import _liveness
 
-out_dir = sys.argv[1]
-cfg = gradsync.FileGradSyncConfig.from_env()
+parser = argparse.ArgumentParser()
+parser.add_argument("out_dir")
+parser.add_argument("--heartbeat-timeout-s", type=float, default=None)
+parser.add_argument("--elsewhere", action="store_true")
+args = parser.parse_args()
+if args.elsewhere:
+    _liveness._host_id = lambda: "elsewhere/boot/pidns"
+overrides = {}
+if args.heartbeat_timeout_s is not None:
+    overrides["heartbeat_timeout_s"] = args.heartbeat_timeout_s
+cfg = gradsync.FileGradSyncConfig.from_env(**overrides)
 grads = [np.ones(1 << 17, np.float32)]  # 512 KiB: data files, sharded
 gradsync.average_grads_file_sync(grads, None, cfg, 0)
-with open(os.path.join(out_dir, f"ready-{cfg.rank}"), "w"):
-    pass
+with open(os.path.join(args.out_dir, f"ready-{cfg.rank}"), "w") as f:
+    f.write(str(os.getpid()))
 step = 1
 while True:
     gradsync.average_grads_file_sync(grads, None, cfg, step)
