@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -266,6 +267,28 @@ def test_a_rank_stopped_by_its_launcher_is_known_at_once_to_peers_on_other_hosts
     )
     # Both ranks have left (one through its launcher): the last one removed the job.
     assert not [p.name for p in sync_dir.iterdir() if p.name.startswith("gen-")]
+
+
+def test_how_a_rank_ended_is_noted_unless_it_exited_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Exit code 0 is no note: peers still in its last call may not see yet what it
+    # published there (a shared filesystem's listing lags); its heartbeat tells.
+    noted: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(_launch, "note_ended", lambda *args: noted.append(args))
+    job = _launch._Job(_launch._SignalCatcher(), 1.0, tmp_path)
+    proc: Any = types.SimpleNamespace(pid=42)
+    for code, stopped in [(0, False), (0, True), (-15, True), (-9, True), (-15, False), (1, True)]:
+        job._note_end(_launch._Rank(3, 0, proc, returncode=code, stopped=stopped))
+    for thread in job._notes:
+        thread.join(timeout=TIMEOUT_S)
+    assert [how for *_, how in noted] == [
+        "was stopped by its launcher (killed by SIGTERM)",
+        "was stopped by its launcher (killed by SIGKILL)",
+        "has exited (killed by SIGTERM)",
+        "has exited (exit code 1)",
+    ]
+    assert {tuple(args) for *args, _ in noted} == {(tmp_path, 3, 42)}
 
 
 def test_output_ending_in_a_cut_off_character_is_not_lost(tmp_path: Path) -> None:

@@ -78,9 +78,9 @@ def launch(
     SIGTERM and SIGHUP to the launcher stop the ranks the same way (when called from
     the main thread, which is where signal handlers can be installed), and so does a
     watchdog process if the launcher ends without stopping them (killed by SIGKILL).
-    When a rank ends without closing its gradsync session, the launcher leaves its job
-    in ``GRADSYNC_SYNC_DIR`` on its behalf, saying how it ended: its peers on other
-    nodes learn it at once instead of after their heartbeat timeout.
+    When a rank fails or is stopped without closing its gradsync session, the launcher
+    leaves its job in ``GRADSYNC_SYNC_DIR`` on its behalf, saying how it ended: its
+    peers on other nodes learn it at once instead of after their heartbeat timeout.
 
     Args:
         script_argv: ``SCRIPT`` (a path, or a module name if ``module``) and its arguments.
@@ -723,6 +723,11 @@ class _Job:
         not keep the launcher from stopping the other ranks."""
         code = info.returncode
         assert code is not None
+        if code == 0:
+            # It finished (os._exit, say, skips closing): peers still in its last call
+            # may not see yet, on a shared filesystem, what it published; told it is
+            # gone they would fail that call. Its heartbeat tells, as before.
+            return
         if info.stopped and code in (-signal.SIGTERM, -signal.SIGKILL):
             how = f"was stopped by its launcher ({_describe(code)})"
         else:
