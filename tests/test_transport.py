@@ -57,6 +57,24 @@ def test_replaced_or_resized_file_is_mapped_again(tmp_path: Path, size: int) -> 
     transport.close()
 
 
+@pytest.mark.parametrize("size", [1, (3 << 20) + 5])
+def test_mapped_files_are_allocated_without_posix_fallocate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    # macOS has no posix_fallocate: a mapped transport raised AttributeError there.
+    monkeypatch.delattr(os, "posix_fallocate")
+    path = tmp_path / "d-0.in"
+    path.write_bytes(b"\xff" * 10)  # a file of an earlier size is resized
+    transport = Transport(mapped=True, head_bytes=64)
+    buf = transport.reserve(path, size)
+    st = os.stat(path)
+    assert (buf.size, st.st_size) == (size, size)
+    assert st.st_blocks * 512 >= size  # no hole left to fault in later
+    buf[-1] = 7
+    transport.close()
+    assert path.read_bytes()[-1] == 7
+
+
 def test_unmapped_transport_reads_through_a_descriptor(tmp_path: Path) -> None:
     path = tmp_path / "d-1-0.in"
     path.write_bytes(bytes(range(100)))

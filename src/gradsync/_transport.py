@@ -245,7 +245,7 @@ class Transport:
         try:
             os.ftruncate(fd, size)
             if size:
-                os.posix_fallocate(fd, 0, size)
+                _allocate(fd, size)
             ino = os.fstat(fd).st_ino
             mm = mmap.mmap(fd, max(size, 1)) if size else None
         finally:
@@ -326,6 +326,23 @@ class Transport:
         for path in list(self._maps):
             self.forget(path)
         self._written.clear()
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Give the file's first ``size`` bytes their blocks now: on a full filesystem a
+    write through a mapping into a hole is SIGBUS, where this is an OSError (ENOSPC).
+
+    Raises:
+        OSError: as the system reported it.
+    """
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, size)
+        return
+    # macOS has none: writing zeros allocates the blocks too (once per file and size).
+    zeros = memoryview(bytes(min(size, 1 << 20)))
+    offset = 0
+    while offset < size:
+        offset += os.pwrite(fd, zeros[: size - offset], offset)
 
 
 def _first_bytes(chunks: Sequence[bytes | memoryview], nbytes: int) -> bytes:
