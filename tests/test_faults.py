@@ -796,7 +796,7 @@ def test_fuzz_roster_readers_raise_only_gradsync_errors(roster: Any) -> None:
         assert members is None or all(isinstance(m, MemberInfo) for m in members), members
         # Any cross-host member is judged later, in a daemon thread: make that at once.
         _reaping.reap_stale_generations(sync, sync / "gen-keep", 0.0)
-        _reaping.note_ended(sync, 1, os.getpid(), "has exited (exit code 0)")
+        _reaping.leave_for_ended(sync, 1, os.getpid(), "has ended (exit code 0)")
 
 
 ROSTER_READERS = (
@@ -804,7 +804,7 @@ ROSTER_READERS = (
     (rdzv, "_accept"),
     (_reaping, "members_of"),
     (_reaping, "reap_stale_generations"),
-    (_reaping, "note_ended"),
+    (_reaping, "leave_for_ended"),
 )
 
 
@@ -837,8 +837,8 @@ def test_a_launcher_leaves_for_its_ended_rank_only_the_jobs_it_was_in(tmp_path: 
     (done / "left-0").write_text('{"calls":7}')
     forming = _job(tmp_path, "00000000000000a4", [4000001], roster=False)
     (tmp_path / "gen-00000000000000a5").write_text("not a directory")
-    _reaping.note_ended(tmp_path, 0, 4000001, ended["ended"])
-    _reaping.note_ended(tmp_path, 1, 4000001, "has exited (killed by SIGKILL)")
+    _reaping.leave_for_ended(tmp_path, 0, 4000001, ended["ended"])
+    _reaping.leave_for_ended(tmp_path, 1, 4000001, "has ended (killed by SIGKILL)")
     assert json.loads((mine / "left-0").read_text()) == ended
     assert _jobfiles.how_it_ended(mine, 0) == ended["ended"]
     assert not (other / "left-0").exists()
@@ -849,7 +849,7 @@ def test_a_launcher_leaves_for_its_ended_rank_only_the_jobs_it_was_in(tmp_path: 
     assert (tmp_path / "rdzv" / "leader-00000000000000a1.json").exists()
     # A rank that closed its session said so itself: its note stays as it wrote it.
     (mine / "left-1").write_text('{"calls":3}')
-    _reaping.note_ended(tmp_path, 1, os.getpid(), "has exited (exit code 0)")
+    _reaping.leave_for_ended(tmp_path, 1, os.getpid(), "has ended (exit code 0)")
     assert (mine / "left-1").read_text() == '{"calls":3}'
     assert _jobfiles.how_it_ended(mine, 1) is None
 
@@ -865,13 +865,39 @@ def test_a_joiner_names_how_a_rank_0_of_another_host_ended_as_its_launcher_says(
     cfg = gradsync.FileGradSyncConfig(2, 1, tmp_path, max_wait_s=1.0)
     watch = rdzv.HeartbeatWatch(3600.0)
     rdzv._check_leader(cfg, leader, gen, watch)  # beating as far as it can tell
-    (gen / "left-0").write_text('{"ended": "has exited (killed by SIGSEGV)"}')
+    (gen / "left-0").write_text('{"ended": "has ended (killed by SIGSEGV)"}')
     with pytest.raises(gradsync.PeerLostError) as info:
         rdzv._check_leader(cfg, leader, gen, watch)
     assert str(info.value) == (
-        f"rendezvous: rank 0 (pid 7 on {socket.gethostname()}) has exited (killed by SIGSEGV) "
+        f"rendezvous: rank 0 (pid 7 on {socket.gethostname()}) has ended (killed by SIGSEGV) "
         f"before completing the rendezvous in {gen}"
     )
+
+
+def test_a_launcher_leaves_nothing_for_a_live_process_that_has_its_ended_ranks_pid(
+    tmp_path: Path,
+) -> None:
+    # The launcher passes the pid of a process it has already reaped: that pid may by
+    # now belong to another process, here a live rank 1 of another job in the same dir.
+    live = _job(tmp_path, "00000000000000c1", [4000001, os.getpid()])  # rank 1: this process
+    (live / "left-0").write_text('{"calls":3}')
+    _reaping.leave_for_ended(tmp_path, 1, os.getpid(), "has ended (killed by SIGKILL)")
+    assert not (live / "left-1").exists()
+    assert live.exists()
+
+
+def test_a_launcher_finishes_the_removal_of_a_job_its_rank_was_leaving(tmp_path: Path) -> None:
+    # Killed inside leave(): its own note written, the job not yet removed.
+    dying = _job(tmp_path, "00000000000000d1", [4000001, 4000002])
+    (dying / "left-0").write_text('{"calls":5}')
+    (dying / "left-1").write_text('{"calls":5}')
+    # Removed by someone who listed it before the launcher's note: no leader file.
+    removing = _job(tmp_path, "00000000000000d2", [4000001, 4000003])
+    (tmp_path / "rdzv" / "leader-00000000000000d2.json").unlink()
+    _reaping.leave_for_ended(tmp_path, 1, 4000002, "has ended (killed by SIGKILL)")
+    _reaping.leave_for_ended(tmp_path, 0, 4000001, "has ended (killed by SIGKILL)")
+    assert not dying.exists()
+    assert not removing.exists()
 
 
 DEEP = b"[" * 100_000 + b"]" * 100_000

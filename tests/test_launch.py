@@ -275,18 +275,18 @@ def test_how_a_rank_ended_is_noted_unless_it_exited_0(
     # Exit code 0 is no note: peers still in its last call may not see yet what it
     # published there (a shared filesystem's listing lags); its heartbeat tells.
     noted: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(_launch, "note_ended", lambda *args: noted.append(args))
+    monkeypatch.setattr(_launch, "leave_for_ended", lambda *args: noted.append(args))
     job = _launch._Job(_launch._SignalCatcher(), 1.0, tmp_path)
     proc: Any = types.SimpleNamespace(pid=42)
     for code, stopped in [(0, False), (0, True), (-15, True), (-9, True), (-15, False), (1, True)]:
-        job._note_end(_launch._Rank(3, 0, proc, returncode=code, stopped=stopped))
-    for thread in job._notes:
+        job._leave_for(_launch._Rank(3, 0, proc, returncode=code, stopped=stopped))
+    for thread in job._leaving:
         thread.join(timeout=TIMEOUT_S)
     assert [how for *_, how in noted] == [
         "was stopped by its launcher (killed by SIGTERM)",
         "was stopped by its launcher (killed by SIGKILL)",
-        "has exited (killed by SIGTERM)",
-        "has exited (exit code 1)",
+        "has ended (killed by SIGTERM)",
+        "has ended (exit code 1)",
     ]
     assert {tuple(args) for *args, _ in noted} == {(tmp_path, 3, 42)}
 

@@ -90,7 +90,11 @@ class GradSync:
         self._closing = threading.Event()
 
     def __enter__(self) -> GradSync:
-        """Raises: GradSyncError: it is closed (a ``with`` block would average nothing)."""
+        """Enter a block at whose end it closes.
+
+        Raises:
+            GradSyncError: it is closed (a failed one is entered: leaving closes it).
+        """
         if self._closed:
             raise GradSyncError(f"this GradSync (rank {self.cfg.rank}) is closed")
         return self

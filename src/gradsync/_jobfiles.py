@@ -7,6 +7,7 @@ status``: one place says where each file lives and what an unreadable one counts
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ __all__ = [
     "join_name",
     "join_nonce",
     "leader_file",
+    "leader_gone",
     "left_name",
     "load",
     "member_name",
@@ -45,6 +47,19 @@ GAVE_UP = "gave-up-"
 def leader_file(sync_dir: Path, gen_id: str) -> Path:
     """Rank 0's registration for generation ``gen_id``: it stays until the job is removed."""
     return sync_dir / RDZV / f"leader-{gen_id}.json"
+
+
+def leader_gone(gen_path: Path) -> bool:
+    """Whether the leader file of the generation at ``gen_path`` is gone: whoever removes
+    a generation unlinks it first. False where that cannot be told (``Path.exists``
+    raises for a stale handle or a denied lookup)."""
+    try:
+        os.stat(leader_file(gen_path.parent, gen_path.name[len(GEN_PREFIX) :]))
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def join_name(rank: int, nonce: str) -> str:

@@ -30,7 +30,7 @@ from typing import IO, Any
 
 from ._errors import ConfigError
 from ._fsio import DIR_MODE
-from ._reaping import note_ended, remove_dead_jobs
+from ._reaping import leave_for_ended, remove_dead_jobs
 from ._watchdog import group_alive
 
 __all__ = ["launch"]
@@ -46,7 +46,7 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 _POLL_S = 0.05  # how often the supervisor looks at launcher signals and deadlines
 _DRAIN_S = 2.0  # after the ranks exit, how long to wait for their pipes to reach EOF
 _ABANDON_S = 10.0  # after SIGKILL, how long to wait for ranks before giving up on them
-_NOTES_S = 5.0  # after the ranks exit, how long to wait for the notes of their ends
+_LEAVE_S = 5.0  # after the ranks exit, how long to wait for their jobs to be left for them
 # Each rank costs the launcher a copy of the environment and three threads before any
 # starts; no host runs more ranks than this usefully.
 _MAX_NPROC = 4096
@@ -472,7 +472,7 @@ class _Job:
         self._signals = signals
         self._grace_period_s = grace_period_s
         self._sync_dir = sync_dir
-        self._notes: list[threading.Thread] = []
+        self._leaving: list[threading.Thread] = []  # threads of _leave_for
         self._output = _Output()
         self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
         self.ranks: list[_Rank] = []
@@ -669,7 +669,7 @@ class _Job:
                 if returncode != 0 and not stopping:
                     first_failure = info
                     begin_stop(f"rank {info.rank} failed ({_describe(returncode)})")
-                self._note_end(info)
+                self._leave_for(info)
                 continue  # collect every exit already queued before looking at the clock
             self._note_gone_groups()
             now = time.monotonic()
@@ -703,9 +703,9 @@ class _Job:
         for info in self.ranks:
             for reader in info.readers:
                 reader.join(timeout=max(0.0, drain_until - time.monotonic()))
-        notes_until = time.monotonic() + _NOTES_S
-        for note in self._notes:
-            note.join(timeout=max(0.0, notes_until - time.monotonic()))
+        leave_until = time.monotonic() + _LEAVE_S
+        for thread in self._leaving:
+            thread.join(timeout=max(0.0, leave_until - time.monotonic()))
 
         if first_failure is not None:
             self._output.write("stderr", self._summary(first_failure))
@@ -716,11 +716,12 @@ class _Job:
             return 128 + stop_signal
         return 0
 
-    def _note_end(self, info: _Rank) -> None:
-        """Leave the rank's job on its behalf if it ended without closing its session
-        (killed by a signal, say): its peers on other hosts then learn of it at once,
-        not after their heartbeat timeout. In a thread: a hung shared filesystem must
-        not keep the launcher from stopping the other ranks."""
+    def _leave_for(self, info: _Rank) -> None:
+        """Leave the rank's jobs on its behalf, saying how it ended, unless it exited 0
+        (a rank that closed its session has said so itself: nothing is written then
+        either): its peers on other hosts learn of it at once, not after their
+        heartbeat timeout. In a thread: a hung shared filesystem must not keep the
+        launcher from stopping the other ranks."""
         code = info.returncode
         assert code is not None
         if code == 0:
@@ -731,15 +732,15 @@ class _Job:
         if info.stopped and code in (-signal.SIGTERM, -signal.SIGKILL):
             how = f"was stopped by its launcher ({_describe(code)})"
         else:
-            how = f"has exited ({_describe(code)})"
-        note = threading.Thread(
-            target=note_ended,
+            how = f"has ended ({_describe(code)})"
+        thread = threading.Thread(
+            target=leave_for_ended,
             args=(self._sync_dir, info.rank, info.proc.pid, how),
-            name=f"gradsync-launch-rank{info.rank}-note",
+            name=f"gradsync-launch-rank{info.rank}-leave",
             daemon=True,
         )
-        note.start()
-        self._notes.append(note)
+        thread.start()
+        self._leaving.append(thread)
 
     def _summary(self, failed: _Rank) -> str:
         """The root-cause report printed when a rank fails."""

@@ -3,7 +3,7 @@
 Ranks killed by a signal never close their sessions, and a job whose hosts all died
 leaves everything: its generation directory, its leader file, joins that got no
 answer. A launcher that saw its rank's process end leaves the job on its behalf
-(:func:`note_ended`), so that peers on other hosts need not wait for the heartbeat.
+(:func:`leave_for_ended`), so that peers on other hosts need not wait for the heartbeat.
 Each new rank 0 removes, before it registers (on a full disk that frees space
 first), every generation whose members are all gone; the launcher does the same
 after a job it ran in a given directory. Members on this host are judged at
@@ -29,6 +29,7 @@ from ._jobfiles import (
     dump,
     join_nonce,
     leader_file,
+    leader_gone,
     left_name,
     load,
     member_of,
@@ -37,8 +38,8 @@ from ._jobfiles import (
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
 
 __all__ = [
+    "leave_for_ended",
     "members_of",
-    "note_ended",
     "reap_stale_generations",
     "remove_dead_jobs",
     "remove_dead_joins",
@@ -88,14 +89,15 @@ def remove_dead_jobs(sync_dir: Path) -> None:
         _log.debug("tidying %s stopped: %s", sync_dir, exc)
 
 
-def note_ended(sync_dir: Path, rank: int, pid: int, how: str) -> None:
-    """Leave, for rank ``rank``'s process ``pid`` of this host, which has ended without
-    closing its session, every job in ``sync_dir`` it is a member of: a ``left-<rank>``
-    note saying ``how`` it ended ("was stopped by its launcher (killed by SIGTERM)"),
-    which its peers on other hosts find at their next liveness check instead of after
-    ``heartbeat_timeout_s``. A job whose every member has left is removed, as the last
-    rank to close its session would. Never raises: where no note could be written, the
-    heartbeat tells."""
+def leave_for_ended(sync_dir: Path, rank: int, pid: int, how: str) -> None:
+    """Leave, for rank ``rank``'s process ``pid`` of this host, which has ended (its
+    launcher reaped it), the jobs in ``sync_dir`` whose members list it by rank, pid and
+    host (before a job's roster only its rank 0 is known) and that it has not left
+    itself: a ``left-<rank>`` note saying ``how`` it ended ("was stopped by its launcher
+    (killed by SIGTERM)"), which its peers on other hosts find at their next liveness
+    check instead of after ``heartbeat_timeout_s``. A job whose every member has left is
+    removed, as the last rank to leave would. Never raises: where no note could be
+    written, the heartbeat tells."""
     try:
         names = sorted(n for n in list_names(sync_dir) if n.startswith(GEN_PREFIX))
     except OSError as exc:
@@ -104,20 +106,27 @@ def note_ended(sync_dir: Path, rank: int, pid: int, how: str) -> None:
     for name in names:
         gen_path = sync_dir / name
         try:
-            _note_ended_in(gen_path, rank, pid, how)
+            _leave_in(gen_path, rank, pid, how)
         except OSError as exc:
             _log.debug("no note for rank %d (pid %d) in %s: %s", rank, pid, gen_path, exc)
 
 
-def _note_ended_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
+def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
     rostered = (gen_path / ROSTER).exists()
-    members = members_of(gen_path)  # before the roster, just rank 0
-    if not members or not any(m.rank == rank and m.pid == pid and m.same_host for m in members):
+    members = members_of(gen_path) or []  # before the roster, just rank 0
+    ended = [m for m in members if m.rank == rank and m.pid == pid and m.same_host]
+    # The pid was reaped before this runs: by now it may be a live process's, of a
+    # rank of another job in this directory. Its start time tells them apart.
+    if not ended or any(m.local_death() is None for m in ended):
         return
     note = gen_path / left_name(rank)
-    if note.exists():
-        return  # it closed its session itself
-    write_note(note, dump({"ended": how}))
+    if not note.exists():  # else it closed its session itself (and may have died in it)
+        write_note(note, dump({"ended": how}))
+        if leader_gone(gen_path):
+            # Removed meanwhile by someone who listed it before this note: it would
+            # keep the directory, without a leader file to say whose it is.
+            remove_tree(gen_path)
+            return
     if rostered and all((gen_path / left_name(m.rank)).exists() for m in members):
         _remove(gen_path)
 

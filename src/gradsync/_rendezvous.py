@@ -65,6 +65,7 @@ from ._jobfiles import (
     join_name,
     join_nonce,
     leader_file,
+    leader_gone,
     left_name,
     load,
     member_name,
@@ -472,7 +473,7 @@ def _join(
                                 "confirming membership in",
                             )
                         except SyncDirError:
-                            if gen_path.is_dir() and not _leader_gone(gen_path):
+                            if gen_path.is_dir() and not leader_gone(gen_path):
                                 raise
                             # Removed since the look above: rank 0 gave up and a new
                             # session of it removed the generation. Wait for its offer,
@@ -503,7 +504,7 @@ def _join(
                 if elapsed >= next_check:
                     next_check = elapsed + _CHECK_EVERY_S
                     _check_leader(cfg, leader, gen_path, watch)
-                    if not gen_path.is_dir() or _leader_gone(gen_path):
+                    if not gen_path.is_dir() or leader_gone(gen_path):
                         # Rank 0 failed and a new session of it already removed this
                         # generation: wait for its offer, as a rank that came later,
                         # while that process lives. (The directory stays where this
@@ -557,21 +558,8 @@ def _unless_removed(gen_path: Path) -> None:
     rank wrote into it after the remover listed it would otherwise keep the directory,
     with no leader file to tell whose it was, as a job of another host (waited out for
     ``heartbeat_timeout_s``, and shown by ``gradsync status``)."""
-    if _leader_gone(gen_path):
+    if leader_gone(gen_path):
         remove_tree(gen_path)
-
-
-def _leader_gone(gen_path: Path) -> bool:
-    """Whether the leader file of the generation at ``gen_path`` is gone: whoever removes
-    a generation unlinks it first. False where that cannot be told (``Path.exists``
-    raises for a stale handle or a denied lookup)."""
-    try:
-        os.stat(leader_file(gen_path.parent, gen_path.name[len(GEN_PREFIX) :]))
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return False
 
 
 def _rostered(cfg: FileGradSyncConfig, me: MemberInfo, gen_path: Path) -> Generation | None:
