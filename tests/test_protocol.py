@@ -8,6 +8,9 @@ import json
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -1333,6 +1336,51 @@ def test_a_session_dropped_without_close_leaves_the_job(tmp_path: Path) -> None:
     assert seconds < 2
 
 
+def test_peers_are_told_which_exception_closed_a_session(tmp_path: Path) -> None:
+    results = run_ranks(workers.raises_in_its_with_block, 2, (2, str(tmp_path)))
+    assert_ok(results)
+    kind, message = results[0].value
+    assert kind == "PeerLostError"
+    assert re.fullmatch(
+        r"step 1: rank 1 \(pid \d+ on .+\) closed its gradsync session \(raising "
+        r"ValueError: batch 7 is empty\) before publishing its gradients in .+/s-2 "
+        r"\(waited \d+\.\d s\)",
+        message,
+    ), message
+
+
+@pytest.mark.parametrize("exit_by", ["exception", "sys.exit"])
+def test_peers_are_told_which_uncaught_exception_ended_a_rank(tmp_path: Path, exit_by: str) -> None:
+    # The function form's sessions are closed at exit: after an uncaught exception the
+    # interpreter keeps it in sys.last_value; sys.exit is no exception to report.
+    script = Path(__file__).parent / "scripts" / "average_forever.py"
+    env = {**os.environ, "GRADSYNC_WORLD_SIZE": "2", "GRADSYNC_SYNC_DIR": str(tmp_path / "s")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path), *([f"--end-by={exit_by}"] * rank)],
+            env={**env, "GRADSYNC_RANK": str(rank)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        errs = [p.communicate(timeout=60)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [1, 1 if exit_by == "exception" else 3], errs
+    why = " (at exit, after an uncaught ZeroDivisionError: division by zero)"
+    expected = (
+        f"gradsync._errors.PeerLostError: step 1: rank 1 (pid {procs[1].pid} on "
+        f"{socket.gethostname()}) closed its gradsync session"
+        f"{why if exit_by == 'exception' else ''} before publishing its gradients in "
+    )
+    assert expected in errs[0], errs[0]
+
+
 def test_the_function_form_refuses_a_second_config_for_the_same_rank(tmp_path: Path) -> None:
     cfg = gradsync.FileGradSyncConfig(1, 0, tmp_path / "sync")
     other = dataclasses.replace(cfg, max_wait_s=6.0)
@@ -1351,3 +1399,14 @@ def test_the_function_form_refuses_a_second_config_for_the_same_rank(tmp_path: P
         gradsync.average_grads_file_sync([np.ones(2)], None, same, 1)
     finally:
         gradsync._api._close_all()
+
+
+def test_an_exception_that_cannot_be_shown_still_closes_the_session(tmp_path: Path) -> None:
+    class UnprintableError(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    gs = gradsync.GradSync(gradsync.FileGradSyncConfig(1, 0, tmp_path))
+    with pytest.raises(UnprintableError), gs:
+        raise UnprintableError
+    assert repr(gs).endswith(", closed)")

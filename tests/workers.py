@@ -542,6 +542,24 @@ def dropped_without_close(rank: int, world: int, sync_dir: str) -> Any:
     return None
 
 
+def raises_in_its_with_block(rank: int, world: int, sync_dir: str) -> Any:
+    """Rank 1's training code raises inside its ``with GradSync`` block after one call:
+    rank 0's next call names the exception."""
+    cfg = config(rank, world, sync_dir, max_wait_s=20.0)
+    if rank == 1:
+        with contextlib.suppress(ValueError), gradsync.GradSync(cfg) as gs:
+            gs.average([np.ones(4)], step=0)
+            raise ValueError("batch 7 is empty\n(second line)")
+        return None
+    with gradsync.GradSync(cfg) as gs:
+        gs.average([np.ones(4)], step=0)
+        try:
+            gs.average([np.ones(4)], step=1)
+        except gradsync.GradSyncError as exc:
+            return type(exc).__name__, str(exc)
+    return None
+
+
 def membership_not_written(rank: int, world: int, sync_dir: str) -> Any:
     """Rank 1 is offered a place, then cannot write its membership file (ENOSPC)."""
     from gradsync import _jobfiles  # noqa: PLC0415

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -105,7 +106,7 @@ class GradSync:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self._close(None if exc is None else f"raising {_exception_text(exc)}")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "failed" if self._failure else "open"
@@ -425,6 +426,11 @@ class GradSync:
         marks the child's copy closed: the session, its files and its peers belong to
         the parent process.
         """
+        self._close(None)
+
+    def _close(self, why: str | None) -> None:
+        """close(), telling peers that still wait for this rank ``why`` it closed
+        ("raising ZeroDivisionError: division by zero"), if it is the first close."""
         if _forks_seen != self._session.forks:
             self._closed = True
             return
@@ -440,7 +446,7 @@ class GradSync:
             if self._closed:
                 return
             self._closed = True
-            self._session.leave()
+            self._session.leave(why)
             _registry_forget(self)
 
     def _fail(self, exc: BaseException) -> None:
@@ -466,11 +472,12 @@ class _Session:
         """Leave, for a GradSync dropped without close() or still open at exit, unless a
         call (in a daemon thread, at exit) is still using the session."""
         if not self.busy:
-            self.leave()
+            self.leave(_uncaught_at_exit())
 
-    def leave(self) -> None:
+    def leave(self, why: str | None = None) -> None:
         """Leave the job and free what the session holds; only once, and never from a
-        fork (at a forked child's exit the session is the parent's)."""
+        fork (at a forked child's exit the session is the parent's). ``why``: what
+        made the rank close its session, for peers that still wait for it."""
         if self.left or _forks_seen != self.forks:
             return
         self.left = True
@@ -483,7 +490,8 @@ class _Session:
             # Only once (above): the peers must learn that this rank left even so.
             try:
                 if self.gen is not None:
-                    leave(self.gen, 0 if self.engine is None else self.engine.completed)
+                    calls = 0 if self.engine is None else self.engine.completed
+                    leave(self.gen, calls, f"closed its gradsync session ({why})" if why else None)
             finally:
                 if self.bridge is not None:
                     self.bridge.close()
@@ -508,13 +516,35 @@ def _registry_forget(sync: GradSync) -> None:
 
 @atexit.register
 def _close_all() -> None:
+    why = _uncaught_at_exit()
     with _registry_lock:
         syncs = list(_registry.values())
     for sync in syncs:
         try:
-            sync.close()
+            sync._close(why)
         except Exception:  # at exit, one failure must not hide the others
             _log.exception("closing %r at exit failed", sync)
+
+
+def _uncaught_at_exit() -> str | None:
+    """What ends this program, if an uncaught exception does: a script's interpreter
+    keeps the one it printed in ``sys.last_value``. Not trusted where a REPL or a
+    notebook runs: there it is the last error of any statement."""
+    if hasattr(sys, "ps1") or sys.flags.interactive or "IPython" in sys.modules:
+        return None
+    exc = getattr(sys, "last_value", None)
+    return f"at exit, after an uncaught {_exception_text(exc)}" if exc is not None else None
+
+
+def _exception_text(exc: BaseException) -> str:
+    """``ZeroDivisionError: division by zero``: its type and its message's first line,
+    at most 200 characters, for a one-line message of a peer."""
+    try:
+        lines = str(exc).strip().splitlines()
+    except Exception:  # a broken __str__ must not replace the exception being raised
+        lines = []
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _checked_step(step: object) -> int:

@@ -92,15 +92,16 @@ def member_rank(name: str) -> int | None:
 def left_name(rank: int) -> str:
     """The name, in a generation's directory, of the note that rank ``rank`` has left the
     job: written by the rank as its session closes (``{"calls": N}``, the calls it
-    finished), or by its launcher once its process ended without closing it
-    (``{"ended": "was stopped by its launcher (killed by SIGTERM)"}``)."""
+    finished, with ``"ended": "closed its gradsync session (raising ValueError: ...)"``
+    when an exception closed it), or by its launcher once its process ended without
+    closing it (``{"ended": "was stopped by its launcher (killed by SIGTERM)"}``)."""
     return f"left-{rank}"
 
 
 def how_it_ended(gen_path: Path, rank: int) -> str | None:
-    """How rank ``rank``'s process ended, as its launcher wrote in the rank's ``left``
-    note in the generation at ``gen_path``; None where the rank closed its session
-    itself, or left no readable note."""
+    """How rank ``rank`` left the generation at ``gen_path``, as its ``left`` note says
+    (its launcher's words, or what closed its session); None where it closed its
+    session with nothing to say, or left no readable note."""
     note = load(gen_path / left_name(rank))
     ended = None if note is None else note.get("ended")
     return ended if isinstance(ended, str) and ended else None

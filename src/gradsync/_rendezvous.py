@@ -733,11 +733,13 @@ def _accept(
     return Generation(gen_path, gen_path.name[len(GEN_PREFIX) :], members, cfg.rank)
 
 
-def leave(gen: Generation, calls: int) -> None:
-    """Mark this rank as gone after finishing ``calls`` averaging calls; the last rank
-    to leave removes the generation directory."""
+def leave(gen: Generation, calls: int, ended: str | None = None) -> None:
+    """Mark this rank as gone after finishing ``calls`` averaging calls (and, for peers
+    still waiting for it, how its session ``ended``, if not simply closed); the last
+    rank to leave removes the generation directory."""
+    note: dict[str, Any] = {"calls": calls} if ended is None else {"calls": calls, "ended": ended}
     try:
-        write_note(gen.left_path(gen.rank), json.dumps({"calls": calls}).encode())
+        write_note(gen.left_path(gen.rank), json.dumps(note).encode())
     except OSError:
         return
     try:

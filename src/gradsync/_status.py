@@ -171,7 +171,7 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
         }
         ended = how_it_ended(gen, m.rank) if entry["left"] else None
         if ended is not None:
-            entry["ended"] = ended  # its launcher's words: it never closed its session
+            entry["ended"] = ended  # its launcher's words, or what closed its session
         if m.same_host:
             death = m.local_death()
             entry["alive"] = death is None
