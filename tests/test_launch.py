@@ -569,6 +569,32 @@ def test_the_ranks_of_a_launcher_killed_with_sigkill_are_stopped(
     assert time.monotonic() - start < 5
 
 
+def test_the_ranks_of_a_launcher_killed_with_sigkill_are_known_at_once_to_peers_elsewhere(
+    tmp_path: Path,
+) -> None:
+    # Its watchdog, once it has stopped them, leaves their jobs for them too.
+    sync_dir = tmp_path / "sync"
+    job = ["--nnodes", "2", "--nproc", "1", "--sync-dir", str(sync_dir), "--run-id", "split"]
+    job += ["--grace-period-s", "0.5"]
+    script = [str(SCRIPTS / "average_forever.py"), str(tmp_path), "--heartbeat-timeout-s", "20"]
+    with (
+        launcher([*job, "--node-rank", "0", *script, "--elsewhere"]) as far,
+        launcher([*job, "--node-rank", "1", *script]) as near,
+    ):
+        wait_for_files(tmp_path, ["ready-0", "ready-1"], near)
+        near.kill()
+        _, far_err = far.communicate(timeout=TIMEOUT_S)
+        near.communicate(timeout=TIMEOUT_S)
+    pid = int((tmp_path / "ready-1").read_text())
+    lost = re.search(r"PeerLostError: step \d+: (rank 1 .*) before publishing", far_err)
+    assert lost is not None, far_err
+    assert lost[1] == (
+        f"rank 1 (pid {pid} on {socket.gethostname()}) was stopped by its launcher's "
+        "watchdog (the launcher died)"
+    )
+    assert not [p.name for p in sync_dir.iterdir() if p.name.startswith("gen-")]
+
+
 def test_the_watchdog_signals_only_the_groups_left_and_only_without_done(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

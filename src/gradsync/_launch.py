@@ -79,8 +79,9 @@ def launch(
     the main thread, which is where signal handlers can be installed), and so does a
     watchdog process if the launcher ends without stopping them (killed by SIGKILL).
     When a rank fails or is stopped without closing its gradsync session, the launcher
-    leaves its job in ``GRADSYNC_SYNC_DIR`` on its behalf, saying how it ended: its
-    peers on other nodes learn it at once instead of after their heartbeat timeout.
+    (or its watchdog) leaves its job in ``GRADSYNC_SYNC_DIR`` on its behalf, saying how
+    it ended: its peers on other nodes learn it at once instead of after their heartbeat
+    timeout.
 
     Args:
         script_argv: ``SCRIPT`` (a path, or a module name if ``module``) and its arguments.
@@ -483,7 +484,14 @@ class _Job:
         script = Path(__file__).with_name("_watchdog.py")
         try:
             self._watchdog = subprocess.Popen(
-                [sys.executable, "-I", str(script), str(os.getpid()), repr(self._grace_period_s)],
+                [
+                    sys.executable,
+                    "-I",
+                    str(script),
+                    str(os.getpid()),
+                    repr(self._grace_period_s),
+                    str(self._sync_dir),
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 start_new_session=True,  # out of reach of a Ctrl-C meant for the launcher

@@ -6,10 +6,12 @@ the OOM killer) leaves them running: quiet ones until they finish, holding their
 through its stdin which process groups it started (``add PGID RANK``), which are gone
 (``gone PGID``) and that it ended normally (``done``). End of file without ``done``
 means the launcher is gone: every group gets SIGTERM, then SIGKILL after the grace
-period, as the launcher itself would have done.
+period, as the launcher itself would have done, and once they are gone it leaves their
+jobs in the sync directory for them, as the launcher would have too.
 
-Run as a script (``python -I _watchdog.py LAUNCHER_PID GRACE_PERIOD_S``), standard
-library only: it starts in a few milliseconds, importing neither gradsync nor numpy.
+Run as a script (``python -I _watchdog.py LAUNCHER_PID GRACE_PERIOD_S [SYNC_DIR]``),
+standard library only until then: it starts in a few milliseconds, importing neither
+gradsync nor numpy while the launcher lives.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ import signal
 import sys
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 __all__ = ["group_alive", "main", "watch"]
 
 _POLL_S = 0.05
+_GONE_S = 5.0  # after SIGKILL, how long to wait for the groups before leaving for them
+# How a rank stopped by the watchdog ended, as its peers are told.
+STOPPED = "was stopped by its launcher's watchdog (the launcher died)"
 
 
 def group_alive(pgid: int) -> bool:
@@ -43,9 +49,12 @@ def _signal(groups: dict[int, str], signum: int) -> None:
             os.killpg(pgid, signum)
 
 
-def watch(lines: Iterable[bytes], launcher_pid: int, grace_period_s: float) -> int:
+def watch(
+    lines: Iterable[bytes], launcher_pid: int, grace_period_s: float, sync_dir: str | None = None
+) -> int:
     """Follow the launcher's messages in ``lines`` (an iterable of bytes); return 0 when
-    it said ``done``, else 1 after stopping the groups it had started."""
+    it said ``done``, else 1 after stopping the groups it had started (and leaving
+    their ranks' jobs in ``sync_dir`` for them)."""
     groups: dict[int, str] = {}  # process group -> the rank it runs
     for raw in lines:
         words = raw.decode("ascii", "replace").split()
@@ -66,19 +75,45 @@ def watch(lines: Iterable[bytes], launcher_pid: int, grace_period_s: float) -> i
             file=sys.stderr,
             flush=True,
         )
+    stopped = dict(groups)
     deadline = time.monotonic() + grace_period_s
     while groups and time.monotonic() < deadline:
         time.sleep(_POLL_S)
         groups = {g: r for g, r in groups.items() if group_alive(g)}
     _signal(groups, signal.SIGKILL)
+    if sync_dir is None:
+        return 1
+    deadline = time.monotonic() + _GONE_S
+    while groups and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+        groups = {g: r for g, r in groups.items() if group_alive(g)}
+    _leave_for(Path(sync_dir), {g: r for g, r in stopped.items() if g not in groups})
     return 1
+
+
+def _leave_for(sync_dir: Path, ranks: dict[int, str]) -> None:
+    """Leave the jobs of ranks (by process group, which is each rank's pid) on their
+    behalf, as the launcher does (``_reaping.leave_for_ended``): peers on other hosts
+    learn at once. gradsync is imported only now, from the tree this script is in (the
+    launcher's, whatever the environment says)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    try:
+        from gradsync._reaping import leave_for_ended  # noqa: PLC0415
+    except Exception as exc:  # the ranks are stopped: only the note is lost
+        with contextlib.suppress(OSError):
+            print(f"gradsync launch: watchdog: cannot import gradsync: {exc}", file=sys.stderr)
+        return
+    for pgid, rank in ranks.items():
+        if rank.isascii() and rank.isdigit():
+            leave_for_ended(sync_dir, int(rank), pgid, STOPPED)
 
 
 def main(argv: list[str]) -> int:
     # Stopping the job is the launcher's business while it lives; only its death counts.
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
-    return watch(sys.stdin.buffer, int(argv[0]), float(argv[1]))
+    sync_dir = argv[2] if len(argv) > 2 else None
+    return watch(sys.stdin.buffer, int(argv[0]), float(argv[1]), sync_dir)
 
 
 if __name__ == "__main__":
