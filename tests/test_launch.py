@@ -623,6 +623,43 @@ def test_the_watchdog_signals_only_the_groups_left_and_only_without_done(
     )
 
 
+def test_the_watchdog_leaves_only_for_the_ranks_it_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 2's process had ended before the launcher died (exit 0, say; its group lives
+    # on in a child): how is not known, so nothing is said for it.
+    monkeypatch.setattr(os, "killpg", lambda pgid, signum: None)  # every group lives on
+    monkeypatch.setattr(os, "kill", lambda pid, signum: _raise_if(pid == 102))
+    monkeypatch.setattr(_watchdog, "_GONE_S", 0.0)
+    left: list[dict[int, str]] = []
+    monkeypatch.setattr(_watchdog, "_leave_for", lambda sync_dir, ranks: left.append(ranks))
+    with contextlib.redirect_stderr(None):
+        _watchdog.watch([b"add 101 1\n", b"add 102 2\n"], 7, 0.0, str(tmp_path))
+    assert left == [{}]  # both groups outlived SIGKILL here: nobody is left for
+    monkeypatch.setattr(_watchdog, "group_alive", lambda pgid: False)
+    _watchdog.watch([b"add 101 1\n", b"add 102 2\n"], 7, 0.0, str(tmp_path))
+    assert left[1] == {101: "1"}
+
+
+def _raise_if(condition: bool) -> None:
+    if condition:
+        raise ProcessLookupError
+
+
+def test_the_watchdog_leaves_for_ranks_without_importing_numpy(tmp_path: Path) -> None:
+    # python -I hides PYTHONPATH, where clusters' environment modules put numpy.
+    code = (
+        "import pathlib, runpy, sys\n"
+        f"ns = runpy.run_path({str(Path(_watchdog.__file__))!r}, run_name='watchdog')\n"
+        f"ns['_leave_for'](pathlib.Path({str(tmp_path)!r}), {{}})\n"
+        "print(sorted(m for m in ('numpy', 'gradsync._reaping') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", code], capture_output=True, text=True, check=False
+    )
+    assert out.stdout.strip() == "['gradsync._reaping']", (out.stdout, out.stderr)
+
+
 def test_a_launch_that_ends_normally_leaves_no_watchdog(capsys: pytest.CaptureFixture[str]) -> None:
     # In this process, as a library call: its watchdog must be told to go and be reaped,
     # not linger (or stop the next job's ranks) until this process exits.

@@ -1401,6 +1401,58 @@ def test_the_function_form_refuses_a_second_config_for_the_same_rank(tmp_path: P
         gradsync._api._close_all()
 
 
+@pytest.mark.parametrize(
+    ("exc", "told"),
+    [
+        (None, None),
+        (SystemExit(), None),
+        (SystemExit(0), None),
+        (GeneratorExit(), None),
+        (SystemExit(3), "raising SystemExit(3)"),
+        (SystemExit("bad config"), "raising SystemExit('bad config')"),
+        (KeyboardInterrupt(), "raising KeyboardInterrupt"),
+        (ValueError("  batch 7\nline two"), "raising ValueError: batch 7"),
+        (gradsync.PeerLostError("step 3: rank 2 (...) has exited"), "raising PeerLostError"),
+        (ValueError("x" * 300), "raising ValueError: " + "x" * 185 + "..."),
+    ],
+)
+def test_what_peers_are_told_of_an_exception_leaving_a_with_block(
+    exc: BaseException | None, told: str | None
+) -> None:
+    assert gradsync._api._closing_reason(exc) == told
+
+
+def test_a_failed_pytest_test_is_no_uncaught_exception_at_exit(tmp_path: Path) -> None:
+    # pytest keeps a failed test's exception in sys.last_value, as the interpreter does
+    # with the one ending a script: the rank's peer must not be told of it.
+    sync = str(tmp_path / "s")
+    (tmp_path / "test_it.py").write_text(
+        "import numpy as np, gradsync\n"
+        "def test_trains():\n"
+        f"    cfg = gradsync.FileGradSyncConfig(2, 1, {sync!r})\n"
+        "    gradsync.average_grads_file_sync([np.ones(1 << 17, np.float32)], None, cfg, 0)\n"
+        "def test_unrelated():\n"
+        "    assert False, 'unrelated'\n"
+    )
+    env = {**os.environ, "GRADSYNC_WORLD_SIZE": "2", "GRADSYNC_RANK": "0"}
+    script = Path(__file__).parent / "scripts" / "average_forever.py"
+    peer = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        env={**env, "GRADSYNC_SYNC_DIR": sync},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pytest_run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_it.py"]
+        subprocess.run(pytest_run, cwd=tmp_path, capture_output=True, timeout=60, check=False)
+        err = peer.communicate(timeout=60)[1]
+    finally:
+        peer.kill()
+        peer.wait()
+    assert "closed its gradsync session before publishing" in err, err
+
+
 def test_an_exception_that_cannot_be_shown_still_closes_the_session(tmp_path: Path) -> None:
     class UnprintableError(Exception):
         def __str__(self) -> str:

@@ -106,7 +106,7 @@ class GradSync:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._close(None if exc is None else f"raising {_exception_text(exc)}")
+        self._close(_closing_reason(exc))
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "failed" if self._failure else "open"
@@ -526,19 +526,41 @@ def _close_all() -> None:
             _log.exception("closing %r at exit failed", sync)
 
 
+def _closing_reason(exc: BaseException | None) -> str | None:
+    """What peers are told of an exception leaving a ``with`` block: nothing for none,
+    for ``sys.exit(0)`` or for a generator closed (ends, not failures)."""
+    if exc is None or isinstance(exc, GeneratorExit):
+        return None
+    if isinstance(exc, SystemExit):
+        return None if exc.code in (None, 0) else f"raising SystemExit({exc.code!r})"
+    return f"raising {_exception_text(exc)}"
+
+
 def _uncaught_at_exit() -> str | None:
-    """What ends this program, if an uncaught exception does: a script's interpreter
-    keeps the one it printed in ``sys.last_value``. Not trusted where a REPL or a
-    notebook runs: there it is the last error of any statement."""
+    """What ends this program, if an uncaught exception does: the interpreter keeps
+    the one it printed in ``sys.last_value``. Others keep theirs there too (pytest a
+    failed test's, a REPL or notebook any statement's), so it counts only when its
+    traceback runs through the main module's top level, outside a REPL or notebook."""
     if hasattr(sys, "ps1") or sys.flags.interactive or "IPython" in sys.modules:
         return None
     exc = getattr(sys, "last_value", None)
-    return f"at exit, after an uncaught {_exception_text(exc)}" if exc is not None else None
+    if not isinstance(exc, BaseException):
+        return None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            return f"at exit, after an uncaught {_exception_text(exc)}"
+        tb = tb.tb_next
+    return None
 
 
 def _exception_text(exc: BaseException) -> str:
     """``ZeroDivisionError: division by zero``: its type and its message's first line,
-    at most 200 characters, for a one-line message of a peer."""
+    at most 200 characters, for a one-line message of a peer (a gradsync error's type
+    only: its message, about other ranks, is this rank's to show)."""
+    if isinstance(exc, GradSyncError):
+        return type(exc).__name__
     try:
         lines = str(exc).strip().splitlines()
     except Exception:  # a broken __str__ must not replace the exception being raised

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+import types
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -36,6 +37,17 @@ def group_alive(pgid: int) -> bool:
     """Whether process group ``pgid`` has a process (one we may not signal counts)."""
     try:
         os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (a rank, the leader of its group) still exists."""
+    try:
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
@@ -66,6 +78,9 @@ def watch(
             groups.pop(int(words[1]), None)
     if not groups:
         return 1
+    # Only ranks running now are stopped by it: how one that ended before (exit 0, or
+    # the OOM killer) ended is not known here, so nothing is said for it.
+    stopped = {g: r for g, r in groups.items() if _process_alive(g)}
     _signal(groups, signal.SIGTERM)
     ranks = ", ".join(sorted(groups.values(), key=lambda r: (len(r), r)))
     with contextlib.suppress(OSError):  # the launcher's stderr may be gone with it
@@ -75,7 +90,6 @@ def watch(
             file=sys.stderr,
             flush=True,
         )
-    stopped = dict(groups)
     deadline = time.monotonic() + grace_period_s
     while groups and time.monotonic() < deadline:
         time.sleep(_POLL_S)
@@ -84,9 +98,11 @@ def watch(
     if sync_dir is None:
         return 1
     deadline = time.monotonic() + _GONE_S
-    while groups and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
+    while True:
         groups = {g: r for g, r in groups.items() if group_alive(g)}
+        if not groups or time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL_S)
     _leave_for(Path(sync_dir), {g: r for g, r in stopped.items() if g not in groups})
     return 1
 
@@ -96,7 +112,12 @@ def _leave_for(sync_dir: Path, ranks: dict[int, str]) -> None:
     behalf, as the launcher does (``_reaping.leave_for_ended``): peers on other hosts
     learn at once. gradsync is imported only now, from the tree this script is in (the
     launcher's, whatever the environment says)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    # Not the package's __init__, which imports numpy: where numpy comes only through
+    # PYTHONPATH (environment modules), ``python -I`` cannot see it. _reaping needs
+    # the standard library only.
+    package = types.ModuleType("gradsync")
+    package.__path__ = [str(Path(__file__).resolve().parent)]
+    sys.modules.setdefault("gradsync", package)
     try:
         from gradsync._reaping import leave_for_ended  # noqa: PLC0415
     except Exception as exc:  # the ranks are stopped: only the note is lost
