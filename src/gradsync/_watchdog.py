@@ -30,7 +30,7 @@ __all__ = ["group_alive", "main", "watch"]
 _POLL_S = 0.05
 _GONE_S = 5.0  # after SIGKILL, how long to wait for the groups before leaving for them
 # How a rank stopped by the watchdog ended, as its peers are told.
-STOPPED = "was stopped by its launcher's watchdog (the launcher died)"
+_STOPPED = "was stopped by its launcher's watchdog (the launcher died)"
 
 
 def group_alive(pgid: int) -> bool:
@@ -126,7 +126,7 @@ def _leave_for(sync_dir: Path, ranks: dict[int, str]) -> None:
         return
     for pgid, rank in ranks.items():
         if rank.isascii() and rank.isdigit():
-            leave_for_ended(sync_dir, int(rank), pgid, STOPPED)
+            leave_for_ended(sync_dir, int(rank), pgid, _STOPPED)
 
 
 def main(argv: list[str]) -> int:
