@@ -239,34 +239,44 @@ def test_a_job_stopped_by_a_signal_leaves_nothing_in_a_given_sync_dir(tmp_path: 
     assert [str(p.relative_to(sync_dir)) for p in sync_dir.rglob("*")] == ["rdzv"]
 
 
-def test_a_rank_stopped_by_its_launcher_is_known_at_once_to_peers_on_other_hosts(
-    tmp_path: Path,
-) -> None:
-    # A peer on another host sees neither the stopped rank's process nor, for
-    # heartbeat_timeout_s (20 s here), the end of its heartbeat: its launcher leaves the
-    # job on its behalf, and the peer's next liveness check finds that.
-    sync_dir = tmp_path / "sync"
-    job = ["--nnodes", "2", "--nproc", "1", "--sync-dir", str(sync_dir), "--run-id", "split"]
+@contextmanager
+def two_node_job(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], subprocess.Popen[str]]]:
+    """Launchers of node 0 (its rank taking itself for one of another host) and node 1,
+    one rank each averaging forever with a 20 s heartbeat timeout, once both are ready."""
+    job = ["--nnodes", "2", "--nproc", "1", "--sync-dir", str(tmp_path / "sync")]
+    job += ["--run-id", "split", "--grace-period-s", "0.5"]
     script = [str(SCRIPTS / "average_forever.py"), str(tmp_path), "--heartbeat-timeout-s", "20"]
     with (
         launcher([*job, "--node-rank", "0", *script, "--elsewhere"]) as far,
         launcher([*job, "--node-rank", "1", *script]) as near,
     ):
         wait_for_files(tmp_path, ["ready-0", "ready-1"], near)
+        yield far, near
+
+
+def assert_told_far_away(tmp_path: Path, far_err: str, reason: str) -> None:
+    """Node 0's rank failed naming node 1's rank gone for ``reason``, and the job's files
+    are removed (both ranks have left, one through its launcher)."""
+    pid = int((tmp_path / "ready-1").read_text())
+    lost = re.search(r"PeerLostError: step \d+: (rank 1 .*) before publishing", far_err)
+    assert lost is not None, far_err
+    assert lost[1] == f"rank 1 (pid {pid} on {socket.gethostname()}) {reason}"
+    assert not [p.name for p in (tmp_path / "sync").iterdir() if p.name.startswith("gen-")]
+
+
+def test_a_rank_stopped_by_its_launcher_is_known_at_once_to_peers_on_other_hosts(
+    tmp_path: Path,
+) -> None:
+    # A peer on another host sees neither the stopped rank's process nor, for
+    # heartbeat_timeout_s (20 s here), the end of its heartbeat: its launcher leaves the
+    # job on its behalf, and the peer's next liveness check finds that.
+    with two_node_job(tmp_path) as (far, near):
         near.send_signal(signal.SIGTERM)
         _, near_err = near.communicate(timeout=TIMEOUT_S)
         assert near.returncode == 143, near_err
         _, far_err = far.communicate(timeout=TIMEOUT_S)
     assert far.returncode == 1, far_err
-    pid = int((tmp_path / "ready-1").read_text())
-    lost = re.search(r"PeerLostError: step \d+: (rank 1 .*) before publishing", far_err)
-    assert lost is not None, far_err
-    assert lost[1] == (
-        f"rank 1 (pid {pid} on {socket.gethostname()}) was stopped by its launcher "
-        "(killed by SIGTERM)"
-    )
-    # Both ranks have left (one through its launcher): the last one removed the job.
-    assert not [p.name for p in sync_dir.iterdir() if p.name.startswith("gen-")]
+    assert_told_far_away(tmp_path, far_err, "was stopped by its launcher (killed by SIGTERM)")
 
 
 def test_how_a_rank_ended_is_noted_unless_it_exited_0(
@@ -573,26 +583,12 @@ def test_the_ranks_of_a_launcher_killed_with_sigkill_are_known_at_once_to_peers_
     tmp_path: Path,
 ) -> None:
     # Its watchdog, once it has stopped them, leaves their jobs for them too.
-    sync_dir = tmp_path / "sync"
-    job = ["--nnodes", "2", "--nproc", "1", "--sync-dir", str(sync_dir), "--run-id", "split"]
-    job += ["--grace-period-s", "0.5"]
-    script = [str(SCRIPTS / "average_forever.py"), str(tmp_path), "--heartbeat-timeout-s", "20"]
-    with (
-        launcher([*job, "--node-rank", "0", *script, "--elsewhere"]) as far,
-        launcher([*job, "--node-rank", "1", *script]) as near,
-    ):
-        wait_for_files(tmp_path, ["ready-0", "ready-1"], near)
+    with two_node_job(tmp_path) as (far, near):
         near.kill()
         _, far_err = far.communicate(timeout=TIMEOUT_S)
         near.communicate(timeout=TIMEOUT_S)
-    pid = int((tmp_path / "ready-1").read_text())
-    lost = re.search(r"PeerLostError: step \d+: (rank 1 .*) before publishing", far_err)
-    assert lost is not None, far_err
-    assert lost[1] == (
-        f"rank 1 (pid {pid} on {socket.gethostname()}) was stopped by its launcher's "
-        "watchdog (the launcher died)"
-    )
-    assert not [p.name for p in sync_dir.iterdir() if p.name.startswith("gen-")]
+    reason = "was stopped by its launcher's watchdog (the launcher died)"
+    assert_told_far_away(tmp_path, far_err, reason)
 
 
 def test_the_watchdog_signals_only_the_groups_left_and_only_without_done(

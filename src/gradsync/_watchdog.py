@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 __all__ = ["group_alive", "main", "watch"]
@@ -35,19 +35,17 @@ _STOPPED = "was stopped by its launcher's watchdog (the launcher died)"
 
 def group_alive(pgid: int) -> bool:
     """Whether process group ``pgid`` has a process (one we may not signal counts)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return _exists(os.killpg, pgid)
 
 
 def _process_alive(pid: int) -> bool:
     """Whether process ``pid`` (a rank, the leader of its group) still exists."""
+    return _exists(os.kill, pid)
+
+
+def _exists(send: Callable[[int, int], None], target: int) -> bool:
     try:
-        os.kill(pid, 0)
+        send(target, 0)  # signal 0: only whether it could be sent
     except ProcessLookupError:
         return False
     except PermissionError:
