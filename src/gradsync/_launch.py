@@ -725,11 +725,11 @@ class _Job:
         return 0
 
     def _leave_for(self, info: _Rank) -> None:
-        """Leave the rank's jobs on its behalf, saying how it ended, unless it exited 0
-        (a rank that closed its session has said so itself: nothing is written then
-        either): its peers on other hosts learn of it at once, not after their
-        heartbeat timeout. In a thread: a hung shared filesystem must not keep the
-        launcher from stopping the other ranks."""
+        """Leave the rank's jobs on its behalf, saying how it ended (unless it exited 0,
+        below; a job whose session it closed itself keeps its own note): its peers on
+        other hosts learn of it at once, not after their heartbeat timeout. In a
+        thread: a hung shared filesystem must not keep the launcher from stopping the
+        other ranks."""
         code = info.returncode
         assert code is not None
         if code == 0:
