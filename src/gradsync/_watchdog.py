@@ -28,6 +28,8 @@ from pathlib import Path
 __all__ = ["group_alive", "main", "watch"]
 
 _POLL_S = 0.05
+_PROC = Path("/proc")
+_DEAD = ("Z", "X")  # process states of a process that has ended
 _GONE_S = 5.0  # after SIGKILL, how long to wait for the groups before leaving for them
 # How a rank stopped by the watchdog ended, as its peers are told.
 _STOPPED = "was stopped by its launcher's watchdog (the launcher died)"
@@ -39,8 +41,41 @@ def group_alive(pgid: int) -> bool:
 
 
 def _process_alive(pid: int) -> bool:
-    """Whether process ``pid`` (a rank, the leader of its group) still exists."""
-    return _exists(os.kill, pid)
+    """Whether process ``pid`` (a rank, the leader of its group) still runs: exists and
+    is no zombie."""
+    try:
+        raw = (_PROC / str(pid) / "stat").read_bytes()
+    except OSError:
+        return _exists(os.kill, pid) if not _PROC.joinpath("self").exists() else False
+    return _state_and_group(raw)[0] not in _DEAD
+
+
+def _live(groups: dict[int, str]) -> dict[int, str]:
+    """The groups that still have a process: one signal 0 reaches, unless ``/proc``
+    shows only zombies in it. A zombie is dead, but stays (signal 0 reaching it) until
+    its parent reaps it: the launcher is gone, and the init of a container may never."""
+    zombies: set[int] = set()
+    live: set[int] = set()
+    try:
+        names = os.listdir(_PROC)
+    except OSError:
+        names = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            state, group = _state_and_group((_PROC / name / "stat").read_bytes())
+        except (OSError, ValueError, IndexError):
+            continue
+        (zombies if state in _DEAD else live).add(group)
+    return {g: r for g, r in groups.items() if group_alive(g) and (g in live or g not in zombies)}
+
+
+def _state_and_group(stat: bytes) -> tuple[str, int]:
+    """The state letter and process group of a ``/proc/PID/stat`` line."""
+    # The command name may hold spaces or parentheses: the fields follow the last ')'.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return fields[0].decode(), int(fields[2])
 
 
 def _exists(send: Callable[[int, int], None], target: int) -> bool:
@@ -91,13 +126,13 @@ def watch(
     deadline = time.monotonic() + grace_period_s
     while groups and time.monotonic() < deadline:
         time.sleep(_POLL_S)
-        groups = {g: r for g, r in groups.items() if group_alive(g)}
+        groups = _live(groups)
     _signal(groups, signal.SIGKILL)
     if sync_dir is None:
         return 1
     deadline = time.monotonic() + _GONE_S
     while True:
-        groups = {g: r for g, r in groups.items() if group_alive(g)}
+        groups = _live(groups)
         if not groups or time.monotonic() >= deadline:
             break
         time.sleep(_POLL_S)
