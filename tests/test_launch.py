@@ -428,6 +428,19 @@ def test_failing_rank_stops_peers_and_is_summarized() -> None:
     assert "    err line 1\n" not in err
 
 
+def test_the_exception_a_rank_failed_with_heads_the_summary() -> None:
+    # Its message alone outgrows the lines of stderr shown.
+    code, _, err, _ = run_launch(["--nproc", "2", str(SCRIPTS / "fail.py"), "raise"])
+    assert code == 1
+    headline = re.search(r"gradsync launch: rank 1 failed first: (.*)\n", err)
+    assert headline is not None, err
+    assert re.fullmatch(
+        r"exit code 1 \(local rank 1, pid \d+\), raising ValueError: bad batch 7", headline[1]
+    )
+    assert "    detail 14\n" in err
+    assert "    ValueError: bad batch 7\n" not in err  # beyond the last 10 lines
+
+
 def test_rank_killed_by_signal_is_reported_with_its_name() -> None:
     code, _, err, seconds = run_launch(["--nproc", "2", str(SCRIPTS / "fail.py"), "sigkill"])
     assert code == 128 + signal.SIGKILL
@@ -443,6 +456,10 @@ def test_missing_script_in_rank_is_a_rank_failure(tmp_path: Path) -> None:
     assert code == 1
     assert "failed first: exit code 1" in err
     assert "    RuntimeError: boom in rank\n" in err
+    code, _, err, _ = run_launch(["--nproc", "1", str(script)])
+    assert code == 1
+    assert "WARNING: rank 0 failed (exit code 1); no other rank is still running\n" in err
+    assert ", raising RuntimeError: boom in rank\n" in err
 
 
 def test_the_group_of_a_rank_long_gone_is_never_signalled(

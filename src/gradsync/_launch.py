@@ -370,14 +370,31 @@ class _Output:
             self._broken.add(dest)
 
 
+class _Tail:
+    """The last lines a rank wrote to stderr, and the exception its last Python traceback
+    ended with (``ValueError: ...``), which the failure summary puts first: a deep
+    traceback leaves the cause at the end of many frames, or beyond the last lines."""
+
+    def __init__(self) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self.exception: str | None = None
+        self._in_traceback = False
+
+    def append(self, line: str) -> None:
+        self.lines.append(line)
+        if line.startswith("Traceback (most recent call last):"):
+            self._in_traceback = True
+        elif self._in_traceback and line and not line[0].isspace():
+            self.exception = line  # the first line after the (indented) frames
+            self._in_traceback = False
+
+
 @dataclass
 class _Rank:
     rank: int
     local_rank: int
     proc: subprocess.Popen[bytes]
-    stderr_tail: collections.deque[str] = field(
-        default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
-    )
+    stderr_tail: _Tail = field(default_factory=_Tail)
     readers: list[threading.Thread] = field(default_factory=list)
     returncode: int | None = None
     stopped: bool = False  # still running when the launcher began stopping the job
@@ -391,7 +408,7 @@ def _pump(
     prefix: str,
     dest: str,
     output: _Output,
-    tail: collections.deque[str] | None,
+    tail: _Tail | None,
 ) -> None:
     """Copy ``pipe`` to ``dest`` with ``prefix`` before every line, until EOF.
 
@@ -647,14 +664,17 @@ class _Job:
                 # proc.returncode too: a rank that exited on its own a moment ago has
                 # been reaped by its waiter thread, though its exit is still queued.
                 info.stopped = info.returncode is None and info.proc.returncode is None
-            names = ", ".join(str(i.rank) for i in self.ranks if i.stopped) or "none"
+            names = ", ".join(str(i.rank) for i in self.ranks if i.stopped)
             self._output.settle()  # the launcher's own lines must not overwrite a bar
-            logger.warning(
-                "%s; stopping ranks (still running: %s) with SIGTERM, SIGKILL after %g s",
-                reason,
-                names,
-                self._grace_period_s,
-            )
+            if names:
+                logger.warning(
+                    "%s; stopping ranks (still running: %s) with SIGTERM, SIGKILL after %g s",
+                    reason,
+                    names,
+                    self._grace_period_s,
+                )
+            else:  # what they started may still run: it is stopped all the same
+                logger.warning("%s; no other rank is still running", reason)
             self._signal_all(signal.SIGTERM)
 
         if self._signals.received:
@@ -753,9 +773,11 @@ class _Job:
     def _summary(self, failed: _Rank) -> str:
         """The root-cause report printed when a rank fails."""
         assert failed.returncode is not None
+        raised = failed.stderr_tail.exception
         lines = [
             f"gradsync launch: rank {failed.rank} failed first: {_describe(failed.returncode)}"
             f" (local rank {failed.local_rank}, pid {failed.proc.pid})"
+            + (f", raising {raised}" if raised else "")
         ]
         others = []
         for info in self.ranks:
@@ -767,7 +789,7 @@ class _Job:
             )
         if others:
             lines.append(f"gradsync launch: other ranks: {'; '.join(others)}")
-        tail = list(failed.stderr_tail)
+        tail = list(failed.stderr_tail.lines)
         if tail:
             lines.append(f"gradsync launch: last {len(tail)} lines of rank {failed.rank}'s stderr:")
             lines.extend(f"    {line}" for line in tail)

@@ -1,5 +1,6 @@
 """Rank 1 fails (``exit3``: 12 stderr lines then exit code 3; ``sigkill``: SIGKILLs
-itself); the other ranks sleep until they are stopped."""
+itself; ``raise``: an uncaught ValueError whose message has 16 lines); the other ranks
+sleep until they are stopped."""
 
 import os
 import signal
@@ -17,5 +18,13 @@ if os.environ["RANK"] == "1":
         sys.exit(3)
     if mode == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "raise":
+
+        def deep(n: int) -> None:
+            if n == 0:
+                raise ValueError("bad batch 7\n" + "\n".join(f"detail {i}" for i in range(15)))
+            deep(n - 1)
+
+        deep(5)
     raise SystemExit(f"unknown mode {mode!r}")
 time.sleep(30)
