@@ -31,6 +31,7 @@ from typing import IO, Any
 from ._errors import ConfigError
 from ._fsio import DIR_MODE
 from ._reaping import leave_for_ended, remove_dead_jobs
+from ._transport import filesystem_type, local_filesystem
 from ._watchdog import group_alive
 
 __all__ = ["launch"]
@@ -131,6 +132,14 @@ def launch(
             directory = own_dir
         else:
             directory = _prepare_sync_dir(sync_dir)
+        fstype = filesystem_type(directory)
+        if nnodes > 1 and local_filesystem(directory):
+            logger.warning(
+                "--sync-dir %s is on a filesystem of this host (%s): the other nodes see "
+                "its files only if they mount it too (exported over NFS, say)",
+                directory,
+                fstype,
+            )
         world_size = nnodes * nproc
         envs = []
         for local_rank in range(nproc):

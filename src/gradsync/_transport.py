@@ -23,7 +23,7 @@ import numpy as np
 from ._format import CRC_BLOCK
 from ._fsio import open_own, open_regular, read_exact_into, write_in_place
 
-__all__ = ["ChecksumError", "DataReader", "Transport", "local_filesystem"]
+__all__ = ["ChecksumError", "DataReader", "Transport", "filesystem_type", "local_filesystem"]
 
 
 class ChecksumError(Exception):
@@ -38,13 +38,19 @@ _LOCAL_FS = frozenset(
 
 def local_filesystem(path: Path) -> bool:
     """Whether ``path`` lives on a filesystem of this host only (by /proc/self/mounts)."""
+    return filesystem_type(path) in _LOCAL_FS
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem ``path`` is on ("tmpfs", "nfs4"), by the longest mount
+    point of /proc/self/mounts above it; None where that cannot be read (not Linux)."""
     try:
         real = os.path.realpath(path)
         with open("/proc/self/mounts") as f:
             mounts = [line.split() for line in f]
     except OSError:
-        return False
-    best, fstype = "", ""
+        return None
+    best, fstype = "", None
     for fields in mounts:
         if len(fields) < 3:
             continue
@@ -52,7 +58,7 @@ def local_filesystem(path: Path) -> bool:
         inside = real == point or real.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= len(best):
             best, fstype = point, fields[2]
-    return fstype in _LOCAL_FS
+    return fstype
 
 
 class DataReader:
