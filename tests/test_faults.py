@@ -697,9 +697,11 @@ def test_two_jobs_without_run_id_never_mix_within_a_formed_job(tmp_path: Path) -
         ]
         assert re.fullmatch(
             rf"rendezvous: (another rank 0 \({PID}\) with run_id None is running in \S+; give "
-            r"each job its own sync_dir or run_id"
+            r"each job its own sync_dir or run_id \(or, within one job, each node its own "
+            r"--node-rank\)"
             rf"|rank 1 is already taken by {PID} in \S+; this process "
-            rf"\({PID}\) claimed the same rank; give each job its own sync_dir or run_id"
+            rf"\({PID}\) claimed the same rank; give each job its own sync_dir or run_id "
+            r"\(or, within one job, each node its own --node-rank\)"
             r"|ranks \[1\] did not join within 4\.0 s in \S+ \(.*\)"
             r"|rank 0 did not admit rank 1 within 4\.0 s in \S+ \(.*\)"
             rf"|two processes claim rank 1: {PID} and {PID} in \S+"

@@ -439,7 +439,8 @@ def test_world_size_mismatch_at_rendezvous(tmp_path: Path) -> None:
     assert results[0].error_type == "MismatchError"
     assert re.search(
         r"rendezvous: rank 0 has world_size 2 but rank 1 \(pid \d+ on \S+\) has world_size 3 "
-        r"in \S+; every rank must use the same world_size",
+        r"in \S+; every rank must use the same world_size \(with gradsync launch it is "
+        r"--nnodes x --nproc: give every node the same --nproc\)$",
         results[0].message,
     )
     assert results[1].error_type == "MismatchError"

@@ -83,6 +83,14 @@ _log = logging.getLogger("gradsync")
 _CHECK_EVERY_S = 0.2
 
 
+# Where ranks of one job disagree, what gradsync launch made of its arguments is the
+# likely cause: say how.
+_WORLD_SIZE_HINT = (
+    " (with gradsync launch it is --nnodes x --nproc: give every node the same --nproc)"
+)
+_NODE_RANK_HINT = " (or, within one job, each node its own --node-rank)"
+
+
 @dataclass(frozen=True)
 class Generation:
     """One formed job: its directory and its members, indexed by rank."""
@@ -256,10 +264,12 @@ class _Leader:
                 raise self._rival(next(iter(self.rivals.values())), "uses")
             if elapsed >= next_warn:
                 _log.warning(
-                    "rendezvous: rank 0 has waited %.1f s for ranks %s to join in %s",
+                    "rendezvous: rank 0 has waited %.1f s for ranks %s to join in %s (are "
+                    "they running, with the same sync_dir and run_id %r?)",
                     elapsed,
                     missing,
                     cfg.sync_dir,
+                    cfg.run_id,
                 )
                 next_warn += cfg.warn_after_s
             backoff.pause()
@@ -375,7 +385,8 @@ class _Leader:
                 raise MismatchError(
                     f"rendezvous: rank 0 has {key} {mine!r} but rank {member.rank} "
                     f"({member.describe()}) has {key} {theirs.get(key)!r} in {cfg.sync_dir}; "
-                    f"every rank must use the same {key}",
+                    f"every rank must use the same {key}"
+                    + (_WORLD_SIZE_HINT if key == "world_size" else ""),
                     ranks=[0, member.rank],
                     path=cfg.sync_dir,
                 )
@@ -385,7 +396,8 @@ class _Leader:
             return _held_here(0, self.cfg.sync_dir)
         return RendezvousError(
             f"rendezvous: another rank 0 ({rival.describe()}) with run_id {self.cfg.run_id!r} "
-            f"{doing} {self.cfg.sync_dir}; give each job its own sync_dir or run_id",
+            f"{doing} {self.cfg.sync_dir}; give each job its own sync_dir or run_id"
+            f"{_NODE_RANK_HINT}",
             ranks=[0],
             path=self.cfg.sync_dir,
         )
@@ -519,10 +531,12 @@ def _join(
                 raise _join_timeout(cfg, gen_path)
             if elapsed >= next_warn:
                 _log.warning(
-                    "rendezvous: rank %d has waited %.1f s for rank 0 in %s",
+                    "rendezvous: rank %d has waited %.1f s for rank 0 in %s (is it running, "
+                    "with the same sync_dir and run_id %r?)",
                     cfg.rank,
                     elapsed,
                     cfg.sync_dir,
+                    cfg.run_id,
                 )
                 next_warn += cfg.warn_after_s
             backoff.pause()
@@ -672,7 +686,7 @@ def _taken(rank: int, holder: MemberInfo, me: MemberInfo, gen_path: Path) -> Ren
     return RendezvousError(
         f"rendezvous: rank {rank} is already taken by {holder.describe()} in {gen_path}; "
         f"this process ({me.describe()}) claimed the same rank; give each job its own "
-        "sync_dir or run_id",
+        f"sync_dir or run_id{_NODE_RANK_HINT}",
         ranks=[rank],
         path=gen_path,
     )
