@@ -45,6 +45,39 @@ def test_readme_example_runs_on_two_ranks_and_agrees(tmp_path: Path) -> None:
     assert w == pytest.approx([1.0, -2.0, 0.5], abs=1e-3)
 
 
+def test_the_two_node_commands_run_as_written(tmp_path: Path) -> None:
+    # Both "nodes" on this host, the shared directory a temporary one.
+    commands = re.findall(r"^# on node \d:\n(gradsync launch .*)$", README, re.M)
+    assert len(commands) == 2, "the README no longer shows one command per node"
+    shared = re.search(r"--sync-dir (\S+)", commands[0])
+    assert shared is not None
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                *command.replace(shared[1], str(tmp_path / "sync")).split(),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for command in commands
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    steps = re.findall(r"^\[rank (\d)\] step +(\d+) +loss (\S+)", outs[0][0] + outs[1][0], re.M)
+    last = {rank: max((int(step), loss) for r, step, loss in steps if r == rank) for rank in "0123"}
+    assert len(set(last.values())) == 1, last  # one model on all 4 ranks of both nodes
+    assert re.search(r"^\[rank 0\] done: ", outs[0][0], re.M), outs[0]
+
+
 def test_readme_example_runs_alone_as_the_readme_says(tmp_path: Path) -> None:
     command = re.search(r"`(GRADSYNC_WORLD_SIZE=1 GRADSYNC_RANK=0) python example\.py`", README)
     assert command is not None, "the README no longer says how to run the example alone"
