@@ -820,6 +820,39 @@ def test_a_view_that_stays_stale_fails_the_step_naming_the_file(tmp_path: Path) 
     assert not results[0].ok
 
 
+@pytest.mark.parametrize("late", [0, 2])
+def test_ranks_waiting_to_form_a_job_say_for_whom_and_what_to_check(
+    tmp_path: Path, late: int
+) -> None:
+    results = run_ranks(workers.rendezvous_warnings, 3, (3, str(tmp_path), late))
+    assert_ok(results)
+    sync = re.escape(str(tmp_path))
+    check = r", with the same sync_dir and run_id None\?\)"
+    expected = {
+        # Rank 2 late: rank 0 waits for it, rank 1 (admitted) for rank 0 to admit all.
+        2: {
+            0: rf"rank 0 has waited \d+\.\d s for ranks \[2\] to join in {sync} \(are they "
+            r"running, with the same sync_dir and run_id None\?\)",
+            1: r"rank 1 has waited \d+\.\d s for rank 0 to admit every rank \(are they all "
+            rf"running{check} in {sync}",
+        },
+        # Rank 0 late: nobody has been admitted.
+        0: {
+            r: rf"rank {r} has waited \d+\.\d s for rank 0 \(is it running{check} in {sync}"
+            for r in (1, 2)
+        },
+    }[late]
+    before_offer = rf"rank 1 has waited \d+\.\d s for rank 0 \(is it running{check} in {sync}"
+    for rank, pattern in expected.items():
+        warned = results[rank].value
+        assert warned, f"rank {rank} warned nothing"
+        # Under load rank 0's offer may come after rank 1's first warning.
+        first = f"(?:{pattern}|{before_offer})" if (late, rank) == (2, 1) else pattern
+        assert all(re.fullmatch(f"rendezvous: {first}", w) for w in warned), warned
+        assert re.fullmatch(f"rendezvous: {pattern}", warned[-1]), warned
+    assert results[late].value == []
+
+
 def test_a_file_not_yet_shown_behind_its_marker_is_looked_for_again(tmp_path: Path) -> None:
     # NFS caches that a name is absent: a host that looked the name up before a peer
     # created the file can be told it is not there for up to a minute after.

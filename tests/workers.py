@@ -1085,3 +1085,15 @@ def stale_view(
             gs.average(grads, step=step)
             results.append([g.tobytes() for g in grads])
     return {"results": results, "warnings": warnings.messages}
+
+
+def rendezvous_warnings(rank: int, world: int, sync_dir: str, late: int) -> list[str]:
+    """Rank ``late`` starts 1.5 s after the others, which warn every 0.4 s while they
+    wait: what each of them logged."""
+    if rank == late:
+        time.sleep(1.5)
+    warnings = WarningLog()
+    logging.getLogger("gradsync").addHandler(warnings)
+    with gradsync.GradSync(config(rank, world, sync_dir, warn_after_s=0.4)) as gs:
+        gs.average([np.ones(4)])
+    return warnings.messages

@@ -530,13 +530,20 @@ def _join(
             if elapsed >= cfg.max_wait_s:
                 raise _join_timeout(cfg, gen_path)
             if elapsed >= next_warn:
+                # Admitted, it waits for the ranks still to join, not for rank 0.
+                waits_for = (
+                    "rank 0 (is it running"
+                    if gen_path is None
+                    else "rank 0 to admit every rank (are they all running"
+                )
                 _log.warning(
-                    "rendezvous: rank %d has waited %.1f s for rank 0 in %s (is it running, "
-                    "with the same sync_dir and run_id %r?)",
+                    "rendezvous: rank %d has waited %.1f s for %s, with the same sync_dir "
+                    "and run_id %r?) in %s",
                     cfg.rank,
                     elapsed,
-                    cfg.sync_dir,
+                    waits_for,
                     cfg.run_id,
+                    cfg.sync_dir,
                 )
                 next_warn += cfg.warn_after_s
             backoff.pause()
