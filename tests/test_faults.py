@@ -876,6 +876,26 @@ def test_a_joiner_names_how_a_rank_0_of_another_host_ended_as_its_launcher_says(
     )
 
 
+def test_a_launcher_says_how_a_rank_waiting_to_join_ended(tmp_path: Path) -> None:
+    rdzv = tmp_path / "rdzv"
+    rdzv.mkdir()
+    for rank, pid in ((1, 4000001), (2, os.getpid())):  # rank 2: a live process
+        member = {**MemberInfo.for_self(rank, f"{rank:016x}").to_json(), "pid": pid}
+        join = {"member": member, "world_size": 3, "run_id": "r"}
+        _file(rdzv, f"join-{rank}-{rank:016x}.json", json.dumps(join).encode())
+    before = time.time()
+    _reaping.leave_for_ended(tmp_path, 1, 4000001, "has ended (killed by SIGKILL)")
+    _reaping.leave_for_ended(tmp_path, 2, os.getpid(), "has ended (killed by SIGKILL)")
+    note = json.loads((rdzv / "ended-1-0000000000000001.json").read_text())
+    assert (note["ended"], note["run_id"], note["member"]["pid"]) == (
+        "has ended (killed by SIGKILL)",
+        "r",
+        4000001,
+    )
+    assert before <= note["at"] <= time.time()
+    assert sorted(p.name for p in rdzv.glob("ended-*")) == ["ended-1-0000000000000001.json"]
+
+
 def test_a_launcher_leaves_nothing_for_a_live_process_that_has_its_ended_ranks_pid(
     tmp_path: Path,
 ) -> None:

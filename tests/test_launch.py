@@ -286,6 +286,47 @@ def test_a_rank_stopped_by_its_launcher_is_known_at_once_to_peers_on_other_hosts
     assert_told_far_away(tmp_path, far_err, "was stopped by its launcher (killed by SIGTERM)")
 
 
+def test_a_rank_that_ended_while_waiting_to_join_is_named_by_the_rank_0_waiting_for_it(
+    tmp_path: Path,
+) -> None:
+    # Node 1's rank joins, and is stopped before node 0 starts: node 0's rank 0 could
+    # only ask whether it runs at all.
+    sync_dir = tmp_path / "sync"
+    job = ["--nnodes", "2", "--nproc", "1", "--sync-dir", str(sync_dir), "--run-id", "split"]
+    script = [str(SCRIPTS / "average_forever.py"), str(tmp_path)]
+    with launcher([*job, "--node-rank", "1", *script]) as near:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not list((sync_dir / "rdzv").glob("join-1-*.json")):
+            assert time.monotonic() < deadline, "rank 1 never joined"
+            time.sleep(0.02)
+        near.send_signal(signal.SIGTERM)
+        near.communicate(timeout=TIMEOUT_S)
+    # Its join is gone (the launcher removes dead processes' joins): its note is not.
+    assert not list((sync_dir / "rdzv").glob("join-1-*.json"))
+    (note,) = (sync_dir / "rdzv").glob("ended-1-*.json")
+    pid = json.loads(note.read_text())["member"]["pid"]
+    code = (
+        "import numpy as np, gradsync\n"
+        f"cfg = gradsync.FileGradSyncConfig(2, 0, {str(sync_dir)!r}, run_id='split', "
+        "max_wait_s=1.2, warn_after_s=0.5)\n"
+        "gradsync.average_grads_file_sync([np.ones(4)], None, cfg, 0)\n"
+    )
+    rank_0 = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+    )
+    said = (
+        re.escape(
+            f"; rank 1 (pid {pid} on {socket.gethostname()}) was stopped by its launcher (killed "
+            "by SIGTERM) while waiting to join (its launcher said so "
+        )
+        + r"\d+ s ago\)"
+    )
+    warning = r"rank 0 has waited \d\.\d s for ranks \[1\] to join .*\?\)"
+    assert re.search(warning + said + "\n", rank_0.stderr), rank_0.stderr
+    timeout = r"PeerTimeoutError: rendezvous: ranks \[1\] did not join .*\?\)"
+    assert re.search(timeout + said + "\n", rank_0.stderr), rank_0.stderr
+
+
 def test_how_a_rank_ended_is_noted_unless_it_exited_0(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -853,6 +853,19 @@ def test_ranks_waiting_to_form_a_job_say_for_whom_and_what_to_check(
     assert results[late].value == []
 
 
+def test_a_formed_job_removes_what_launchers_said_of_its_run_before(tmp_path: Path) -> None:
+    # Notes of ranks that ended while waiting to join (their launchers'): once the job
+    # is formed they were replaced; another run's notes stay for its rank 0.
+    rdzv = tmp_path / "rdzv"
+    rdzv.mkdir()
+    member = MemberInfo.for_self(1, "00000000000000aa").to_json()
+    for run_id in ("split", "other"):
+        note = {"member": member, "run_id": run_id, "ended": "has ended (exit code 1)", "at": 0}
+        (rdzv / f"ended-1-{run_id}.json").write_text(json.dumps(note))
+    assert_ok(run_ranks(workers.one_call, 2, (2, str(tmp_path), "split")))
+    assert sorted(p.name for p in rdzv.glob("ended-*")) == ["ended-1-other.json"]
+
+
 def test_a_file_not_yet_shown_behind_its_marker_is_looked_for_again(tmp_path: Path) -> None:
     # NFS caches that a name is absent: a host that looked the name up before a peer
     # created the file can be told it is not there for up to a minute after.

@@ -1097,3 +1097,9 @@ def rendezvous_warnings(rank: int, world: int, sync_dir: str, late: int) -> list
     with gradsync.GradSync(config(rank, world, sync_dir, warn_after_s=0.4)) as gs:
         gs.average([np.ones(4)])
     return warnings.messages
+
+
+def one_call(rank: int, world: int, sync_dir: str, run_id: str | None) -> None:
+    """One averaging call of a job with ``run_id``."""
+    with gradsync.GradSync(config(rank, world, sync_dir, run_id=run_id)) as gs:
+        gs.average([np.ones(4)])

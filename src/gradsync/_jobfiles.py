@@ -16,6 +16,7 @@ from ._liveness import MemberInfo
 
 __all__ = [
     "ABORT",
+    "ENDED",
     "GAVE_UP",
     "GEN_PREFIX",
     "RDZV",
@@ -42,6 +43,9 @@ ROSTER = "roster.json"
 ABORT = "abort.json"
 # gave-up-<rank>-<nonce>.json: a rank that was offered a place, then failed, says why.
 GAVE_UP = "gave-up-"
+# rdzv/ended-<rank>-<nonce>.json: the launcher of a rank whose process ended while it
+# waited to join (join-<rank>-<nonce>.json) says how, for a rank 0 waiting for it.
+ENDED = "ended-"
 
 
 def leader_file(sync_dir: Path, gen_id: str) -> Path:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ._fsio import list_names, remove_tree, write_atomic, write_note
 from ._jobfiles import (
+    ENDED,
     GEN_PREFIX,
     RDZV,
     ROSTER,
@@ -109,6 +110,29 @@ def leave_for_ended(sync_dir: Path, rank: int, pid: int, how: str) -> None:
             _leave_in(gen_path, rank, pid, how)
         except OSError as exc:
             _log.debug("no note for rank %d (pid %d) in %s: %s", rank, pid, gen_path, exc)
+    try:
+        _note_unjoined(sync_dir / RDZV, rank, pid, how)
+    except OSError as exc:
+        _log.debug("no note for rank %d (pid %d) in %s: %s", rank, pid, sync_dir / RDZV, exc)
+
+
+def _note_unjoined(rdzv: Path, rank: int, pid: int, how: str) -> None:
+    """For a join of the ended process still waiting in ``rdzv`` (its rank 0 has not
+    admitted it), ``ended-<rank>-<nonce>.json`` says how it ended: a rank 0 waiting for
+    that rank says so in its warnings and its timeout, where else it could only ask
+    whether the rank runs at all."""
+    for name in list_names(rdzv):
+        nonce = join_nonce(name)
+        if nonce is None or not name.startswith(f"join-{rank}-"):
+            continue
+        data = load(rdzv / name)
+        member = member_of(data)
+        if data is None or member is None or member.pid != pid or not member.same_host:
+            continue
+        if member.local_death() is None:
+            continue  # the pid is a live process's by now (see _leave_in)
+        note = {"member": member.to_json(), "run_id": data.get("run_id"), "ended": how}
+        write_atomic(rdzv / f"{ENDED}{rank}-{nonce}.json", [dump({**note, "at": time.time()})])
 
 
 def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:

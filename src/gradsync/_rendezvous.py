@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from ._fsio import (
 )
 from ._jobfiles import (
     ABORT,
+    ENDED,
     GAVE_UP,
     GEN_PREFIX,
     RDZV,
@@ -257,7 +259,7 @@ class _Leader:
                     raise PeerTimeoutError(
                         f"rendezvous: ranks {missing} did not join within {cfg.max_wait_s} s "
                         f"in {cfg.sync_dir} (are they running, with the same sync_dir and "
-                        f"run_id {cfg.run_id!r}?)",
+                        f"run_id {cfg.run_id!r}?){_unjoined_ends(cfg, missing)}",
                         ranks=missing,
                         path=cfg.sync_dir,
                     )
@@ -265,11 +267,12 @@ class _Leader:
             if elapsed >= next_warn:
                 _log.warning(
                     "rendezvous: rank 0 has waited %.1f s for ranks %s to join in %s (are "
-                    "they running, with the same sync_dir and run_id %r?)",
+                    "they running, with the same sync_dir and run_id %r?)%s",
                     elapsed,
                     missing,
                     cfg.sync_dir,
                     cfg.run_id,
+                    _unjoined_ends(cfg, missing),
                 )
                 next_warn += cfg.warn_after_s
             backoff.pause()
@@ -434,11 +437,16 @@ class _Leader:
                 self.rivals[member.nonce] = member
 
     def _tidy(self) -> None:
-        """Remove this rendezvous's join/offer files and generations of dead runs."""
+        """Remove this rendezvous's join/offer files, what launchers said of this run's
+        ranks that ended before joining (the job is formed: they were replaced), and
+        generations of dead runs."""
         for member in self.confirmed.values():
             for name in (join_name(member.rank, member.nonce), offer_name(member.nonce)):
                 with contextlib.suppress(OSError):
                     (self.rdzv / name).unlink()
+        for path, _ in _ended_notes(self.cfg):
+            with contextlib.suppress(OSError):
+                path.unlink()
         remove_dead_joins(self.rdzv)
 
 
@@ -598,6 +606,46 @@ def _unlink_all(*paths: Path) -> None:
     for path in paths:
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def _ended_notes(cfg: FileGradSyncConfig) -> list[tuple[Path, dict[str, Any]]]:
+    """This run's ``rdzv/ended-*`` notes (``_reaping._note_unjoined``), oldest first."""
+    rdzv = cfg.sync_dir / RDZV
+    try:
+        names = sorted(n for n in list_names(rdzv) if n.startswith(ENDED))
+    except OSError:
+        return []
+    notes = []
+    for name in names:
+        data = load(rdzv / name)
+        if data is not None and data.get("run_id") == cfg.run_id:
+            notes.append((rdzv / name, data))
+    return sorted(notes, key=lambda n: _when(n[1]) or 0.0)
+
+
+def _when(note: dict[str, Any]) -> float | None:
+    """A note's ``at`` (the writer's wall clock, seconds), if it has a number there."""
+    at = note.get("at")
+    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
+
+
+def _unjoined_ends(cfg: FileGradSyncConfig, missing: list[int]) -> str:
+    """What the launchers of ``missing`` ranks said of processes of theirs that ended
+    while waiting to join, as clauses for rank 0's warning or timeout: without it, a
+    rank that failed before rank 0 started cannot be told from one not started."""
+    said: dict[int, str] = {}  # the latest note of each rank
+    for _, data in _ended_notes(cfg):
+        member = member_of(data)
+        ended = data.get("ended")
+        if member is None or member.rank not in missing or not isinstance(ended, str):
+            continue
+        at = _when(data)
+        ago = "" if at is None else f" {max(0.0, time.time() - at):.0f} s ago"
+        said[member.rank] = (
+            f"rank {member.rank} ({member.describe()}) {ended} while waiting to join (its "
+            f"launcher said so{ago})"
+        )
+    return "".join(f"; {said[r]}" for r in sorted(said))
 
 
 def _join_timeout(cfg: FileGradSyncConfig, gen_path: Path | None) -> PeerTimeoutError:
