@@ -894,6 +894,11 @@ def test_a_launcher_says_how_a_rank_waiting_to_join_ended(tmp_path: Path) -> Non
     )
     assert before <= note["at"] <= time.time()
     assert sorted(p.name for p in rdzv.glob("ended-*")) == ["ended-1-0000000000000001.json"]
+    # Kept a day for a rank 0 of its run still to start, then tidied like dead joins.
+    _file(rdzv, "ended-3-old.json", json.dumps({**note, "at": time.time() - 86401}).encode())
+    _file(rdzv, "ended-4-garbled.json", b"{")
+    _reaping.remove_dead_joins(rdzv)
+    assert sorted(p.name for p in rdzv.glob("ended-*")) == ["ended-1-0000000000000001.json"]
 
 
 def test_a_launcher_leaves_nothing_for_a_live_process_that_has_its_ended_ranks_pid(

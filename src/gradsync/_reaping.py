@@ -49,9 +49,23 @@ __all__ = [
 _log = logging.getLogger("gradsync")
 
 
+# How long a launcher's note of a rank that ended while waiting to join is kept for a
+# rank 0 of its run that has not started yet (a formed job removes its run's at once):
+# with run ids unique per job, nobody else would.
+_ENDED_KEEP_S = 24 * 3600.0
+
+
 def remove_dead_joins(rdzv: Path) -> None:
-    """Remove the join files of dead processes of this host, and offers without a join."""
+    """Remove the join files of dead processes of this host, offers without a join, and
+    notes of ended joins older than a day."""
     names = list_names(rdzv)
+    for name in names:
+        if name.startswith(ENDED):
+            at = (load(rdzv / name) or {}).get("at")
+            fresh = isinstance(at, (int, float)) and time.time() - at < _ENDED_KEEP_S
+            if not fresh:
+                with contextlib.suppress(OSError):
+                    (rdzv / name).unlink()
     waiting = set()  # offers that the process of a join may still read
     for name in names:
         nonce = join_nonce(name)
