@@ -897,6 +897,13 @@ def test_a_launcher_says_how_a_rank_waiting_to_join_ended(tmp_path: Path) -> Non
     # Kept a day for a rank 0 of its run still to start, then tidied like dead joins.
     _file(rdzv, "ended-3-old.json", json.dumps({**note, "at": time.time() - 86401}).encode())
     _file(rdzv, "ended-4-garbled.json", b"{")
+    huge = json.dumps({**note, "member": {**note["member"], "rank": 5}, "at": 10**400})
+    _file(rdzv, "ended-5-huge.json", huge.encode())  # valid JSON: no float holds it
+    cfg = gradsync.FileGradSyncConfig(6, 0, tmp_path, run_id="r")
+    assert gradsync._rendezvous._unjoined_ends(cfg, [1, 5]).endswith(
+        f"; rank 5 (pid 4000001 on {socket.gethostname()}) has ended (killed by SIGKILL) "
+        "while waiting to join (noted)"
+    )
     _reaping.remove_dead_joins(rdzv)
     assert sorted(p.name for p in rdzv.glob("ended-*")) == ["ended-1-0000000000000001.json"]
 

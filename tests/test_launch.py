@@ -317,7 +317,7 @@ def test_a_rank_that_ended_while_waiting_to_join_is_named_by_the_rank_0_waiting_
     said = (
         re.escape(
             f"; rank 1 (pid {pid} on {socket.gethostname()}) was stopped by its launcher (killed "
-            "by SIGTERM) while waiting to join (its launcher said so "
+            "by SIGTERM) while waiting to join (noted "
         )
         + r"\d+ s ago\)"
     )
@@ -487,6 +487,54 @@ def test_the_exception_a_rank_failed_with_heads_the_summary() -> None:
     )
     assert "    detail 14\n" in err
     assert "    ValueError: bad batch 7\n" not in err  # beyond the last 10 lines
+
+
+HANDLED = (
+    "import logging\ntry:\n    raise ValueError('bad batch, skipped')\n"
+    "except ValueError:\n    logging.exception('skipping a batch')\n"
+)
+HEADLINES = {
+    # A traceback logged before carrying on is not what the rank died of.
+    "logged-then-killed": (
+        HANDLED + "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+        None,
+    ),
+    "logged-then-exit-1-later": (
+        HANDLED + "import sys, time\ntime.sleep(2.5)\nsys.exit(1)\n",
+        None,
+    ),
+    # A group's members are indented under it: no headline, not its context's.
+    "exception-group": (
+        "try:\n    raise KeyError('ctx')\nexcept KeyError:\n"
+        "    raise ExceptionGroup('eg', [ValueError('a')])\n",
+        None,
+    ),
+    # What the interpreter reports and goes on after is no cause.
+    "del-at-shutdown": (
+        "class Leak:\n    def __del__(self):\n        raise OSError('in del')\n"
+        "leak = Leak()\nraise ValueError('real cause')\n",
+        "ValueError: real cause",
+    ),
+    "atexit-raising": (
+        "import atexit\ndef fail():\n    raise OSError('atexit fail')\n"
+        "atexit.register(fail)\nraise ValueError('real cause')\n",
+        "ValueError: real cause",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEADLINES))
+def test_the_summary_names_an_exception_only_if_the_rank_died_of_it(
+    tmp_path: Path, case: str
+) -> None:
+    code, expected = HEADLINES[case]
+    script = tmp_path / "rank.py"
+    script.write_text(code)
+    _, _, err, _ = run_launch(["--nproc", "1", str(script)])
+    headline = re.search(r"gradsync launch: rank 0 failed first: (.*)\n", err)
+    assert headline is not None, err
+    raised = headline[1].partition(", raising ")[2]
+    assert raised == (expected or ""), err
 
 
 def test_rank_killed_by_signal_is_reported_with_its_name() -> None:
@@ -710,6 +758,44 @@ def test_the_watchdog_leaves_only_for_the_ranks_it_stopped(
         for proc in (running, ended):
             proc.kill()
             proc.wait()
+
+
+def test_a_rank_whose_main_thread_ended_is_still_stopped_by_the_watchdog() -> None:
+    # Its leader shows as a zombie in /proc while another thread runs (and ignores
+    # SIGTERM): only SIGKILL ends it.
+    code = (
+        "import ctypes, signal, threading, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+        "def spin():\n    while True:\n        ctypes.CDLL(None).pause()\n"
+        "threading.Thread(target=spin).start()\n"
+        "time.sleep(0.2)\nctypes.CDLL(None).pthread_exit(None)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while Path(f"/proc/{proc.pid}/stat").read_text().rpartition(") ")[2][0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert _watchdog._live({proc.pid: "0"}) == {proc.pid: "0"}
+        with contextlib.redirect_stderr(None):
+            _watchdog.watch([f"add {proc.pid} 0\n".encode()], os.getpid(), 0.3)
+        assert proc.wait(timeout=TIMEOUT_S) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_watchdog_trusts_no_proc_of_another_pid_namespace(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # In a new pid namespace without its own /proc, /proc shows another's pids: a
+    # running rank missing there is not taken for gone.
+    (tmp_path / "1" / "task").mkdir(parents=True)  # another namespace's pid 1
+    (tmp_path / "1" / "stat").write_text("1 (init) S 0 1 1")
+    (tmp_path / "self").symlink_to("1")  # not this process's pid
+    monkeypatch.setattr(_watchdog, "_PROC", tmp_path)
+    assert _watchdog._process_alive(os.getpid())
+    assert _watchdog._live({os.getpgrp(): "0"}) == {os.getpgrp(): "0"}
 
 
 def test_the_watchdog_leaves_for_ranks_without_importing_numpy(tmp_path: Path) -> None:

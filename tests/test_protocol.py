@@ -440,7 +440,7 @@ def test_world_size_mismatch_at_rendezvous(tmp_path: Path) -> None:
     assert re.search(
         r"rendezvous: rank 0 has world_size 2 but rank 1 \(pid \d+ on \S+\) has world_size 3 "
         r"in \S+; every rank must use the same world_size \(with gradsync launch it is "
-        r"--nnodes x --nproc: give every node the same --nproc\)$",
+        r"--nnodes x --nproc: give every node the same --nnodes and --nproc\)$",
         results[0].message,
     )
     assert results[1].error_type == "MismatchError"
@@ -860,10 +860,38 @@ def test_a_formed_job_removes_what_launchers_said_of_its_run_before(tmp_path: Pa
     rdzv.mkdir()
     member = MemberInfo.for_self(1, "00000000000000aa").to_json()
     for run_id in ("split", "other"):
-        note = {"member": member, "run_id": run_id, "ended": "has ended (exit code 1)", "at": 0}
+        note = {
+            "member": member,
+            "run_id": run_id,
+            "ended": "has ended (exit code 1)",
+            "at": time.time(),
+        }
         (rdzv / f"ended-1-{run_id}.json").write_text(json.dumps(note))
     assert_ok(run_ranks(workers.one_call, 2, (2, str(tmp_path), "split")))
     assert sorted(p.name for p in rdzv.glob("ended-*")) == ["ended-1-other.json"]
+
+
+def test_a_rank_joining_again_clears_what_was_said_of_its_earlier_process(
+    tmp_path: Path,
+) -> None:
+    rdzv = tmp_path / "rdzv"
+    rdzv.mkdir()
+    for rank, run_id in ((1, "split"), (2, "split"), (1, "other")):
+        member = MemberInfo.for_self(rank, "00000000000000aa").to_json()
+        note = {
+            "member": member,
+            "run_id": run_id,
+            "ended": "has ended (exit code 1)",
+            "at": time.time(),
+        }
+        (rdzv / f"ended-{rank}-{run_id}.json").write_text(json.dumps(note))
+    cfg = gradsync.FileGradSyncConfig(3, 1, tmp_path, run_id="split", max_wait_s=0.3)
+    with pytest.raises(gradsync.PeerTimeoutError), gradsync.GradSync(cfg) as gs:
+        gs.average([np.ones(4)])  # rank 0 never comes
+    assert sorted(p.name for p in rdzv.glob("ended-*")) == [
+        "ended-1-other.json",
+        "ended-2-split.json",
+    ]
 
 
 def test_a_file_not_yet_shown_behind_its_marker_is_looked_for_again(tmp_path: Path) -> None:

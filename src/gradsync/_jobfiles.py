@@ -7,6 +7,7 @@ status``: one place says where each file lives and what an unreadable one counts
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ __all__ = [
     "member_name",
     "member_of",
     "member_rank",
+    "noted_at",
     "offer_name",
     "parse",
     "write_json",
@@ -114,6 +116,18 @@ def how_it_ended(gen_path: Path, rank: int) -> str | None:
 def offer_name(nonce: str) -> str:
     """The name, in ``rdzv/``, of rank 0's answer to the join with ``nonce``."""
     return f"offer-{nonce}.json"
+
+
+def noted_at(note: dict[str, Any]) -> float | None:
+    """A note's ``at`` (its writer's wall clock, in seconds), if it holds a finite number."""
+    at = note.get("at")
+    if not isinstance(at, (int, float)) or isinstance(at, bool):
+        return None
+    try:
+        seconds = float(at)
+    except OverflowError:  # JSON integers have no bound
+        return None
+    return seconds if math.isfinite(seconds) else None
 
 
 def dump(data: dict[str, Any]) -> bytes:

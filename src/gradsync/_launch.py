@@ -42,6 +42,9 @@ logger = logging.getLogger("gradsync.launch")
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _TAIL_LINES = 10  # lines of the failing rank's stderr shown in the failure summary
+# How soon after its traceback a rank must end for the exception to count as what
+# ended it (at exit, sessions close and logging flushes first).
+_AFTER_TRACEBACK_S = 2.0
 _MAX_LINE_BYTES = 64 * 1024  # longer lines are split, so one rank cannot exhaust memory
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _POLL_S = 0.05  # how often the supervisor looks at launcher signals and deadlines
@@ -132,13 +135,12 @@ def launch(
             directory = own_dir
         else:
             directory = _prepare_sync_dir(sync_dir)
-        fstype = filesystem_type(directory)
         if nnodes > 1 and local_filesystem(directory):
             logger.warning(
                 "--sync-dir %s is on a filesystem of this host (%s): the other nodes see "
                 "its files only if they mount it too (exported over NFS, say)",
                 directory,
-                fstype,
+                filesystem_type(directory),
             )
         world_size = nnodes * nproc
         envs = []
@@ -386,16 +388,43 @@ class _Tail:
 
     def __init__(self) -> None:
         self.lines: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self.exception: str | None = None
+        self._exception: str | None = None
+        self._exception_at = 0.0  # when its line came (time.monotonic)
+        self._ended_at: float | None = None  # when the stream ended
         self._in_traceback = False
+        self._previous = ""
+
+    def end(self) -> None:
+        """The stream has ended (the rank's process has, mostly)."""
+        self._ended_at = time.monotonic()
 
     def append(self, line: str) -> None:
         self.lines.append(line)
-        if line.startswith("Traceback (most recent call last):"):
-            self._in_traceback = True
+        previous, self._previous = self._previous, line
+        if line.lstrip(" +|").startswith("Exception Group Traceback"):
+            # A group's members are indented under it: no one line says what it was.
+            self._exception, self._in_traceback = None, False
+        elif line.startswith("Traceback (most recent call last):"):
+            # What the interpreter reports and lets the program go on after is no cause
+            # of its end: a __del__ that raised, an atexit callback that did.
+            ignored = previous.startswith(("Exception ignored", "Error in atexit"))
+            self._in_traceback = not ignored
         elif self._in_traceback and line and not line[0].isspace():
-            self.exception = line  # the first line after the (indented) frames
+            self._exception = line  # the first line after the (indented) frames
+            self._exception_at = time.monotonic()
             self._in_traceback = False
+
+    def exception(self, returncode: int) -> str | None:
+        """The exception the rank ended with, if one likely did: it exited with 1 (as
+        Python does after an uncaught one) within moments of printing its traceback (one
+        logged before carrying on, or before a signal, is not what ended it)."""
+        ended_at = time.monotonic() if self._ended_at is None else self._ended_at
+        if returncode != 1 or self._exception is None:
+            return None
+        if ended_at - self._exception_at > _AFTER_TRACEBACK_S:
+            return None
+        text = self._exception
+        return text if len(text) <= 200 else text[:197] + "..."
 
 
 @dataclass
@@ -480,6 +509,8 @@ def _pump(
                     output.settle(dest, prefix)  # the last redraw stays on screen
                     if tail is not None:
                         tail.append(redraw)
+                if tail is not None:
+                    tail.end()
                 return
 
 
@@ -683,7 +714,8 @@ class _Job:
                     self._grace_period_s,
                 )
             else:  # what they started may still run: it is stopped all the same
-                logger.warning("%s; no other rank is still running", reason)
+                other = "other " if first_failure is not None else ""
+                logger.warning("%s; no %srank is still running", reason, other)
             self._signal_all(signal.SIGTERM)
 
         if self._signals.received:
@@ -782,7 +814,7 @@ class _Job:
     def _summary(self, failed: _Rank) -> str:
         """The root-cause report printed when a rank fails."""
         assert failed.returncode is not None
-        raised = failed.stderr_tail.exception
+        raised = failed.stderr_tail.exception(failed.returncode)
         lines = [
             f"gradsync launch: rank {failed.rank} failed first: {_describe(failed.returncode)}"
             f" (local rank {failed.local_rank}, pid {failed.proc.pid})"

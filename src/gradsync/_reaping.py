@@ -34,6 +34,7 @@ from ._jobfiles import (
     left_name,
     load,
     member_of,
+    noted_at,
     offer_name,
 )
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
@@ -61,8 +62,8 @@ def remove_dead_joins(rdzv: Path) -> None:
     names = list_names(rdzv)
     for name in names:
         if name.startswith(ENDED):
-            at = (load(rdzv / name) or {}).get("at")
-            fresh = isinstance(at, (int, float)) and time.time() - at < _ENDED_KEEP_S
+            at = noted_at(load(rdzv / name) or {})
+            fresh = at is not None and time.time() - at < _ENDED_KEEP_S
             if not fresh:
                 with contextlib.suppress(OSError):
                     (rdzv / name).unlink()

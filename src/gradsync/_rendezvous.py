@@ -73,6 +73,7 @@ from ._jobfiles import (
     member_name,
     member_of,
     member_rank,
+    noted_at,
     offer_name,
     write_json,
 )
@@ -88,7 +89,8 @@ _CHECK_EVERY_S = 0.2
 # Where ranks of one job disagree, what gradsync launch made of its arguments is the
 # likely cause: say how.
 _WORLD_SIZE_HINT = (
-    " (with gradsync launch it is --nnodes x --nproc: give every node the same --nproc)"
+    " (with gradsync launch it is --nnodes x --nproc: give every node the same --nnodes "
+    "and --nproc)"
 )
 _NODE_RANK_HINT = " (or, within one job, each node its own --node-rank)"
 
@@ -461,6 +463,13 @@ def _join(
         {"member": me.to_json(), "world_size": cfg.world_size, "run_id": cfg.run_id},
         "registering a join in",
     )
+    # This rank is here again: what a launcher said of an earlier process of it that
+    # ended while waiting to join is over.
+    for path, data in _ended_notes(cfg):
+        member = member_of(data)
+        if member is not None and member.rank == cfg.rank:
+            with contextlib.suppress(OSError):
+                path.unlink()
     backoff = Backoff()
     next_warn = cfg.warn_after_s
     leader: MemberInfo | None = None
@@ -620,13 +629,7 @@ def _ended_notes(cfg: FileGradSyncConfig) -> list[tuple[Path, dict[str, Any]]]:
         data = load(rdzv / name)
         if data is not None and data.get("run_id") == cfg.run_id:
             notes.append((rdzv / name, data))
-    return sorted(notes, key=lambda n: _when(n[1]) or 0.0)
-
-
-def _when(note: dict[str, Any]) -> float | None:
-    """A note's ``at`` (the writer's wall clock, seconds), if it has a number there."""
-    at = note.get("at")
-    return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
+    return sorted(notes, key=lambda n: noted_at(n[1]) or 0.0)
 
 
 def _unjoined_ends(cfg: FileGradSyncConfig, missing: list[int]) -> str:
@@ -639,11 +642,10 @@ def _unjoined_ends(cfg: FileGradSyncConfig, missing: list[int]) -> str:
         ended = data.get("ended")
         if member is None or member.rank not in missing or not isinstance(ended, str):
             continue
-        at = _when(data)
+        at = noted_at(data)
         ago = "" if at is None else f" {max(0.0, time.time() - at):.0f} s ago"
         said[member.rank] = (
-            f"rank {member.rank} ({member.describe()}) {ended} while waiting to join (its "
-            f"launcher said so{ago})"
+            f"rank {member.rank} ({member.describe()}) {ended} while waiting to join (noted{ago})"
         )
     return "".join(f"; {said[r]}" for r in sorted(said))
 

@@ -40,42 +40,80 @@ def group_alive(pgid: int) -> bool:
     return _exists(os.killpg, pgid)
 
 
-def _process_alive(pid: int) -> bool:
-    """Whether process ``pid`` (a rank, the leader of its group) still runs: exists and
-    is no zombie."""
+def _proc_is_ours() -> bool:
+    """Whether ``/proc`` shows this process's pid namespace (in a new namespace without
+    its own ``/proc`` mounted, it shows another's pids)."""
+    try:
+        return os.readlink(_PROC / "self") == str(os.getpid())
+    except OSError:
+        return False
+
+
+def _state(pid: int) -> str | None:
+    """Process ``pid``'s state letter by ``/proc``; None where that cannot tell."""
+    if not _proc_is_ours():
+        return None
     try:
         raw = (_PROC / str(pid) / "stat").read_bytes()
     except OSError:
-        return _exists(os.kill, pid) if not _PROC.joinpath("self").exists() else False
-    return _state_and_group(raw)[0] not in _DEAD
+        return None
+    # The command name may hold spaces or parentheses: the fields follow the last ')'.
+    return raw[raw.rfind(b")") + 2 :].split(maxsplit=1)[0].decode()
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (a rank, the leader of its group) still runs: exists and
+    is no zombie. A zombie is dead, but stays (signal 0 reaching it) until its parent
+    reaps it: the launcher is gone, and the init of a container may never."""
+    state = _state(pid)
+    if state in _DEAD:
+        # A leader whose main thread ended is a zombie while its other threads run.
+        try:
+            return len(os.listdir(_PROC / str(pid) / "task")) > 1
+        except OSError:
+            return False
+    return _exists(os.kill, pid)
 
 
 def _live(groups: dict[int, str]) -> dict[int, str]:
-    """The groups that still have a process: one signal 0 reaches, unless ``/proc``
-    shows only zombies in it. A zombie is dead, but stays (signal 0 reaching it) until
-    its parent reaps it: the launcher is gone, and the init of a container may never."""
-    zombies: set[int] = set()
-    live: set[int] = set()
+    """The groups that may still have a running process: their leader runs, or, where
+    it has ended, signal 0 reaches the group and ``/proc`` shows a member that is no
+    zombie (or cannot show). Only to stop waiting early: a group left out here still
+    gets SIGKILL if signal 0 reaches it."""
+    live = {}
+    members: set[int] | None = None  # groups with a process that is no zombie
+    for pgid, rank in groups.items():
+        if _process_alive(pgid):
+            live[pgid] = rank
+        elif group_alive(pgid):
+            if members is None:
+                members = _running_groups()
+            if members is None or pgid in members:
+                live[pgid] = rank
+    return live
+
+
+def _running_groups() -> set[int] | None:
+    """The process groups with a process that is no zombie, by ``/proc``; None where it
+    cannot tell."""
+    if not _proc_is_ours():
+        return None
     try:
         names = os.listdir(_PROC)
     except OSError:
-        names = []
+        return None
+    groups = set()
     for name in names:
         if not name.isdigit():
             continue
         try:
-            state, group = _state_and_group((_PROC / name / "stat").read_bytes())
+            raw = (_PROC / name / "stat").read_bytes()
+            fields = raw[raw.rfind(b")") + 2 :].split()
+            if fields[0].decode() not in _DEAD:
+                groups.add(int(fields[2]))
         except (OSError, ValueError, IndexError):
             continue
-        (zombies if state in _DEAD else live).add(group)
-    return {g: r for g, r in groups.items() if group_alive(g) and (g in live or g not in zombies)}
-
-
-def _state_and_group(stat: bytes) -> tuple[str, int]:
-    """The state letter and process group of a ``/proc/PID/stat`` line."""
-    # The command name may hold spaces or parentheses: the fields follow the last ')'.
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    return fields[0].decode(), int(fields[2])
+    return groups
 
 
 def _exists(send: Callable[[int, int], None], target: int) -> bool:
@@ -124,19 +162,22 @@ def watch(
             flush=True,
         )
     deadline = time.monotonic() + grace_period_s
-    while groups and time.monotonic() < deadline:
+    running = dict(groups)
+    while running and time.monotonic() < deadline:
         time.sleep(_POLL_S)
-        groups = _live(groups)
-    _signal(groups, signal.SIGKILL)
+        running = _live(running)
+    # Every group signal 0 still reaches: one judged gone may hide a process /proc
+    # did not show (SIGKILL to a group of zombies does no harm).
+    _signal({g: r for g, r in groups.items() if group_alive(g)}, signal.SIGKILL)
     if sync_dir is None:
         return 1
     deadline = time.monotonic() + _GONE_S
     while True:
-        groups = _live(groups)
-        if not groups or time.monotonic() >= deadline:
+        running = _live(groups)
+        if not running or time.monotonic() >= deadline:
             break
         time.sleep(_POLL_S)
-    _leave_for(Path(sync_dir), {g: r for g, r in stopped.items() if g not in groups})
+    _leave_for(Path(sync_dir), {g: r for g, r in stopped.items() if g not in running})
     return 1
 
 
