@@ -853,20 +853,22 @@ def test_ranks_waiting_to_form_a_job_say_for_whom_and_what_to_check(
     assert results[late].value == []
 
 
-def test_a_formed_job_removes_what_launchers_said_of_its_run_before(tmp_path: Path) -> None:
-    # Notes of ranks that ended while waiting to join (their launchers'): once the job
-    # is formed they were replaced; another run's notes stay for its rank 0.
-    rdzv = tmp_path / "rdzv"
+def _ended_while_joining(sync_dir: Path, notes: list[tuple[int, str]]) -> Path:
+    """Launchers' notes (rdzv/ended-<rank>-<run id>.json) of ranks that ended while
+    waiting to join runs; the rdzv directory."""
+    rdzv = sync_dir / "rdzv"
     rdzv.mkdir()
-    member = MemberInfo.for_self(1, "00000000000000aa").to_json()
-    for run_id in ("split", "other"):
-        note = {
-            "member": member,
-            "run_id": run_id,
-            "ended": "has ended (exit code 1)",
-            "at": time.time(),
-        }
-        (rdzv / f"ended-1-{run_id}.json").write_text(json.dumps(note))
+    for rank, run_id in notes:
+        member = MemberInfo.for_self(rank, "00000000000000aa").to_json()
+        note = {"member": member, "run_id": run_id, "ended": "has ended (exit code 1)"}
+        (rdzv / f"ended-{rank}-{run_id}.json").write_text(json.dumps({**note, "at": time.time()}))
+    return rdzv
+
+
+def test_a_formed_job_removes_what_launchers_said_of_its_run_before(tmp_path: Path) -> None:
+    # Once the job is formed those ranks were replaced; another run's notes stay for
+    # its rank 0.
+    rdzv = _ended_while_joining(tmp_path, [(1, "split"), (1, "other")])
     assert_ok(run_ranks(workers.one_call, 2, (2, str(tmp_path), "split")))
     assert sorted(p.name for p in rdzv.glob("ended-*")) == ["ended-1-other.json"]
 
@@ -874,17 +876,7 @@ def test_a_formed_job_removes_what_launchers_said_of_its_run_before(tmp_path: Pa
 def test_a_rank_joining_again_clears_what_was_said_of_its_earlier_process(
     tmp_path: Path,
 ) -> None:
-    rdzv = tmp_path / "rdzv"
-    rdzv.mkdir()
-    for rank, run_id in ((1, "split"), (2, "split"), (1, "other")):
-        member = MemberInfo.for_self(rank, "00000000000000aa").to_json()
-        note = {
-            "member": member,
-            "run_id": run_id,
-            "ended": "has ended (exit code 1)",
-            "at": time.time(),
-        }
-        (rdzv / f"ended-{rank}-{run_id}.json").write_text(json.dumps(note))
+    rdzv = _ended_while_joining(tmp_path, [(1, "split"), (2, "split"), (1, "other")])
     cfg = gradsync.FileGradSyncConfig(3, 1, tmp_path, run_id="split", max_wait_s=0.3)
     with pytest.raises(gradsync.PeerTimeoutError), gradsync.GradSync(cfg) as gs:
         gs.average([np.ones(4)])  # rank 0 never comes
