@@ -438,7 +438,9 @@ def test_a_line_after_a_redraw_of_another_stream_starts_on_a_line_of_its_own(
     seen, rest = _output_around_a_pause(
         tmp_path,
         "sys.stderr.write('\\repoch 1: 25%|#####   |\\repoch 1: 50%')\nsys.stderr.flush()",
-        "print('loss 0.42', flush=True)",
+        # Alive a while after: at its exit the bar's unfinished redraw is flushed by the
+        # stderr reader, which could forward it before the stdout reader forwards this.
+        "print('loss 0.42', flush=True)\ntime.sleep(1)",
     )
     assert seen + rest == (
         b"[rank 0] epoch 1: 25%|#####   |\r\n[rank 0] loss 0.42\n[rank 0] epoch 1: 50%\n"
