@@ -502,7 +502,7 @@ HEADLINES = {
         None,
     ),
     "logged-then-exit-1-later": (
-        HANDLED + "import sys, time\ntime.sleep(2.5)\nsys.exit(1)\n",
+        HANDLED + "import sys, time\ntime.sleep(4)\nsys.exit(1)\n",
         None,
     ),
     # A group's members are indented under it: no headline, not its context's.
