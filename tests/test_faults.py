@@ -908,6 +908,43 @@ def test_a_launcher_says_how_a_rank_waiting_to_join_ended(tmp_path: Path) -> Non
     assert sorted(p.name for p in rdzv.glob("ended-*")) == ["ended-1-0000000000000001.json"]
 
 
+def test_a_peer_gone_since_the_listing_is_named_by_the_note_it_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 1 closes its session (its note says why) and exits between rank 0's listing
+    # and its look at rank 1's process: the note's reason, not just "has exited".
+    from gradsync._peers import PeerFiles  # noqa: PLC0415
+    from gradsync._transport import Transport  # noqa: PLC0415
+
+    gen_path = tmp_path / "gen-00000000000000a1"
+    (gen_path / "s-3").mkdir(parents=True)
+    me = MemberInfo.for_self(0, "00000000000000a1")
+    gone = MemberInfo.from_json(
+        {**MemberInfo.for_self(1, "00000000000000b1").to_json(), "pid": 4000001}
+    )
+    gen = rdzv.Generation(gen_path, "00000000000000a1", (me, gone), 0)
+    (gen_path / "left-1").write_text(
+        '{"calls": 2, "ended": "closed its gradsync session (raising KeyboardInterrupt)"}'
+    )
+    listing = gradsync._peers.list_names
+    monkeypatch.setattr(
+        gradsync._peers,
+        "list_names",
+        lambda d, step=None: set() if d == gen_path else listing(d, step=step),
+    )
+    cfg = gradsync.FileGradSyncConfig(2, 0, tmp_path)
+    peers = PeerFiles(
+        cfg, gen, Transport(mapped=False, head_bytes=64), lambda r, k: tmp_path, lambda r, s: []
+    )
+    with pytest.raises(gradsync.PeerLostError) as info:
+        peers._check_alive([1], 3, 3, gen_path / "s-3", "its gradients", 0.5)
+    assert str(info.value) == (
+        f"step 3: rank 1 (pid 4000001 on {socket.gethostname()}) closed its gradsync session "
+        f"(raising KeyboardInterrupt) before publishing its gradients in {gen_path / 's-3'} "
+        "(waited 0.5 s)"
+    )
+
+
 def test_a_launcher_leaves_nothing_for_a_live_process_that_has_its_ended_ranks_pid(
     tmp_path: Path,
 ) -> None:

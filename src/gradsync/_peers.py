@@ -391,22 +391,26 @@ class PeerFiles:
         lost: dict[int, str] = {}
         for q in missing:
             member = self.gen.members[q]
-            reason: str | None
-            if left_name(q) in names:
+            left = left_name(q) in names
+            reason: str | None = None
+            if not left:
+                if member.same_host:
+                    reason = member.local_death()
+                    if reason is None and not exact_process_checks():
+                        # kill(pid, 0) takes a zombie or a reused pid for alive: the
+                        # heartbeat tells within heartbeat_timeout_s.
+                        reason = self._heartbeat_stopped(q)
+                else:
+                    reason = self._heartbeat_stopped(q)
+                # Gone since the listing: the note it left on its way out says why.
+                left = reason is not None and os.path.exists(self.gen.left_path(q))
+            if left:
                 finished = calls_finished(self.gen, q)
                 if finished is not None and finished >= seq:
                     # It finished this call, so it published all of it: a shared
                     # filesystem's listing of the step can lag behind its "left" file.
                     continue
                 reason = how_it_ended(self.gen.path, q) or "closed its gradsync session"
-            elif member.same_host:
-                reason = member.local_death()
-                if reason is None and not exact_process_checks():
-                    # kill(pid, 0) takes a zombie or a reused pid for alive: the
-                    # heartbeat tells within heartbeat_timeout_s.
-                    reason = self._heartbeat_stopped(q)
-            else:
-                reason = self._heartbeat_stopped(q)
             if reason is not None:
                 lost[q] = reason
         if not lost:
