@@ -334,7 +334,7 @@ def test_how_a_rank_ended_is_noted_unless_it_exited_0(
     # published there (a shared filesystem's listing lags); its heartbeat tells.
     noted: list[tuple[Any, ...]] = []
     monkeypatch.setattr(_launch, "leave_for_ended", lambda *args: noted.append(args))
-    job = _launch._Job(_launch._SignalCatcher(), 1.0, tmp_path)
+    job = _launch._Job(_launch._SignalCatcher(), 1.0, tmp_path, own_dir=False)
     proc: Any = types.SimpleNamespace(pid=42)
     for code, stopped in [(0, False), (0, True), (-15, True), (-9, True), (-15, False), (1, True)]:
         job._leave_for(_launch._Rank(3, 0, proc, returncode=code, stopped=stopped))
@@ -689,9 +689,13 @@ def test_the_ranks_of_a_launcher_killed_with_sigkill_are_stopped(
         f"gradsync launch: the launcher (pid {proc.pid}) ended without stopping its ranks; "
         "stopping ranks 0, 1 (SIGTERM, SIGKILL after 0.5 s)\n"
     )
-    for r in (0, 1):
-        wait_gone(json.loads((tmp_path / f"rank-{r}.json").read_text())["pid"], 5.0)
+    infos = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    for info in infos:
+        wait_gone(info["pid"], 5.0)
     assert time.monotonic() - start < 5
+    # The directory the launcher made for the job goes too (the watchdog holds the
+    # launcher's stderr: at its EOF the watchdog is done).
+    assert not Path(infos[0]["sync_dir"]).exists()
 
 
 def test_the_ranks_of_a_launcher_killed_with_sigkill_are_known_at_once_to_peers_elsewhere(

@@ -171,7 +171,7 @@ def launch(
             run_id,
             directory,
         )
-        job = _Job(signals, grace_period_s, directory)
+        job = _Job(signals, grace_period_s, directory, own_dir=own_dir is not None)
         done = False
         try:
             job.start(argv, envs)
@@ -526,10 +526,13 @@ def _killpg(pgid: int, signum: int) -> None:
 class _Job:
     """The ranks of one node: starts them, watches them, stops them together."""
 
-    def __init__(self, signals: _SignalCatcher, grace_period_s: float, sync_dir: Path) -> None:
+    def __init__(
+        self, signals: _SignalCatcher, grace_period_s: float, sync_dir: Path, *, own_dir: bool
+    ) -> None:
         self._signals = signals
         self._grace_period_s = grace_period_s
         self._sync_dir = sync_dir
+        self._own_dir = own_dir  # made for this job: removed after it
         self._leaving: list[threading.Thread] = []  # threads of _leave_for
         self._output = _Output()
         self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
@@ -548,6 +551,7 @@ class _Job:
                     str(os.getpid()),
                     repr(self._grace_period_s),
                     str(self._sync_dir),
+                    *(["own"] if self._own_dir else []),
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,

@@ -9,7 +9,7 @@ means the launcher is gone: every group gets SIGTERM, then SIGKILL after the gra
 period, as the launcher itself would have done, and once they are gone it leaves their
 jobs in the sync directory for them, as the launcher would have too.
 
-Run as a script (``python -I _watchdog.py LAUNCHER_PID GRACE_PERIOD_S [SYNC_DIR]``),
+Run as a script (``python -I _watchdog.py LAUNCHER_PID GRACE_PERIOD_S [SYNC_DIR [own]]``),
 standard library only until then: it starts in a few milliseconds, importing neither
 gradsync nor numpy while the launcher lives.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import time
@@ -133,11 +134,17 @@ def _signal(groups: dict[int, str], signum: int) -> None:
 
 
 def watch(
-    lines: Iterable[bytes], launcher_pid: int, grace_period_s: float, sync_dir: str | None = None
+    lines: Iterable[bytes],
+    launcher_pid: int,
+    grace_period_s: float,
+    sync_dir: str | None = None,
+    *,
+    own_dir: bool = False,
 ) -> int:
     """Follow the launcher's messages in ``lines`` (an iterable of bytes); return 0 when
     it said ``done``, else 1 after stopping the groups it had started (and leaving
-    their ranks' jobs in ``sync_dir`` for them)."""
+    their ranks' jobs in ``sync_dir`` for them; with ``own_dir``, the launcher made
+    ``sync_dir`` for this job, and it is removed once every rank is gone)."""
     groups: dict[int, str] = {}  # process group -> the rank it runs
     for raw in lines:
         words = raw.decode("ascii", "replace").split()
@@ -178,6 +185,8 @@ def watch(
             break
         time.sleep(_POLL_S)
     _leave_for(Path(sync_dir), {g: r for g, r in stopped.items() if g not in running})
+    if own_dir and not running:
+        shutil.rmtree(sync_dir, ignore_errors=True)  # as the launcher would have
     return 1
 
 
@@ -208,7 +217,8 @@ def main(argv: list[str]) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     sync_dir = argv[2] if len(argv) > 2 else None
-    return watch(sys.stdin.buffer, int(argv[0]), float(argv[1]), sync_dir)
+    own_dir = argv[3:] == ["own"]
+    return watch(sys.stdin.buffer, int(argv[0]), float(argv[1]), sync_dir, own_dir=own_dir)
 
 
 if __name__ == "__main__":
