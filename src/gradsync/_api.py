@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from ._buffers import SharedBuffers
 from ._config import FileGradSyncConfig
-from ._errors import ConfigError, GradSyncError, InvalidGradsError, name_the_step
+from ._errors import ConfigError, GradSyncError, InvalidGradsError, clip, name_the_step
 from ._format import Layout
 from ._peers import nonfinite_error
 from ._protocol import Deliver, StepEngine, nonfinite_params, validate_grads
@@ -565,8 +565,7 @@ def _exception_text(exc: BaseException) -> str:
         lines = str(exc).strip().splitlines()
     except Exception:  # a broken __str__ must not replace the exception being raised
         lines = []
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
+    return clip(f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)
 
 
 def _checked_step(step: object) -> int:

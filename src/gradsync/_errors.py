@@ -201,6 +201,12 @@ def parse_note(raw: bytes) -> object:
         return None
 
 
+def clip(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters, ending in "..." where it was cut: one
+    process's line quoted in another's message."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def note_reason(note: object) -> str:
     """The message of a peer's note, or a placeholder if the note is unreadable
     (``b""``: an empty note, all a peer could write on a full disk)."""

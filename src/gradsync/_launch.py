@@ -28,7 +28,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from ._errors import ConfigError
+from ._errors import ConfigError, clip
 from ._fsio import DIR_MODE
 from ._reaping import leave_for_ended, remove_dead_jobs
 from ._transport import filesystem_type, local_filesystem
@@ -423,8 +423,7 @@ class _Tail:
             return None
         if ended_at - self._exception_at > _AFTER_TRACEBACK_S:
             return None
-        text = self._exception
-        return text if len(text) <= 200 else text[:197] + "..."
+        return clip(self._exception)
 
 
 @dataclass

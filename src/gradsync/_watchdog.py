@@ -50,16 +50,26 @@ def _proc_is_ours() -> bool:
         return False
 
 
+def _stat(pid: str) -> tuple[str, int]:
+    """The state letter and process group of process ``pid`` by ``/proc``.
+
+    Raises:
+        OSError, ValueError, IndexError: no such process, or an unreadable line.
+    """
+    raw = (_PROC / pid / "stat").read_bytes()
+    # The command name may hold spaces or parentheses: the fields follow the last ')'.
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    return fields[0].decode(), int(fields[2])
+
+
 def _state(pid: int) -> str | None:
     """Process ``pid``'s state letter by ``/proc``; None where that cannot tell."""
     if not _proc_is_ours():
         return None
     try:
-        raw = (_PROC / str(pid) / "stat").read_bytes()
-    except OSError:
+        return _stat(str(pid))[0]
+    except (OSError, ValueError, IndexError):
         return None
-    # The command name may hold spaces or parentheses: the fields follow the last ')'.
-    return raw[raw.rfind(b")") + 2 :].split(maxsplit=1)[0].decode()
 
 
 def _process_alive(pid: int) -> bool:
@@ -108,12 +118,11 @@ def _running_groups() -> set[int] | None:
         if not name.isdigit():
             continue
         try:
-            raw = (_PROC / name / "stat").read_bytes()
-            fields = raw[raw.rfind(b")") + 2 :].split()
-            if fields[0].decode() not in _DEAD:
-                groups.add(int(fields[2]))
+            state, group = _stat(name)
         except (OSError, ValueError, IndexError):
             continue
+        if state not in _DEAD:
+            groups.add(group)
     return groups
 
 
