@@ -51,8 +51,7 @@ COPY_BUFFER_ALIGNMENT = 4
 # read_mapped/write_mapped offsets must be multiples of 8 in wgpu-py, and 8 also keeps
 # every float64 host view aligned.
 _SLOT_ALIGNMENT = 8
-# Longest a wait for the GPU polls from the waiting thread (see _wait): round trips of
-# downloads up to ~32 MiB on the H200 (16 MiB: 2.3-2.9 ms); longer ones then block.
+# Longest a wait for the GPU polls from the waiting thread (see _wait); longer ones block.
 SPIN_S = 0.005
 
 SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = (
@@ -75,9 +74,7 @@ _COPY_DST = 0x0008
 # a param, straight from the mapped files: no host copy) when it is at most this many
 # pieces and bytes. Bigger or more fragmented means are copied into the mapped upload
 # buffer and go from there with one submit: write_buffer allocates fresh staging
-# memory per call, and a hundred small calls cost more than one gather. On the H200
-# (W=2, step returned / step + waiting for the GPU): direct 1.08 / 1.72 ms at 1 MiB,
-# 5.6 / 6.3 at 16 MiB, 27 / 90 at 64 MiB; gathered 1.6 / 2.2, 7.4 / 8.1, 22 / 80.
+# memory per call, and a hundred small calls cost more than one gather.
 DIRECT_MAX_PIECES = 16
 DIRECT_MAX_BYTES = 32 << 20
 
@@ -86,8 +83,7 @@ def _writable_mapping(buf: Any, nbytes: int) -> npt.NDArray[np.uint8] | None:
     """A writable uint8 view of the first ``nbytes`` of mapped ``buf``, or None.
 
     wgpu-py's public ``write_mapped`` copies from a host array on one thread: staging
-    the mean there first costs a second pass over it (on the H200 at 256 MiB, W=2, the
-    upload took 43 ms that way, 17 ms straight into the mapping). Its
+    the mean there first costs a second pass over it. Its
     ``_experimental_get_mapped_range`` (wgpu-py 0.19 to 0.32 at least) is the only
     writable view of a mapping; without it (a later wgpu-py) this returns None.
     """
@@ -113,10 +109,8 @@ def _map_for_reading(buffer: Any, device: Any, spin_s: float) -> None:
     between, which reads zeros (wgpu-native#305, wgpu#5173). The bridge's read buffers
     are only ever written by copies it has submitted before mapping, so it skips the
     guard ("READ_NOSYNC"; plain ``map_sync`` where wgpu-py refuses that mode).
-    lavapipe, 1 MiB download: 242 -> 192 us; H200: within its noise (0.05 ms at 4
-    ranks). (A *blocking* poll from this thread, beside wgpu-py's poll thread, stalled
-    H200 steps ~10 ms, one in two: benchmarks/h200/2026-12-03-h; :func:`_wait` polls
-    without blocking.)
+    :func:`_wait` polls without blocking: a blocking poll beside wgpu-py's poll thread
+    stalls steps.
     """
     global _nosync_reads
     if _nosync_reads:
@@ -135,12 +129,10 @@ def _wait(promise: Any, device: Any, spin_s: float) -> None:
     blocking for up to ``spin_s`` seconds.
 
     wgpu-py resolves promises from a per-device thread that blocks in the driver until
-    the GPU finishes, then wakes the waiting thread: on the H200 (Vulkan) a 1 MiB
-    download's round trip took 321 us that way against 248 us polled from here (one
-    process; 2 processes sharing the GPU 556-567 against 442-463, 4 processes 673-746
-    against 572-615: benchmarks/h200/2026-12-03-l). Polling burns this core meanwhile,
-    so the spin is bounded, and off (``spin_s`` 0) on CPU adapters, whose "GPU" work
-    runs on the cores it would take (lavapipe, 2 processes on 2 cores: p90 1.6 ms).
+    the GPU finishes, then wakes the waiting thread, which is slower for short round
+    trips than polling from here. Polling burns this core meanwhile, so the spin is
+    bounded, and off (``spin_s`` 0) on CPU adapters, whose "GPU" work runs on the
+    cores it would take.
     ``device._poll`` and ``promise._state`` are wgpu-py's internals: without them
     this is a plain wait. ``_poll()`` does not block: wgpu-py 0.27-0.28 take no
     argument, 0.29 on a ``block`` that defaults to False.
