@@ -130,12 +130,21 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
 
 def test_every_test_the_readme_names_exists() -> None:
     # The guarantees point at the tests that hold them up; a renamed test must not
-    # leave the README pointing at nothing. ``::name`` continues the last named file.
-    refs = re.findall(r"`((?:[\w/]*test_\w+\.py)?)::(\w+)(?:\[[^\]`]*\])?`", README)
+    # leave the README or docs/ pointing at nothing. ``::name`` continues the last named
+    # file of the same document.
+    docs = [README, *(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))]
+    refs = [
+        (doc_index, file, name)
+        for doc_index, text in enumerate(docs)
+        for file, name in re.findall(r"`((?:[\w/]*test_\w+\.py)?)::(\w+)(?:\[[^\]`]*\])?`", text)
+    ]
     assert len(refs) >= 30, refs
     missing = []
     current = ""
-    for file, name in refs:
+    last_doc = -1
+    for doc_index, file, name in refs:
+        if doc_index != last_doc:
+            current, last_doc = "", doc_index
         current = file or current
         path = ROOT / "tests" / Path(current).name
         if not path.exists():
