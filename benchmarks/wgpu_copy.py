@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import wgpu
 
-from gradsync._wgpu import WgpuBridge, request_device_for_rank
+from gradsync import WgpuBridge, request_device_for_rank
 
 BU = wgpu.BufferUsage
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import ConfigError, WgpuBridgeError
-from ._wgpu import import_wgpu, wgpu_errors
+from ._wgpu_wait import import_wgpu, wgpu_errors
 
 if TYPE_CHECKING:
     import wgpu

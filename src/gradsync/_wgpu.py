@@ -17,21 +17,40 @@ rounded up to a multiple of 4 bytes (the padding elements are then averaged too)
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib
 import logging
 import operator
-import time
-from collections.abc import Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import ConfigError, GradSyncError, InvalidGradsError, WgpuBridgeError
+from ._errors import ConfigError, InvalidGradsError, WgpuBridgeError
 from ._parallel import Workers
+from ._reduce import SUPPORTED_DTYPES
+from ._wgpu_checks import (
+    COPY_BUFFER_ALIGNMENT,
+    COPY_DST,
+    COPY_SRC,
+    buffer_problem,
+    check_alive,
+    check_into,
+    check_types,
+    describe,
+    dtype_spec,
+    resolve_dtypes,
+    upload_sources,
+)
+from ._wgpu_layout import StagingLayout, write_staging
+from ._wgpu_wait import (
+    SPIN_S,
+    adapter_type,
+    import_wgpu,
+    map_for_reading,
+    release,
+    wait_for,
+    wgpu_errors,
+)
 
 if TYPE_CHECKING:
     import wgpu
@@ -47,29 +66,6 @@ __all__ = [
 
 _log = logging.getLogger("gradsync")
 
-COPY_BUFFER_ALIGNMENT = 4
-# read_mapped/write_mapped offsets must be multiples of 8 in wgpu-py, and 8 also keeps
-# every float64 host view aligned.
-_SLOT_ALIGNMENT = 8
-# Longest a wait for the GPU polls from the waiting thread (see _wait); longer ones block.
-SPIN_S = 0.005
-
-SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = (
-    np.dtype(np.float16),
-    np.dtype(np.float32),
-    np.dtype(np.float64),
-)
-# Common spellings of the supported dtypes, checked without building an error context.
-_NATIVE: dict[object, np.dtype[Any]] = {
-    like: dt for dt in SUPPORTED_DTYPES for like in (dt, dt.type, dt.name, dt.str, dt.char)
-}
-
-# wgpu BufferUsage bits (WebGPU spec values), so validation needs no wgpu import.
-_MAP_READ = 0x0001
-_MAP_WRITE = 0x0002
-_COPY_SRC = 0x0004
-_COPY_DST = 0x0008
-
 # A step's mean goes to the GPU by one queue.write_buffer per piece (a rank's shard of
 # a param, straight from the mapped files: no host copy) when it is at most this many
 # pieces and bytes. Bigger or more fragmented means are copied into the mapped upload
@@ -79,228 +75,7 @@ DIRECT_MAX_PIECES = 16
 DIRECT_MAX_BYTES = 32 << 20
 
 
-def _writable_mapping(buf: Any, nbytes: int) -> npt.NDArray[np.uint8] | None:
-    """A writable uint8 view of the first ``nbytes`` of mapped ``buf``, or None.
-
-    wgpu-py's public ``write_mapped`` copies from a host array on one thread: staging
-    the mean there first costs a second pass over it. Its
-    ``_experimental_get_mapped_range`` (wgpu-py 0.19 to 0.32 at least) is the only
-    writable view of a mapping; without it (a later wgpu-py) this returns None.
-    """
-    get = getattr(buf, "_experimental_get_mapped_range", None)
-    if get is None:
-        return None
-    view: npt.NDArray[np.uint8] = np.frombuffer(get(0, nbytes), np.uint8)
-    return view if view.flags.writeable else None
-
-
-@functools.cache
-def import_wgpu() -> Any:
-    # Deferred so that ``import gradsync`` works (and stays fast) without wgpu; cached
-    # because the liveness probe asks once per buffer per step.
-    return importlib.import_module("wgpu")
-
-
-def _map_for_reading(buffer: Any, device: Any, spin_s: float) -> None:
-    """Map ``buffer`` for reading; return once it is mapped (see :func:`_wait`).
-
-    wgpu-py's ``map_sync`` for reading first submits an empty command buffer: a guard
-    for a buffer written through its own mapping and mapped again with no submit in
-    between, which reads zeros (wgpu-native#305, wgpu#5173). The bridge's read buffers
-    are only ever written by copies it has submitted before mapping, so it skips the
-    guard ("READ_NOSYNC"; plain ``map_sync`` where wgpu-py refuses that mode).
-    :func:`_wait` polls without blocking: a blocking poll beside wgpu-py's poll thread
-    stalls steps.
-    """
-    global _nosync_reads
-    if _nosync_reads:
-        try:
-            promise = buffer.map_async("READ_NOSYNC")
-        except (KeyError, ValueError, TypeError):  # an unknown mode: checked before mapping
-            _nosync_reads = False
-        else:
-            _wait(promise, device, spin_s)
-            return
-    buffer.map_sync(import_wgpu().MapMode.READ)
-
-
-def _wait(promise: Any, device: Any, spin_s: float) -> None:
-    """Wait for a wgpu-py promise, first polling ``device`` from this thread without
-    blocking for up to ``spin_s`` seconds.
-
-    wgpu-py resolves promises from a per-device thread that blocks in the driver until
-    the GPU finishes, then wakes the waiting thread, which is slower for short round
-    trips than polling from here. Polling burns this core meanwhile, so the spin is
-    bounded, and off (``spin_s`` 0) on CPU adapters, whose "GPU" work runs on the
-    cores it would take.
-    ``device._poll`` and ``promise._state`` are wgpu-py's internals: without them
-    this is a plain wait. ``_poll()`` does not block: wgpu-py 0.27-0.28 take no
-    argument, 0.29 on a ``block`` that defaults to False.
-    """
-    poll = getattr(device, "_poll", None)
-    if spin_s > 0 and poll is not None and getattr(promise, "_state", None) == "pending":
-        deadline = time.perf_counter() + spin_s
-        while promise._state == "pending" and time.perf_counter() < deadline:
-            poll()
-    promise.sync_wait()
-
-
-# Whether this wgpu-py takes map_async("READ_NOSYNC"); cleared at the first refusal.
-_nosync_reads = True
-
-
-def _adapter_type(device: Any) -> str | None:
-    """``device``'s adapter type ("DiscreteGPU", "CPU"...), None where unknown."""
-    try:
-        return str(device.adapter.info["adapter_type"])
-    except (AttributeError, KeyError, TypeError):
-        return None
-
-
-def _round_up(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
-
-
-def _check_types(buffers: Sequence[Any]) -> None:
-    """Raise InvalidGradsError naming the first of ``buffers`` that is no GPUBuffer."""
-    gpu_buffer = import_wgpu().GPUBuffer
-    for i, buf in enumerate(buffers):
-        if not isinstance(buf, gpu_buffer):
-            raise InvalidGradsError(
-                f"param {i} is a {type(buf).__name__}, not a wgpu GPUBuffer (numpy "
-                "arrays are averaged with device=None)"
-            )
-
-
-def _describe(index: int, buffer: Any) -> str:
-    label = getattr(buffer, "label", "") or ""
-    return f"param {index} (label {label!r})" if label else f"param {index}"
-
-
-def _check_dtype(dtype: npt.DTypeLike, where: str) -> np.dtype[Any]:
-    try:
-        dt = np.dtype(dtype)
-    except TypeError as exc:
-        raise InvalidGradsError(
-            f"{where}: {dtype!r} is not a numpy dtype; supported: float16, float32, float64"
-        ) from exc
-    # isnative first: newbyteorder raises TypeError for new-style dtypes (StringDType).
-    if not dt.isnative or dt not in SUPPORTED_DTYPES:
-        raise InvalidGradsError(
-            f"{where}: unsupported dtype {dt}; supported: float16, float32, float64 "
-            "(native byte order)"
-        )
-    return dt
-
-
-def _dtype_spec(dtype: object) -> object:
-    """``dtype`` as :meth:`WgpuBridge._resolve` compares it with the last call's: a list
-    by value (the caller may have changed it since), and None as float32, its meaning
-    here. numpy reads None as float64, so np.dtype("f8") == None: compared as given, a
-    None after a float64 (or the reverse) would reuse the other's dtypes."""
-    if isinstance(dtype, list | tuple):
-        return tuple(np.float32 if d is None else d for d in dtype)
-    return np.float32 if dtype is None else dtype
-
-
-def resolve_dtypes(
-    buffers: Sequence[wgpu.GPUBuffer],
-    dtype: npt.DTypeLike | Sequence[npt.DTypeLike] = np.float32,
-) -> list[np.dtype[Any]]:
-    """Return one numpy dtype per buffer.
-
-    Args:
-        buffers: The gradient buffers.
-        dtype: One dtype for all buffers (float32 by default; float16 and float64 are
-            also supported) or a sequence with one dtype per buffer; None is float32.
-
-    Raises:
-        InvalidGradsError: naming the param index (and label) for an unsupported
-            dtype, a dtype count that differs from the buffer count, or a buffer size
-            in bytes that is not a whole number of elements.
-    """
-    if isinstance(dtype, Sequence) and not isinstance(dtype, (str, bytes)):
-        if len(dtype) != len(buffers):
-            raise InvalidGradsError(
-                f"got {len(dtype)} dtypes for {len(buffers)} buffers; pass one dtype "
-                "or one per buffer"
-            )
-        raw: list[npt.DTypeLike] = list(dtype)
-    else:
-        raw = [dtype] * len(buffers)
-    # None means the default, float32, everywhere (numpy would read it as float64).
-    raw = [np.float32 if d is None else d for d in raw]
-    out: list[np.dtype[Any]] = []
-    for i, (buf, dt_like) in enumerate(zip(buffers, raw, strict=True)):
-        # The common case without building the param's description (see _check_dtype).
-        dt = _NATIVE.get(dt_like) if isinstance(dt_like, Hashable) else None
-        if dt is None:
-            dt = _check_dtype(dt_like, _describe(i, buf))
-        size = int(buf.size)
-        if size % dt.itemsize:
-            raise InvalidGradsError(
-                f"{_describe(i, buf)}: buffer size {size} bytes is not a whole number of "
-                f"{dt} elements ({dt.itemsize} bytes each)"
-            )
-        out.append(dt)
-    return out
-
-
-# -- error translation ------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def wgpu_errors(what: str) -> Iterator[None]:
-    """The one place where wgpu exceptions become gradsync errors."""
-    wgpu = import_wgpu()
-
-    try:
-        yield
-    except GradSyncError:
-        raise
-    except (wgpu.GPUError, RuntimeError) as exc:
-        raise WgpuBridgeError(f"wgpu failed while {what}: {exc}") from exc
-
-
 # -- the bridge -------------------------------------------------------------------
-
-
-@dataclass
-class _Chunk:
-    """One staging buffer (and its host mirror) holding a run of params."""
-
-    nbytes: int
-    host: npt.NDArray[np.uint8]
-    read: Any = None  # MAP_READ | COPY_DST, created lazily by download()
-    write: Any = None  # MAP_WRITE | COPY_SRC, kept mapped while idle
-    remap: Any = None  # the promise of write's mapping, asked for after an upload
-
-
-@dataclass
-class _Layout:
-    key: tuple[tuple[int, int, str], ...]
-    slots: list[tuple[int, int, int]]  # (chunk, byte offset, copy size) per param
-    chunks: list[_Chunk]
-    views: list[npt.NDArray[Any]]
-    # The buffer objects and the dtype list it was last asked for (see _get_layout).
-    buffers: tuple[Any, ...] = ()
-    dtypes: object = None
-
-    @functools.cached_property
-    def host_layout(self) -> tuple[tuple[str, tuple[int]], ...]:
-        """``(dtype str, (elements,))`` per param, as gradsync's layouts are written."""
-        return tuple((v.dtype.str, (v.size,)) for v in self.views)
-
-    def writes(
-        self, pieces: Sequence[tuple[int, int, npt.NDArray[Any]]]
-    ) -> list[tuple[int, int, npt.NDArray[Any]]]:
-        """``(param, first element, elements)`` pieces as ``(chunk, byte offset, elements)``
-        in the staging buffers."""
-        out = []
-        for param, start, src in pieces:
-            c, off, _ = self.slots[param]
-            out.append((c, off + start * src.itemsize, src))
-        return out
 
 
 class WgpuBridge:
@@ -317,15 +92,15 @@ class WgpuBridge:
         self._device = device
         self._workers = Workers(1)
         self.threads = threads
-        self._layout: _Layout | None = None
+        self._layout: StagingLayout | None = None
         # The last buffer set, the dtype argument it came with, and its dtypes.
         self._resolved: tuple[tuple[Any, ...], object, list[np.dtype[Any]]] | None = None
         self._max_buffer_size = int(device.limits.get("max-buffer-size", 1 << 28))
         self._fence_src: Any = None
         self._fence_dst: Any = None
         self._closed = False
-        # How long a wait for the GPU polls from this thread first (see _wait).
-        self._spin_s = 0.0 if _adapter_type(device) == "CPU" else SPIN_S
+        # How long a wait for the GPU polls from this thread first (see wait_for).
+        self._spin_s = 0.0 if adapter_type(device) == "CPU" else SPIN_S
         # How upload() copies ("mapped" or "write_buffer"; a step's upload chooses per
         # call, see DIRECT_MAX_BYTES). "mapped" (one persistent MAP_WRITE buffer, kept
         # mapped while idle, then one encoder of copies) measured 4x faster than
@@ -357,60 +132,13 @@ class WgpuBridge:
         self, buffers: Sequence[Any], usage: int, flag: str, *, probe: bool = True
     ) -> None:
         for i, buf in enumerate(buffers):
-            problem = self._problem(buf, usage, flag)
+            problem = buffer_problem(self._device, self._max_buffer_size, buf, usage, flag)
             if problem is not None:
                 # Named only here: a description per buffer per step is a visible cost
                 # with hundreds of buffers.
-                raise InvalidGradsError(f"{_describe(i, buf)}: {problem}")
+                raise InvalidGradsError(f"{describe(i, buf)}: {problem}")
             if probe:
-                self._check_alive(i, buf)
-
-    def _problem(self, buf: Any, usage: int, flag: str) -> str | None:
-        """What makes ``buf`` unusable here (short of being destroyed), or None."""
-        if getattr(buf, "_device", self._device) is not self._device:
-            return "buffer belongs to another GPUDevice than the bridge's"
-        if not int(buf.usage) & usage:
-            return f"buffer usage lacks {flag}; create it with usage=... | wgpu.BufferUsage.{flag}"
-        size = int(buf.size)
-        if size > self._max_buffer_size:
-            return (
-                f"buffer size {size} bytes exceeds the device's "
-                f"max-buffer-size limit {self._max_buffer_size}"
-            )
-        if size % COPY_BUFFER_ALIGNMENT:
-            return (
-                f"buffer size {size} bytes is not a multiple of 4; wgpu copies whole 4-byte "
-                "words, so allocate the buffer with its size rounded up to "
-                f"{_round_up(size, COPY_BUFFER_ALIGNMENT)} bytes"
-            )
-        if str(buf.map_state) != "unmapped":
-            return f"buffer is {buf.map_state}; unmap it before syncing"
-        return None
-
-    def _check_alive(self, index: int, buf: Any) -> None:
-        # Submitting a destroyed buffer aborts the whole process in wgpu-native 0.32
-        # (a Rust panic in wgpuQueueSubmit), and wgpu-py keeps no "destroyed" flag.
-        # A 1-byte write_buffer is checked for destruction and device before its
-        # alignment, and is always rejected for alignment, so it never writes.
-        wgpu = import_wgpu()
-
-        try:
-            self._device.queue.write_buffer(buf, 0, _PROBE)
-        except wgpu.GPUValidationError as exc:
-            msg = str(exc)
-            if "destroyed" in msg:
-                raise InvalidGradsError(
-                    f"{_describe(index, buf)}: buffer has been destroyed"
-                ) from exc
-            if "match" in msg and "Device" in msg:
-                raise InvalidGradsError(
-                    f"{_describe(index, buf)}: buffer belongs to another GPUDevice "
-                    "than the bridge's"
-                ) from exc
-        except ValueError:
-            # wgpu-py's own range check: an empty buffer, which is never submitted (a
-            # destroyed one would abort the process) as it has nothing to copy.
-            pass
+                check_alive(self._device, i, buf)
 
     # -- layout --------------------------------------------------------------------
 
@@ -430,7 +158,7 @@ class WgpuBridge:
                 f"grads must be a list or tuple of wgpu GPUBuffers, got {type(buffers).__name__}"
             )
         key = tuple(buffers)
-        spec = _dtype_spec(dtype)
+        spec = dtype_spec(dtype)
         memo = self._resolved
         # Buffers by identity: == would compare a numpy array (or a tensor) passed by
         # mistake element-wise, and its truth value raises ValueError.
@@ -444,12 +172,12 @@ class WgpuBridge:
                     return memo[2]
             except (TypeError, ValueError):
                 pass  # not comparable: resolved again below, and refused there if bad
-        _check_types(buffers)
+        check_types(buffers)
         dtypes = resolve_dtypes(buffers, dtype)
         self._resolved = (key, spec, dtypes)
         return dtypes
 
-    def _get_layout(self, buffers: Sequence[Any], dtypes: Sequence[np.dtype[Any]]) -> _Layout:
+    def _get_layout(self, buffers: Sequence[Any], dtypes: Sequence[np.dtype[Any]]) -> StagingLayout:
         layout = self._layout
         # Per step, the same buffers and the list _resolve() returned: no key to build
         # (a few us a buffer with hundreds of them).
@@ -462,24 +190,7 @@ class WgpuBridge:
             layout.buffers, layout.dtypes = tuple(buffers), dtypes
             return layout
         self._destroy_staging()
-        slots: list[tuple[int, int, int]] = []
-        sizes: list[int] = []
-        offset = end = 0
-        for b in buffers:
-            size = int(b.size)
-            if offset and offset + size > self._max_buffer_size:
-                sizes.append(end)  # not rounded up: a chunk may end at the limit itself
-                offset = 0
-            slots.append((len(sizes), offset, size))
-            end = offset + size
-            offset = _round_up(end, _SLOT_ALIGNMENT)
-        sizes.append(max(end, _SLOT_ALIGNMENT))
-        chunks = [_Chunk(n, np.empty(n, np.uint8)) for n in sizes]
-        views = [
-            chunks[c].host[off : off + size].view(dt)
-            for (c, off, size), dt in zip(slots, dtypes, strict=True)
-        ]
-        self._layout = _Layout(key, slots, chunks, views, tuple(buffers), dtypes)
+        self._layout = StagingLayout.build(key, buffers, dtypes, self._max_buffer_size)
         return self._layout
 
     def _destroy_staging(self) -> None:
@@ -492,7 +203,7 @@ class WgpuBridge:
             ch.remap = None
             for buf in (ch.read, ch.write):
                 if buf is not None:
-                    _release(buf)
+                    release(buf)
         self._layout = None
 
     # -- public API ----------------------------------------------------------------
@@ -525,20 +236,7 @@ class WgpuBridge:
             dtypes = list(dtypes)  # dict values, a numpy array of dtypes: one per buffer
         dts = self._resolve(buffers, dtypes)
         if into is not None:
-            if len(into) != len(buffers):
-                raise InvalidGradsError(
-                    f"got {len(into)} arrays to fill for {len(buffers)} buffers"
-                )
-            for i, (dst, dt, buf) in enumerate(zip(into, dts, buffers, strict=True)):
-                if (
-                    dst.dtype != dt
-                    or dst.nbytes != int(buf.size)
-                    or not (dst.flags.c_contiguous and dst.flags.writeable)
-                ):
-                    raise InvalidGradsError(
-                        f"{_describe(i, buf)}: into[{i}] is {dst.shape} {dst.dtype}, not a "
-                        f"writeable, contiguous array of {int(buf.size)} bytes of {dt}"
-                    )
+            check_into(buffers, dts, into)
         return self._download(buffers, dts, into)
 
     def _download(
@@ -555,7 +253,7 @@ class WgpuBridge:
             InvalidGradsError, WgpuBridgeError: as :meth:`download`.
         """
         self._check_open()
-        self._check_buffers(buffers, _COPY_SRC, "COPY_SRC")
+        self._check_buffers(buffers, COPY_SRC, "COPY_SRC")
         layout = self._get_layout(buffers, dtypes)
         wgpu = import_wgpu()
 
@@ -573,7 +271,7 @@ class WgpuBridge:
                     enc.copy_buffer_to_buffer(buf, 0, layout.chunks[c].read, off, size)
             self._device.queue.submit([enc.finish()])
             for c, ch in enumerate(layout.chunks):
-                _map_for_reading(ch.read, self._device, self._spin_s)
+                map_for_reading(ch.read, self._device, self._spin_s)
                 try:
                     mapped = np.frombuffer(ch.read.read_mapped(0, ch.nbytes, copy=False), np.uint8)
                     if into is None:
@@ -604,22 +302,8 @@ class WgpuBridge:
             WgpuBridgeError: wgpu failed while copying.
         """
         self._check_open()
-        if len(arrays) != len(buffers):
-            raise InvalidGradsError(f"got {len(arrays)} arrays for {len(buffers)} buffers")
-        # Before buffer.size is read: a numpy array has one too (in elements).
-        _check_types(buffers)
-        host: list[npt.NDArray[Any]] = []
-        for i, (buf, arr) in enumerate(zip(buffers, arrays, strict=True)):
-            a = np.asarray(arr)
-            where = _describe(i, buf)
-            _check_dtype(a.dtype, where)
-            if a.nbytes != int(buf.size):
-                raise InvalidGradsError(
-                    f"{where}: array has {a.nbytes} bytes ({a.size} x {a.dtype}) but the "
-                    f"buffer has {int(buf.size)} bytes"
-                )
-            host.append(np.ascontiguousarray(a).reshape(-1))
-        self._check_buffers(buffers, _COPY_DST, "COPY_DST")
+        host = upload_sources(buffers, arrays)
+        self._check_buffers(buffers, COPY_DST, "COPY_DST")
         with wgpu_errors("uploading gradients"):
             if self.upload_mode == "mapped":
                 layout = self._get_layout(buffers, [a.dtype for a in host])
@@ -638,7 +322,7 @@ class WgpuBridge:
         Raises:
             InvalidGradsError: as :meth:`upload`.
         """
-        self._check_buffers(buffers, _COPY_DST, "COPY_DST", probe=False)
+        self._check_buffers(buffers, COPY_DST, "COPY_DST", probe=False)
 
     def _check_without_copying(self, buffers: Sequence[wgpu.GPUBuffer]) -> None:
         """Check ``buffers`` as a step's download and upload would (a job of one rank
@@ -647,7 +331,7 @@ class WgpuBridge:
         Raises:
             InvalidGradsError: as :meth:`download` and :meth:`upload`.
         """
-        self._check_buffers(buffers, _COPY_SRC, "COPY_SRC")
+        self._check_buffers(buffers, COPY_SRC, "COPY_SRC")
         self._check_upload_target(buffers)
 
     def _upload_pieces(
@@ -684,7 +368,7 @@ class WgpuBridge:
     def _upload_mapped(
         self,
         buffers: Sequence[Any],
-        layout: _Layout,
+        layout: StagingLayout,
         writes: Sequence[tuple[int, int, npt.NDArray[Any]]],
         *,
         wait: bool = True,
@@ -705,10 +389,10 @@ class WgpuBridge:
                 )
             if ch.remap is not None:
                 remap, ch.remap = ch.remap, None
-                _wait(remap, self._device, self._spin_s)
+                wait_for(remap, self._device, self._spin_s)
             if str(ch.write.map_state) != "mapped":
                 ch.write.map_sync(wgpu.MapMode.WRITE)
-        self._write_staging(layout, writes)
+        write_staging(layout, writes, self._workers)
         for ch in layout.chunks:
             ch.write.unmap()
         enc = self._device.create_command_encoder(label="gradsync-upload")
@@ -724,32 +408,6 @@ class WgpuBridge:
                 ch.write.map_sync(wgpu.MapMode.WRITE)
             else:
                 ch.remap = ch.write.map_async(wgpu.MapMode.WRITE)
-
-    def _write_staging(
-        self, layout: _Layout, writes: Sequence[tuple[int, int, npt.NDArray[Any]]]
-    ) -> None:
-        """Copy ``writes`` into the mapped upload buffers: straight into the mappings, on
-        the bridge's threads, where wgpu-py gives a writable view of them; otherwise
-        into the host mirrors first, then one ``write_mapped`` a chunk."""
-        mapped = [_writable_mapping(ch.write, ch.nbytes) for ch in layout.chunks]
-        targets = [m for m in mapped if m is not None]
-        direct = len(targets) == len(mapped)
-        if not direct:
-            targets = [ch.host for ch in layout.chunks]
-        try:
-            self._workers.copy(
-                [
-                    (targets[c][off : off + src.nbytes], src.reshape(-1).view(np.uint8))
-                    for c, off, src in writes
-                    if src.nbytes
-                ]
-            )
-        finally:
-            # No numpy view of mapped memory may outlive unmap().
-            del mapped, targets
-        if not direct:
-            for ch in layout.chunks:
-                ch.write.write_mapped(ch.host, 0)
 
     def _fence(self) -> None:
         # queue.on_submitted_work_done_sync() raises a cffi TypeError in wgpu-py 0.32;
@@ -768,7 +426,7 @@ class WgpuBridge:
         enc = self._device.create_command_encoder(label="gradsync-fence")
         enc.copy_buffer_to_buffer(self._fence_src, 0, self._fence_dst, 0, 8)
         self._device.queue.submit([enc.finish()])
-        _map_for_reading(self._fence_dst, self._device, self._spin_s)
+        map_for_reading(self._fence_dst, self._device, self._spin_s)
         self._fence_dst.unmap()
 
     def _check_open(self) -> None:
@@ -785,7 +443,7 @@ class WgpuBridge:
         self._workers.close()
         for buf in (self._fence_src, self._fence_dst):
             if buf is not None:
-                _release(buf)
+                release(buf)
         self._fence_src = self._fence_dst = None
 
     def __enter__(self) -> WgpuBridge:
@@ -793,15 +451,3 @@ class WgpuBridge:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_PROBE = np.zeros(1, np.uint8)
-
-
-def _release(buf: Any) -> None:
-    """Unmap and destroy a buffer of the bridge's own, on a lost device too."""
-    with contextlib.suppress(Exception):  # a lost device: wgpu errors, nothing to free
-        if str(buf.map_state) == "mapped":
-            buf.unmap()
-    with contextlib.suppress(Exception):
-        buf.destroy()
