@@ -469,8 +469,8 @@ def test_failing_rank_stops_peers_and_is_summarized() -> None:
     assert not sync_dir.exists()  # removed after a failure too
     assert "gradsync launch: rank 1 failed first: exit code 3 (local rank 1, pid " in err
     assert (
-        "gradsync launch: other ranks: rank 0: killed by SIGTERM (stopped by the launcher); "
-        "rank 2: killed by SIGTERM (stopped by the launcher)\n"
+        "gradsync launch: other ranks: rank 0: stopped by the launcher (SIGTERM); "
+        "rank 2: stopped by the launcher (SIGTERM)\n"
     ) in err
     tail = "".join(f"    err line {i}\n" for i in range(2, 12))
     assert f"gradsync launch: last 10 lines of rank 1's stderr:\n{tail}" in err
@@ -539,6 +539,43 @@ def test_the_summary_names_an_exception_only_if_the_rank_died_of_it(
     assert raised == (expected or ""), err
 
 
+def test_a_gradsync_error_heads_the_summary_whole_and_its_frames_are_hidden_below(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 stops averaging; rank 0 times out waiting for it, its message naming a
+    # step directory deep in a long sync dir: well over 200 characters.
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import time\n"
+        "import numpy as np\n"
+        "import gradsync\n"
+        "cfg = gradsync.FileGradSyncConfig.from_env()\n"
+        "for step in range(2):\n"
+        "    if cfg.rank == 1 and step == 1:\n"
+        "        time.sleep(30)\n"
+        "    gradsync.average_grads_file_sync([np.ones(4)], None, cfg, step)\n"
+    )
+    sync_dir = tmp_path / ("d" * 150)
+    code, _, err, _ = run_launch(
+        ["--nproc", "2", "--max-wait-s", "1", "--sync-dir", str(sync_dir), str(script)]
+    )
+    assert code == 1, err
+    raised = re.search(r"^\[rank 0\] (gradsync\._errors\.PeerTimeoutError: .*)$", err, re.M)
+    assert raised is not None, err
+    assert len(raised[1]) > 300
+    assert "rank 0 failed first: exit code 1 (local rank 0, pid " in err
+    assert f"), raising {raised[1]}\n" in err  # whole
+    assert "gradsync launch: other ranks: rank 1: stopped by the launcher (SIGTERM)\n" in err
+    # The rank's own output keeps every frame; the excerpt keeps the user's.
+    assert re.search(r'^\[rank 0\]   File ".*/gradsync/_api\.py", line \d+', err, re.M)
+    excerpt = err.split("lines of rank 0's stderr:\n")[1].splitlines()
+    assert excerpt[0] == "    Traceback (most recent call last):", err
+    assert excerpt[1] == f'      File "{script}", line 8, in <module>'
+    assert excerpt[2] == "        gradsync.average_grads_file_sync([np.ones(4)], None, cfg, step)"
+    assert re.fullmatch(r"      \(\d+ gradsync frames hidden\)", excerpt[3]), err
+    assert excerpt[4:] == [f"    {raised[1]}"]
+
+
 def test_rank_killed_by_signal_is_reported_with_its_name() -> None:
     code, _, err, seconds = run_launch(["--nproc", "2", str(SCRIPTS / "fail.py"), "sigkill"])
     assert code == 128 + signal.SIGKILL
@@ -589,12 +626,17 @@ def test_the_group_of_a_rank_long_gone_is_never_signalled(
     assert [s for p, s in sent if p == pid and s != 0] == []
 
 
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "not-yet-reaped"])
 def test_a_rank_that_failed_on_its_own_as_stopping_began_is_not_called_stopped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    reaped: bool,
 ) -> None:
     # Rank 1 fails at once, but its exit reaches the launcher's loop only after rank 0's
-    # (the order in which two exits of one moment are queued): by then it has exited,
-    # so the summary must not say that the launcher stopped it.
+    # (the order in which two exits of one moment are queued), or its waiter thread has
+    # not even reaped it yet: it has exited all the same, so the launcher must neither
+    # count it as still running nor say that it stopped it.
     script = tmp_path / "both_fail.py"
     script.write_text(
         "import os, sys, time\n"
@@ -607,13 +649,15 @@ def test_a_rank_that_failed_on_its_own_as_stopping_began_is_not_called_stopped(
 
     def late_news_of_rank_1(self: Any, index: int, proc: subprocess.Popen[bytes]) -> None:
         if index == 1:
-            proc.wait()
+            if reaped:
+                proc.wait()
             time.sleep(1.5)
         real_wait(self, index, proc)
 
     monkeypatch.setattr(_launch._Job, "_wait", late_news_of_rank_1)
     assert main(["launch", "--nproc", "2", "--grace-period-s", "5", str(script)]) == 3
     err = capsys.readouterr().err
+    assert "WARNING: rank 0 failed (exit code 3); no other rank is still running\n" in err
     assert "gradsync launch: rank 0 failed first: exit code 3" in err
     assert "gradsync launch: other ranks: rank 1: exit code 4\n" in err
 
