@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -79,6 +80,14 @@ def wait_for_files(directory: Path, names: list[str], proc: subprocess.Popen[str
         time.sleep(0.02)
 
 
+def unannounced(err: str) -> str:
+    """``err`` less its first line, where the launcher says which sync dir it made."""
+    first, _, rest = err.partition("\n")
+    announced = r"gradsync launch: sync dir (\S+) \(run id \w+, \d+ ranks?\); see it with: "
+    assert re.fullmatch(announced + r"gradsync status \1", first), err
+    return rest
+
+
 def assert_gone(pid: int) -> None:
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
@@ -101,7 +110,7 @@ def test_env_vars_argv_and_exit_code_0() -> None:
             "x y",
         ]
     )
-    assert (code, err) == (0, "")
+    assert code == 0
     reports = env_reports(out)
     assert sorted(reports) == ["[rank 0]", "[rank 1]", "[rank 2]"]
     run_ids = {r["env"]["GRADSYNC_RUN_ID"] for r in reports.values()}
@@ -110,6 +119,11 @@ def test_env_vars_argv_and_exit_code_0() -> None:
     assert len(sync_dirs) == 1
     (run_id,) = run_ids
     (sync_dir,) = sync_dirs
+    # The one line the launcher writes: where the sync dir it made is.
+    assert err == (
+        f"gradsync launch: sync dir {sync_dir} (run id {run_id}, 3 ranks); "
+        f"see it with: gradsync status {sync_dir}\n"
+    )
     assert isinstance(run_id, str)
     assert len(run_id) == 16
     int(run_id, 16)
@@ -143,7 +157,7 @@ def test_dash_dash_before_script_and_module_flag() -> None:
     code, out, err, _ = run_launch(
         ["--nproc", "1", "-m", "--", "print_env", "-m", "--nproc"], cwd=SCRIPTS
     )
-    assert (code, err) == (0, "")
+    assert (code, unannounced(err)) == (0, "")
     assert env_reports(out)["[rank 0]"]["argv"] == ["-m", "--nproc"]
 
 
@@ -202,7 +216,7 @@ def test_output_prefixed_streams_apart_partial_lines_and_bad_bytes() -> None:
             f"[rank {rank}] err partial of rank {rank}",
         ]
     assert len(out.splitlines()) == 8
-    assert len(err.splitlines()) == 4
+    assert len(unannounced(err).splitlines()) == 4
 
 
 # ---------------------------------------------------------------------------- sync dir
@@ -218,6 +232,35 @@ def test_default_sync_dir_exists_during_run_and_is_removed_after() -> None:
         assert sync_dir.parent == Path("/dev/shm")
     assert sync_dir.name.startswith("gradsync-")
     assert not sync_dir.exists()
+
+
+def test_gradsync_status_without_a_dir_shows_the_jobs_of_default_sync_dirs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The launcher says where the directory it made is, and `gradsync status` finds it.
+    with launcher(["--nproc", "2", str(SCRIPTS / "average_forever.py"), str(tmp_path)]) as proc:
+        assert proc.stderr is not None
+        assert select.select([proc.stderr], [], [], TIMEOUT_S)[0], "the launcher said nothing"
+        said = re.fullmatch(
+            r"gradsync launch: sync dir (\S+) \(run id (\w+), 2 ranks\); "
+            r"see it with: gradsync status (\S+)\n",
+            proc.stderr.readline(),
+        )
+        assert said is not None
+        assert said[1] == said[3]
+        wait_for_files(tmp_path, ["ready-0", "ready-1"], proc)
+        assert main(["status"]) == 0
+        text = capsys.readouterr().out
+        assert main(["status", "--json"]) == 0
+        reports = json.loads(capsys.readouterr().out)
+    shown = re.search(rf"^{re.escape(said[1])}: 1 job\(s\).*?(?=\n\n|\Z)", text, re.M | re.S)
+    assert shown is not None, text
+    assert f"(run id '{said[2]}'): running" in shown[0]
+    for rank in (0, 1):
+        pid = (tmp_path / f"ready-{rank}").read_text()
+        assert re.search(rf"rank {rank}: pid {pid} on \S+, alive", shown[0]), shown[0]
+    (report,) = [r for r in reports if r["sync_dir"] == said[1]]
+    assert [job["run_id"] for job in report["jobs"]] == [said[2]]
 
 
 def test_a_sync_dir_under_home_given_with_equals_is_expanded(tmp_path: Path) -> None:
@@ -394,7 +437,7 @@ def _output_around_a_pause(tmp_path: Path, before: str, after: str) -> tuple[byt
     )
     go = tmp_path / "go"
     proc = subprocess.Popen(
-        [*LAUNCH, "--nproc", "1", str(script), str(go)],
+        [*LAUNCH, "--nproc", "1", "--sync-dir", str(tmp_path / "sync"), str(script), str(go)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -729,7 +772,7 @@ def test_the_ranks_of_a_launcher_killed_with_sigkill_are_stopped(
         start = time.monotonic()
         # The watchdog writes to the launcher's stderr: EOF once it is done.
         _, err = proc.communicate(timeout=TIMEOUT_S)
-    assert err == (
+    assert unannounced(err) == (
         f"gradsync launch: the launcher (pid {proc.pid}) ended without stopping its ranks; "
         "stopping ranks 0, 1 (SIGTERM, SIGKILL after 0.5 s)\n"
     )
@@ -866,7 +909,7 @@ def test_a_launch_that_ends_normally_leaves_no_watchdog(capsys: pytest.CaptureFi
     # In this process, as a library call: its watchdog must be told to go and be reaped,
     # not linger (or stop the next job's ranks) until this process exits.
     assert main(["launch", "--nproc", "1", str(SCRIPTS / "print_env.py")]) == 0
-    assert capsys.readouterr().err == ""
+    assert unannounced(capsys.readouterr().err) == ""
     ours = f"_watchdog.py\0{os.getpid()}\0".encode()
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         with contextlib.suppress(OSError):

@@ -27,10 +27,11 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+from ._defaultdir import DEFAULT_PREFIX, default_base
 from ._errors import ConfigError
 from ._fsio import DIR_MODE
 from ._reaping import leave_for_ended, remove_dead_jobs
-from ._report import Tail, failure_summary, stopped_by_launcher
+from ._report import Tail, announce, failure_summary, stopped_by_launcher
 from ._report import describe as _describe
 from ._report import signal_name as _signal_name
 from ._transport import filesystem_type, local_filesystem
@@ -131,6 +132,7 @@ def launch(
         if sync_dir is None:
             own_dir = _make_default_sync_dir(run_id)
             directory = own_dir
+            announce(directory, run_id, nproc)
         else:
             directory = _prepare_sync_dir(sync_dir)
         if nnodes > 1 and local_filesystem(directory):
@@ -257,10 +259,7 @@ def _check_seconds(name: str, value: object, *, allow_zero: bool) -> None:
 
 def _make_default_sync_dir(run_id: str) -> Path:
     """Create a fresh private directory on tmpfs if possible, else in the temp dir."""
-    shm = "/dev/shm"
-    usable = os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK)
-    base = shm if usable else tempfile.gettempdir()
-    return Path(tempfile.mkdtemp(prefix=f"gradsync-{run_id}-", dir=base))
+    return Path(tempfile.mkdtemp(prefix=f"{DEFAULT_PREFIX}{run_id}-", dir=default_base()))
 
 
 def _prepare_sync_dir(sync_dir: str | os.PathLike[str]) -> Path:

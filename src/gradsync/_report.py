@@ -1,18 +1,21 @@
-"""What ``gradsync launch`` tells its user of a failed job: the failing rank's exception,
-how each rank ended, its last stderr lines."""
+"""What ``gradsync launch`` tells its user: where the job's sync dir is, and how a failed
+job ended (the failing rank's exception, how each rank ended, its last stderr lines)."""
 
 from __future__ import annotations
 
 import collections
 import re
+import shlex
 import signal
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 from ._errors import clip
 
-__all__ = ["Tail", "describe", "failure_summary", "signal_name", "stopped_by_launcher"]
+__all__ = ["Tail", "announce", "describe", "failure_summary", "signal_name", "stopped_by_launcher"]
 
 _TAIL_LINES = 10  # lines of the failing rank's stderr shown in the failure summary
 # How soon after its traceback a rank must end for the exception to count as what
@@ -45,6 +48,17 @@ def stopped_by_launcher(stopped: bool, returncode: int) -> bool:
     """Whether the launcher's signal ended a rank: it was running when the launcher
     began stopping the job and died of SIGTERM or SIGKILL (an exit code is its own)."""
     return stopped and returncode in (-signal.SIGTERM, -signal.SIGKILL)
+
+
+def announce(directory: Path, run_id: str, nproc: int) -> None:
+    """Say once, at start, where the sync dir the launcher made is and how to look in it."""
+    print(
+        f"gradsync launch: sync dir {directory} (run id {run_id}, {nproc} "
+        f"rank{'s' if nproc != 1 else ''}); see it with: "
+        f"gradsync status {shlex.quote(str(directory))}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _indent(line: str) -> int:
