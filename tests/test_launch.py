@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -79,6 +80,14 @@ def wait_for_files(directory: Path, names: list[str], proc: subprocess.Popen[str
         time.sleep(0.02)
 
 
+def unannounced(err: str) -> str:
+    """``err`` less its first line, where the launcher says which sync dir it made."""
+    first, _, rest = err.partition("\n")
+    announced = r"gradsync launch: sync dir (\S+) \(run id \w+, \d+ ranks?\); see it with: "
+    assert re.fullmatch(announced + r"gradsync status \1", first), err
+    return rest
+
+
 def assert_gone(pid: int) -> None:
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
@@ -101,7 +110,7 @@ def test_env_vars_argv_and_exit_code_0() -> None:
             "x y",
         ]
     )
-    assert (code, err) == (0, "")
+    assert code == 0
     reports = env_reports(out)
     assert sorted(reports) == ["[rank 0]", "[rank 1]", "[rank 2]"]
     run_ids = {r["env"]["GRADSYNC_RUN_ID"] for r in reports.values()}
@@ -110,6 +119,11 @@ def test_env_vars_argv_and_exit_code_0() -> None:
     assert len(sync_dirs) == 1
     (run_id,) = run_ids
     (sync_dir,) = sync_dirs
+    # The one line the launcher writes: where the sync dir it made is.
+    assert err == (
+        f"gradsync launch: sync dir {sync_dir} (run id {run_id}, 3 ranks); "
+        f"see it with: gradsync status {sync_dir}\n"
+    )
     assert isinstance(run_id, str)
     assert len(run_id) == 16
     int(run_id, 16)
@@ -143,7 +157,7 @@ def test_dash_dash_before_script_and_module_flag() -> None:
     code, out, err, _ = run_launch(
         ["--nproc", "1", "-m", "--", "print_env", "-m", "--nproc"], cwd=SCRIPTS
     )
-    assert (code, err) == (0, "")
+    assert (code, unannounced(err)) == (0, "")
     assert env_reports(out)["[rank 0]"]["argv"] == ["-m", "--nproc"]
 
 
@@ -202,7 +216,7 @@ def test_output_prefixed_streams_apart_partial_lines_and_bad_bytes() -> None:
             f"[rank {rank}] err partial of rank {rank}",
         ]
     assert len(out.splitlines()) == 8
-    assert len(err.splitlines()) == 4
+    assert len(unannounced(err).splitlines()) == 4
 
 
 # ---------------------------------------------------------------------------- sync dir
@@ -218,6 +232,35 @@ def test_default_sync_dir_exists_during_run_and_is_removed_after() -> None:
         assert sync_dir.parent == Path("/dev/shm")
     assert sync_dir.name.startswith("gradsync-")
     assert not sync_dir.exists()
+
+
+def test_gradsync_status_without_a_dir_shows_the_jobs_of_default_sync_dirs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The launcher says where the directory it made is, and `gradsync status` finds it.
+    with launcher(["--nproc", "2", str(SCRIPTS / "average_forever.py"), str(tmp_path)]) as proc:
+        assert proc.stderr is not None
+        assert select.select([proc.stderr], [], [], TIMEOUT_S)[0], "the launcher said nothing"
+        said = re.fullmatch(
+            r"gradsync launch: sync dir (\S+) \(run id (\w+), 2 ranks\); "
+            r"see it with: gradsync status (\S+)\n",
+            proc.stderr.readline(),
+        )
+        assert said is not None
+        assert said[1] == said[3]
+        wait_for_files(tmp_path, ["ready-0", "ready-1"], proc)
+        assert main(["status"]) == 0
+        text = capsys.readouterr().out
+        assert main(["status", "--json"]) == 0
+        reports = json.loads(capsys.readouterr().out)
+    shown = re.search(rf"^{re.escape(said[1])}: 1 job\(s\).*?(?=\n\n|\Z)", text, re.M | re.S)
+    assert shown is not None, text
+    assert f"(run id '{said[2]}'): running" in shown[0]
+    for rank in (0, 1):
+        pid = (tmp_path / f"ready-{rank}").read_text()
+        assert re.search(rf"rank {rank}: pid {pid} on \S+, alive", shown[0]), shown[0]
+    (report,) = [r for r in reports if r["sync_dir"] == said[1]]
+    assert [job["run_id"] for job in report["jobs"]] == [said[2]]
 
 
 def test_a_sync_dir_under_home_given_with_equals_is_expanded(tmp_path: Path) -> None:
@@ -394,7 +437,7 @@ def _output_around_a_pause(tmp_path: Path, before: str, after: str) -> tuple[byt
     )
     go = tmp_path / "go"
     proc = subprocess.Popen(
-        [*LAUNCH, "--nproc", "1", str(script), str(go)],
+        [*LAUNCH, "--nproc", "1", "--sync-dir", str(tmp_path / "sync"), str(script), str(go)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -469,8 +512,8 @@ def test_failing_rank_stops_peers_and_is_summarized() -> None:
     assert not sync_dir.exists()  # removed after a failure too
     assert "gradsync launch: rank 1 failed first: exit code 3 (local rank 1, pid " in err
     assert (
-        "gradsync launch: other ranks: rank 0: killed by SIGTERM (stopped by the launcher); "
-        "rank 2: killed by SIGTERM (stopped by the launcher)\n"
+        "gradsync launch: other ranks: rank 0: stopped by the launcher (SIGTERM); "
+        "rank 2: stopped by the launcher (SIGTERM)\n"
     ) in err
     tail = "".join(f"    err line {i}\n" for i in range(2, 12))
     assert f"gradsync launch: last 10 lines of rank 1's stderr:\n{tail}" in err
@@ -539,6 +582,43 @@ def test_the_summary_names_an_exception_only_if_the_rank_died_of_it(
     assert raised == (expected or ""), err
 
 
+def test_a_gradsync_error_heads_the_summary_whole_and_its_frames_are_hidden_below(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 stops averaging; rank 0 times out waiting for it, its message naming a
+    # step directory deep in a long sync dir: well over 200 characters.
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import time\n"
+        "import numpy as np\n"
+        "import gradsync\n"
+        "cfg = gradsync.FileGradSyncConfig.from_env()\n"
+        "for step in range(2):\n"
+        "    if cfg.rank == 1 and step == 1:\n"
+        "        time.sleep(30)\n"
+        "    gradsync.average_grads_file_sync([np.ones(4)], None, cfg, step)\n"
+    )
+    sync_dir = tmp_path / ("d" * 150)
+    code, _, err, _ = run_launch(
+        ["--nproc", "2", "--max-wait-s", "1", "--sync-dir", str(sync_dir), str(script)]
+    )
+    assert code == 1, err
+    raised = re.search(r"^\[rank 0\] (gradsync\._errors\.PeerTimeoutError: .*)$", err, re.M)
+    assert raised is not None, err
+    assert len(raised[1]) > 300
+    assert "rank 0 failed first: exit code 1 (local rank 0, pid " in err
+    assert f"), raising {raised[1]}\n" in err  # whole
+    assert "gradsync launch: other ranks: rank 1: stopped by the launcher (SIGTERM)\n" in err
+    # The rank's own output keeps every frame; the excerpt keeps the user's.
+    assert re.search(r'^\[rank 0\]   File ".*/gradsync/_api\.py", line \d+', err, re.M)
+    excerpt = err.split("lines of rank 0's stderr:\n")[1].splitlines()
+    assert excerpt[0] == "    Traceback (most recent call last):", err
+    assert excerpt[1] == f'      File "{script}", line 8, in <module>'
+    assert excerpt[2] == "        gradsync.average_grads_file_sync([np.ones(4)], None, cfg, step)"
+    assert re.fullmatch(r"      \(\d+ gradsync frames hidden\)", excerpt[3]), err
+    assert excerpt[4:] == [f"    {raised[1]}"]
+
+
 def test_rank_killed_by_signal_is_reported_with_its_name() -> None:
     code, _, err, seconds = run_launch(["--nproc", "2", str(SCRIPTS / "fail.py"), "sigkill"])
     assert code == 128 + signal.SIGKILL
@@ -589,12 +669,17 @@ def test_the_group_of_a_rank_long_gone_is_never_signalled(
     assert [s for p, s in sent if p == pid and s != 0] == []
 
 
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "not-yet-reaped"])
 def test_a_rank_that_failed_on_its_own_as_stopping_began_is_not_called_stopped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    reaped: bool,
 ) -> None:
     # Rank 1 fails at once, but its exit reaches the launcher's loop only after rank 0's
-    # (the order in which two exits of one moment are queued): by then it has exited,
-    # so the summary must not say that the launcher stopped it.
+    # (the order in which two exits of one moment are queued), or its waiter thread has
+    # not even reaped it yet: it has exited all the same, so the launcher must neither
+    # count it as still running nor say that it stopped it.
     script = tmp_path / "both_fail.py"
     script.write_text(
         "import os, sys, time\n"
@@ -607,13 +692,15 @@ def test_a_rank_that_failed_on_its_own_as_stopping_began_is_not_called_stopped(
 
     def late_news_of_rank_1(self: Any, index: int, proc: subprocess.Popen[bytes]) -> None:
         if index == 1:
-            proc.wait()
+            if reaped:
+                proc.wait()
             time.sleep(1.5)
         real_wait(self, index, proc)
 
     monkeypatch.setattr(_launch._Job, "_wait", late_news_of_rank_1)
     assert main(["launch", "--nproc", "2", "--grace-period-s", "5", str(script)]) == 3
     err = capsys.readouterr().err
+    assert "WARNING: rank 0 failed (exit code 3); no other rank is still running\n" in err
     assert "gradsync launch: rank 0 failed first: exit code 3" in err
     assert "gradsync launch: other ranks: rank 1: exit code 4\n" in err
 
@@ -685,7 +772,7 @@ def test_the_ranks_of_a_launcher_killed_with_sigkill_are_stopped(
         start = time.monotonic()
         # The watchdog writes to the launcher's stderr: EOF once it is done.
         _, err = proc.communicate(timeout=TIMEOUT_S)
-    assert err == (
+    assert unannounced(err) == (
         f"gradsync launch: the launcher (pid {proc.pid}) ended without stopping its ranks; "
         "stopping ranks 0, 1 (SIGTERM, SIGKILL after 0.5 s)\n"
     )
@@ -822,7 +909,7 @@ def test_a_launch_that_ends_normally_leaves_no_watchdog(capsys: pytest.CaptureFi
     # In this process, as a library call: its watchdog must be told to go and be reaped,
     # not linger (or stop the next job's ranks) until this process exits.
     assert main(["launch", "--nproc", "1", str(SCRIPTS / "print_env.py")]) == 0
-    assert capsys.readouterr().err == ""
+    assert unannounced(capsys.readouterr().err) == ""
     ours = f"_watchdog.py\0{os.getpid()}\0".encode()
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         with contextlib.suppress(OSError):

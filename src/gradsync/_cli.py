@@ -99,9 +99,17 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     status = commands.add_parser(
         "status",
         help="show the state of a sync directory",
-        description="Show the state of the jobs in a sync directory.",
+        description="Show the state of the jobs in a sync directory, or in each of yours "
+        "that `gradsync launch` made.",
     )
-    status.add_argument("dir", type=Path, metavar="DIR", help="the sync directory")
+    status.add_argument(
+        "dir",
+        type=Path,
+        nargs="?",
+        metavar="DIR",
+        help="the sync directory (default: your sync dirs that `gradsync launch` made "
+        "without --sync-dir, in /dev/shm or the temp dir)",
+    )
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser, launch
 

@@ -7,7 +7,6 @@ signals with :func:`os.killpg`.
 from __future__ import annotations
 
 import codecs
-import collections
 import contextlib
 import logging
 import math
@@ -28,9 +27,13 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from ._errors import ConfigError, clip
+from ._defaultdir import DEFAULT_PREFIX, default_base
+from ._errors import ConfigError
 from ._fsio import DIR_MODE
 from ._reaping import leave_for_ended, remove_dead_jobs
+from ._report import Tail, announce, failure_summary, stopped_by_launcher
+from ._report import describe as _describe
+from ._report import signal_name as _signal_name
 from ._transport import filesystem_type, local_filesystem
 from ._watchdog import group_alive
 
@@ -41,10 +44,6 @@ logger = logging.getLogger("gradsync.launch")
 # Same rule as FileGradSyncConfig.run_id; checked here so a bad id fails before any rank starts.
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_TAIL_LINES = 10  # lines of the failing rank's stderr shown in the failure summary
-# How soon after its traceback a rank must end for the exception to count as what
-# ended it (at exit, sessions close and logging flushes first).
-_AFTER_TRACEBACK_S = 2.0
 _MAX_LINE_BYTES = 64 * 1024  # longer lines are split, so one rank cannot exhaust memory
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _POLL_S = 0.05  # how often the supervisor looks at launcher signals and deadlines
@@ -133,6 +132,7 @@ def launch(
         if sync_dir is None:
             own_dir = _make_default_sync_dir(run_id)
             directory = own_dir
+            announce(directory, run_id, nproc)
         else:
             directory = _prepare_sync_dir(sync_dir)
         if nnodes > 1 and local_filesystem(directory):
@@ -259,10 +259,7 @@ def _check_seconds(name: str, value: object, *, allow_zero: bool) -> None:
 
 def _make_default_sync_dir(run_id: str) -> Path:
     """Create a fresh private directory on tmpfs if possible, else in the temp dir."""
-    shm = "/dev/shm"
-    usable = os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK)
-    base = shm if usable else tempfile.gettempdir()
-    return Path(tempfile.mkdtemp(prefix=f"gradsync-{run_id}-", dir=base))
+    return Path(tempfile.mkdtemp(prefix=f"{DEFAULT_PREFIX}{run_id}-", dir=default_base()))
 
 
 def _prepare_sync_dir(sync_dir: str | os.PathLike[str]) -> Path:
@@ -286,20 +283,6 @@ def _remove_tree(path: Path) -> None:
         logger.warning("could not remove sync dir %s: %s", path, exc)
     else:
         logger.info("removed sync dir %s", path)
-
-
-def _describe(returncode: int) -> str:
-    """``exit code 3`` or ``killed by SIGKILL`` for a :class:`subprocess.Popen` return code."""
-    if returncode >= 0:
-        return f"exit code {returncode}"
-    return f"killed by {_signal_name(-returncode)}"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 class _SignalCatcher:
@@ -381,57 +364,12 @@ class _Output:
             self._broken.add(dest)
 
 
-class _Tail:
-    """The last lines a rank wrote to stderr, and the exception its last Python traceback
-    ended with (``ValueError: ...``), which the failure summary puts first: a deep
-    traceback leaves the cause at the end of many frames, or beyond the last lines."""
-
-    def __init__(self) -> None:
-        self.lines: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self._exception: str | None = None
-        self._exception_at = 0.0  # when its line came (time.monotonic)
-        self._ended_at: float | None = None  # when the stream ended
-        self._in_traceback = False
-        self._previous = ""
-
-    def end(self) -> None:
-        """The stream has ended (the rank's process has, mostly)."""
-        self._ended_at = time.monotonic()
-
-    def append(self, line: str) -> None:
-        self.lines.append(line)
-        previous, self._previous = self._previous, line
-        if line.lstrip(" +|").startswith("Exception Group Traceback"):
-            # A group's members are indented under it: no one line says what it was.
-            self._exception, self._in_traceback = None, False
-        elif line.startswith("Traceback (most recent call last):"):
-            # What the interpreter reports and lets the program go on after is no cause
-            # of its end: a __del__ that raised, an atexit callback that did.
-            ignored = previous.startswith(("Exception ignored", "Error in atexit"))
-            self._in_traceback = not ignored
-        elif self._in_traceback and line and not line[0].isspace():
-            self._exception = line  # the first line after the (indented) frames
-            self._exception_at = time.monotonic()
-            self._in_traceback = False
-
-    def exception(self, returncode: int) -> str | None:
-        """The exception the rank ended with, if one likely did: it exited with 1 (as
-        Python does after an uncaught one) within moments of printing its traceback (one
-        logged before carrying on, or before a signal, is not what ended it)."""
-        ended_at = time.monotonic() if self._ended_at is None else self._ended_at
-        if returncode != 1 or self._exception is None:
-            return None
-        if ended_at - self._exception_at > _AFTER_TRACEBACK_S:
-            return None
-        return clip(self._exception)
-
-
 @dataclass
 class _Rank:
     rank: int
     local_rank: int
     proc: subprocess.Popen[bytes]
-    stderr_tail: _Tail = field(default_factory=_Tail)
+    stderr_tail: Tail = field(default_factory=Tail)
     readers: list[threading.Thread] = field(default_factory=list)
     returncode: int | None = None
     stopped: bool = False  # still running when the launcher began stopping the job
@@ -439,13 +377,31 @@ class _Rank:
     # unrelated process group, which must never be signalled.
     group_gone: bool = False
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> bool:
+        """Whether its process has exited, reaped or not: one not yet reaped by its
+        waiter thread has ended on its own all the same."""
+        if self.returncode is not None or self.proc.returncode is not None:
+            return True
+        try:
+            return (
+                os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+            )
+        except ChildProcessError:
+            return True  # reaped by its waiter thread meanwhile
+        except (AttributeError, OSError):
+            return False  # no waitid here: it looks running
+
 
 def _pump(
     pipe: IO[bytes],
     prefix: str,
     dest: str,
     output: _Output,
-    tail: _Tail | None,
+    tail: Tail | None,
 ) -> None:
     """Copy ``pipe`` to ``dest`` with ``prefix`` before every line, until EOF.
 
@@ -704,9 +660,9 @@ class _Job:
             signals_seen = len(self._signals.received)
             kill_at = time.monotonic() + self._grace_period_s
             for info in self.ranks:
-                # proc.returncode too: a rank that exited on its own a moment ago has
-                # been reaped by its waiter thread, though its exit is still queued.
-                info.stopped = info.returncode is None and info.proc.returncode is None
+                # A rank that exited on its own a moment ago may not be reaped, or its
+                # exit may still be queued: it was not running.
+                info.stopped = not info.exited()
             names = ", ".join(str(i.rank) for i in self.ranks if i.stopped)
             self._output.settle()  # the launcher's own lines must not overwrite a bar
             if names:
@@ -780,7 +736,7 @@ class _Job:
             thread.join(timeout=max(0.0, leave_until - time.monotonic()))
 
         if first_failure is not None:
-            self._output.write("stderr", self._summary(first_failure))
+            self._output.write("stderr", failure_summary(first_failure, self.ranks))
             code = first_failure.returncode
             assert code is not None
             return code if code > 0 else 128 - code
@@ -801,7 +757,7 @@ class _Job:
             # may not see yet, on a shared filesystem, what it published; told it is
             # gone they would fail that call. Its heartbeat tells, as before.
             return
-        if info.stopped and code in (-signal.SIGTERM, -signal.SIGKILL):
+        if stopped_by_launcher(info.stopped, code):
             how = f"was stopped by its launcher ({_describe(code)})"
         else:
             how = f"has ended ({_describe(code)})"
@@ -813,30 +769,3 @@ class _Job:
         )
         thread.start()
         self._leaving.append(thread)
-
-    def _summary(self, failed: _Rank) -> str:
-        """The root-cause report printed when a rank fails."""
-        assert failed.returncode is not None
-        raised = failed.stderr_tail.exception(failed.returncode)
-        lines = [
-            f"gradsync launch: rank {failed.rank} failed first: {_describe(failed.returncode)}"
-            f" (local rank {failed.local_rank}, pid {failed.proc.pid})"
-            + (f", raising {raised}" if raised else "")
-        ]
-        others = []
-        for info in self.ranks:
-            if info is failed:
-                continue
-            state = "still running" if info.returncode is None else _describe(info.returncode)
-            others.append(
-                f"rank {info.rank}: {state}{' (stopped by the launcher)' if info.stopped else ''}"
-            )
-        if others:
-            lines.append(f"gradsync launch: other ranks: {'; '.join(others)}")
-        tail = list(failed.stderr_tail.lines)
-        if tail:
-            lines.append(f"gradsync launch: last {len(tail)} lines of rank {failed.rank}'s stderr:")
-            lines.extend(f"    {line}" for line in tail)
-        else:
-            lines.append(f"gradsync launch: rank {failed.rank} wrote nothing to stderr")
-        return "\n".join(lines) + "\n"

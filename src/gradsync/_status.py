@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._defaultdir import default_places, own_default_dirs
 from ._errors import CorruptFileError, note_reason, parse_note
 from ._format import HEADER_READ_BYTES, decode_header, header_length
 from ._fsio import open_regular, read_small
@@ -387,18 +388,49 @@ def _text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def status_main(sync_dir: Path, *, as_json: bool) -> int:
-    """Print the state of ``sync_dir``; 0 if every job in it could be read, 1 if it
-    does not exist or it, or a job in it, cannot be read."""
+def _read(sync_dir: Path) -> dict[str, Any] | None:
+    """:func:`describe` ``sync_dir``, or say on stderr why it cannot be read."""
     try:
         if not sync_dir.is_dir():
             print(f"gradsync status: {sync_dir} is not a directory", file=sys.stderr)
-            return 1
-        report = describe(sync_dir)
+            return None
+        return describe(sync_dir)
     except OSError as exc:
         where = exc.filename or sync_dir
         print(f"gradsync status: cannot read {where}: {exc.strerror or exc}", file=sys.stderr)
+        return None
+
+
+def _failed(report: dict[str, Any]) -> bool:
+    unreadable = any(job["state"] == "unreadable" for job in report["jobs"])
+    return unreadable or bool(report.get("error"))
+
+
+def _status_of_own(as_json: bool) -> int:
+    """Print the state of this user's sync dirs that ``gradsync launch`` made."""
+    reports = [_read(d) for d in own_default_dirs()]
+    shown = [r for r in reports if r is not None]
+    if as_json:
+        print(json.dumps(shown, indent=2))
+    elif shown:
+        print("\n\n".join(_text(r) for r in shown))
+    elif not reports:
+        print(
+            f"gradsync status: no sync dir of yours in {' or '.join(default_places())} (where "
+            "`gradsync launch` without --sync-dir makes one); for a job given --sync-dir DIR, "
+            "run: gradsync status DIR"
+        )
+    return 1 if any(r is None or _failed(r) for r in reports) else 0
+
+
+def status_main(sync_dir: Path | None, *, as_json: bool) -> int:
+    """Print the state of ``sync_dir`` (None: of this user's sync dirs that ``gradsync
+    launch`` made); 0 if every job could be read, 1 if the directory does not exist or
+    it, or a job in it, cannot be read."""
+    if sync_dir is None:
+        return _status_of_own(as_json)
+    report = _read(sync_dir)
+    if report is None:
         return 1
     print(json.dumps(report, indent=2) if as_json else _text(report))
-    unreadable = any(job["state"] == "unreadable" for job in report["jobs"])
-    return 1 if unreadable or report.get("error") else 0
+    return 1 if _failed(report) else 0
