@@ -54,13 +54,14 @@ def cluster() -> Iterator[Cluster]:
         print(f"\nSKIP {message}")
         pytest.skip(message)
     c = Cluster(2)
-    base = results_root() / f"gradsync-mh-{uuid.uuid4().hex[:8]}"
-    base.mkdir(parents=True)
-    c.base = base
+    # One fixed directory, emptied once the fresh cluster has stopped a killed run's ranks.
+    base = c.base = results_root() / "gradsync-mh-tests"
     try:
         for note in c.notes:
             print(f"\nmultihost: {note}")
         c.up(fresh=True)
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
         yield c
     finally:
         try:
