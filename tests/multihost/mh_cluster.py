@@ -56,9 +56,10 @@ def unavailable_reason() -> str | None:
     if not os.path.exists("/dev/fuse"):
         problems.append("no /dev/fuse (a container needs --device /dev/fuse)")
     rc, missing = _run_quiet(["bash", str(RIG / "deps.sh")])
-    if rc != 0 or missing:
-        what = ", ".join(missing.split()) if rc == 0 else f"`bash {deps}` failed: {missing[:200]}"
-        problems.append(f"missing {what}: install with `sudo bash {deps} --install`")
+    if rc != 0:
+        problems.append(f"`bash {deps}` failed: {missing[:200]}")
+    elif missing:
+        problems.append(f"missing {', '.join(missing.split())}: `sudo bash {deps} --install`")
     if not problems:
         probes = (
             ["ip", "netns", "list"],
