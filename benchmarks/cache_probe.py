@@ -8,10 +8,10 @@ gradsync's readers do on a shared filesystem (``_transport.Transport.open``).
 
 With the simulated cluster of ``tests/multihost`` (JuiceFS 1.4.2, 2026-12-04)::
 
-    D=/mnt/shared/probe; ../shared/multihost/on.sh h1 mkdir -p $D
-    ../shared/multihost/on.sh h2 env READERS=4 python3 benchmarks/cache_probe.py w $D 2000 &
+    D=/mnt/shared/probe; tests/multihost/rig/on.sh h1 mkdir -p $D
+    tests/multihost/rig/on.sh h2 env READERS=4 python3 benchmarks/cache_probe.py w $D 2000 &
     for k in 0 1 2 3; do
-      ../shared/multihost/on.sh h1 python3 benchmarks/cache_probe.py r$k $D 2000 [--drop] &
+      tests/multihost/rig/on.sh h1 python3 benchmarks/cache_probe.py r$k $D 2000 [--drop] &
     done; wait
 
 Plain: 5 stale reads of 14,000 (2 or 4 readers), 2 of them stale at one end only (a

@@ -1,7 +1,7 @@
 """Step time across two simulated hosts (JuiceFS) against one host (tmpfs), W = 4.
 
-Uses the simulated cluster of ``shared/multihost`` (root, /dev/fuse; see
-tests/multihost/mh_cluster.py for how it is found). For each gradient size
+Uses the simulated cluster of ``tests/multihost/rig`` (root, /dev/fuse; see
+tests/multihost/mh_cluster.py for what it needs). For each gradient size
 (one float32 array) it runs the same job three ways:
 
 - ``2 hosts x 2, JuiceFS``: ``gradsync launch --nnodes 2 --nproc 2`` in h1 and h2,

