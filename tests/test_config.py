@@ -162,6 +162,8 @@ def test_valid_extremes_accepted() -> None:
         run_id="A" * 64,
     )
     assert cfg.heartbeat_timeout_s == 2 * cfg.heartbeat_interval_s
+    floors = make(heartbeat_interval_s=0.01, heartbeat_timeout_s=0.1, warn_after_s=0.1)
+    assert (floors.heartbeat_interval_s, floors.heartbeat_timeout_s) == (0.01, 0.1)
     assert cfg.strategy == "root"
     assert make(run_id="run-1.2_x").run_id == "run-1.2_x"
 
@@ -216,6 +218,24 @@ def test_config_error_is_value_error() -> None:
             {"heartbeat_interval_s": 10, "heartbeat_timeout_s": 19.999},
             "heartbeat_timeout_s must be at least twice heartbeat_interval_s, got "
             "heartbeat_timeout_s=19.999 and heartbeat_interval_s=10.0",
+        ),
+        # Floors a real job never meets: below them a heartbeat thread or a warning loop spins.
+        (
+            {"heartbeat_interval_s": 1e-9},
+            "heartbeat_interval_s must be at least 0.01 s, got 1e-09",
+        ),
+        (
+            {"heartbeat_interval_s": 1e-9, "heartbeat_timeout_s": 1e-9},
+            "heartbeat_interval_s must be at least 0.01 s, got 1e-09",
+        ),
+        (
+            {"heartbeat_interval_s": 0.01, "heartbeat_timeout_s": 0.05},
+            "heartbeat_timeout_s must be at least 0.1 s, got 0.05",
+        ),
+        ({"warn_after_s": 1e-9}, "warn_after_s must be at least 0.1 s, got 1e-09"),
+        (
+            {"warn_after_s": np.float32(0.05)},
+            f"warn_after_s must be at least 0.1 s, got {np.float32(0.05)!r}",
         ),
         ({"strategy": "ring"}, "strategy must be one of ('sharded', 'root'), got 'ring'"),
         ({"strategy": "Root"}, "strategy must be one of ('sharded', 'root'), got 'Root'"),

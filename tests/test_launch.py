@@ -870,15 +870,15 @@ def test_bad_argument_exits_2_with_message() -> None:
         ),
         (
             ["--nproc", "1", "--max-wait-s", "0"],
-            "--max-wait-s must be a finite number > 0, got 0.0",
+            "--max-wait-s must be a finite number of seconds > 0, got 0.0",
         ),
         (
             ["--nproc", "1", "--max-wait-s", "nan"],
-            "--max-wait-s must be a finite number > 0, got nan",
+            "--max-wait-s must be a finite number of seconds > 0, got nan",
         ),
         (
             ["--nproc", "1", "--grace-period-s", "-1"],
-            "--grace-period-s must be a finite number >= 0, got -1.0",
+            "--grace-period-s must be a finite number of seconds >= 0, got -1.0",
         ),
         (["--nproc", "1", "--bogus"], "unrecognized arguments: --bogus"),
     ],

@@ -23,6 +23,8 @@ _STRATEGIES: tuple[str, ...] = ("sharded", "root")
 _MAX_THREADS = 256
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _MAX_WAIT_SECONDS = 1e9  # about 31 years
+# Below these a heartbeat thread or a warning loop only burns CPU and fills logs.
+_FLOOR_S = {"heartbeat_interval_s": 0.01, "heartbeat_timeout_s": 0.1, "warn_after_s": 0.1}
 _INT_RE = re.compile(r"[+-]?[0-9]+")
 
 
@@ -43,13 +45,14 @@ class FileGradSyncConfig:
         strategy: ``"sharded"`` (each rank reduces 1/world_size of the elements) or
             ``"root"`` (rank 0 reduces everything). Both give the same bits.
         heartbeat_interval_s: Seconds between this rank's heartbeats, which tell peers
-            on other hosts that it is alive.
+            on other hosts that it is alive; at least 0.01.
         heartbeat_timeout_s: A peer on another host whose heartbeat has not advanced
-            for this many seconds (measured on this host's clock) is declared lost.
+            for this many seconds (measured on this host's clock) is declared lost; at
+            least 0.1 and twice ``heartbeat_interval_s``.
             Both heartbeat settings must be the same on every rank (the first call
             raises MismatchError otherwise).
         warn_after_s: While waiting, log a warning naming the slow ranks every this
-            many seconds.
+            many seconds (at least 0.1).
         check_finite: Check every published gradient for NaN/Inf and fail the step on
             every rank, naming the rank and param, if one is found. Off by default:
             NaN/Inf then propagate into the mean as IEEE arithmetic says. Every rank
@@ -105,8 +108,8 @@ class FileGradSyncConfig:
     wide_sum: bool = False
 
     def __post_init__(self) -> None:
-        self._set("world_size", _check_int("world_size", self.world_size, minimum=1))
-        self._set("rank", _check_int("rank", self.rank, minimum=0))
+        self._set("world_size", check_int("world_size", self.world_size, minimum=1))
+        self._set("rank", check_int("rank", self.rank, minimum=0))
         if self.rank >= self.world_size:
             raise ConfigError(
                 f"rank must satisfy 0 <= rank < world_size, got rank={self.rank!r} "
@@ -130,7 +133,7 @@ class FileGradSyncConfig:
                 ) from exc
         self._set("sync_dir", where)
         for name in ("max_wait_s", "heartbeat_interval_s", "heartbeat_timeout_s", "warn_after_s"):
-            self._set(name, _check_seconds(name, getattr(self, name)))
+            self._set(name, check_seconds(name, getattr(self, name), floor=_FLOOR_S.get(name, 0)))
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s"):
             # Threads wait this long at a time; past ~9.2e9 s such a wait overflows.
             if getattr(self, name) > _MAX_WAIT_SECONDS:
@@ -150,17 +153,13 @@ class FileGradSyncConfig:
         if self.use_mmap is not None:
             self._set("use_mmap", _check_bool("use_mmap", self.use_mmap, " or None"))
         if self.threads is not None:
-            self._set("threads", _check_int("threads", self.threads, minimum=1))
+            self._set("threads", check_int("threads", self.threads, minimum=1))
             if self.threads > _MAX_THREADS:
                 raise ConfigError(
                     f"threads must be <= {_MAX_THREADS} or None, got {self.threads!r}"
                 )
-        if self.run_id is not None and (
-            not isinstance(self.run_id, str) or not _RUN_ID_RE.fullmatch(self.run_id)
-        ):
-            raise ConfigError(
-                f"run_id must be 1-64 characters from [A-Za-z0-9._-] or None, got {self.run_id!r}"
-            )
+        if self.run_id is not None:
+            check_run_id("run_id", self.run_id, " or None")
 
     def _set(self, name: str, value: object) -> None:
         # Frozen: __post_init__ stores normalised values through object.__setattr__.
@@ -246,13 +245,22 @@ class FileGradSyncConfig:
         return self.world_size > 1
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> int:
+def check_int(name: str, value: object, *, minimum: int) -> int:
     """``value`` as an int (numpy integers too, not bools), or raise ConfigError."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise ConfigError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_run_id(name: str, value: object, alternative: str = "") -> str:
+    """``value`` as a run id (1-64 characters from [A-Za-z0-9._-]), or raise ConfigError."""
+    if not isinstance(value, str) or not _RUN_ID_RE.fullmatch(value):
+        raise ConfigError(
+            f"{name} must be 1-64 characters from [A-Za-z0-9._-]{alternative}, got {value!r}"
+        )
+    return value
 
 
 def _check_bool(name: str, value: object, alternative: str = "") -> bool:
@@ -262,16 +270,20 @@ def _check_bool(name: str, value: object, alternative: str = "") -> bool:
     return bool(value)
 
 
-def _check_seconds(name: str, value: object) -> float:
-    """``value`` as a float of seconds (numpy floats too), finite and > 0, or raise."""
+def check_seconds(name: str, value: object, *, zero_ok: bool = False, floor: float = 0) -> float:
+    """``value`` as a float of seconds (numpy floats too), finite, > 0 (>= 0 if
+    ``zero_ok``) and >= ``floor``, or raise ConfigError naming ``name``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
     try:
         seconds = float(value)
     except OverflowError:  # an int too large for a float is no usable number of seconds
         seconds = math.inf
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    if not (math.isfinite(seconds) and (seconds > 0 or (zero_ok and seconds == 0))):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    if seconds < floor:
+        raise ConfigError(f"{name} must be at least {floor:g} s, got {value!r}")
     return seconds
 
 
