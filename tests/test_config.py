@@ -26,6 +26,13 @@ ENV_NAMES = (
     "GRADSYNC_WIDE_SUM",
     "GRADSYNC_RUN_ID",
     "TORCHELASTIC_RUN_ID",
+    "GRADSYNC_STRATEGY",
+    "GRADSYNC_HEARTBEAT_INTERVAL_S",
+    "GRADSYNC_HEARTBEAT_TIMEOUT_S",
+    "GRADSYNC_WARN_AFTER_S",
+    "GRADSYNC_CHECK_FINITE",
+    "GRADSYNC_USE_MMAP",
+    "GRADSYNC_CHECKSUMS",
 )
 
 
@@ -513,6 +520,60 @@ def test_from_env_max_wait() -> None:
     cfg = FileGradSyncConfig.from_env(env=base_env(GRADSYNC_MAX_WAIT_S="12.5"))
     assert cfg.max_wait_s == 12.5
     assert FileGradSyncConfig.from_env(env=base_env(GRADSYNC_MAX_WAIT_S="1e-3")).max_wait_s == 1e-3
+
+
+def test_from_env_every_knob_a_launcher_may_set() -> None:
+    env = base_env(
+        GRADSYNC_STRATEGY="root",
+        GRADSYNC_HEARTBEAT_INTERVAL_S="2",
+        GRADSYNC_HEARTBEAT_TIMEOUT_S="30.5",
+        GRADSYNC_WARN_AFTER_S="7",
+        GRADSYNC_CHECK_FINITE="yes",
+        GRADSYNC_USE_MMAP="0",
+        GRADSYNC_CHECKSUMS="true",
+    )
+    cfg = FileGradSyncConfig.from_env(env=env)
+    assert (cfg.strategy, cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s) == ("root", 2.0, 30.5)
+    assert (cfg.warn_after_s, cfg.check_finite, cfg.use_mmap, cfg.checksums) == (
+        7.0,
+        True,
+        False,
+        True,
+    )
+    # An override wins, and the variable it replaces is not even read.
+    cfg = FileGradSyncConfig.from_env(env=base_env(GRADSYNC_STRATEGY="ring"), strategy="sharded")
+    assert cfg.strategy == "sharded"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"GRADSYNC_CHECK_FINITE": "2"},
+            "environment variable GRADSYNC_CHECK_FINITE must be one of 1, 0, true, false, yes, "
+            "no, on, off; got '2'",
+        ),
+        (
+            {"GRADSYNC_HEARTBEAT_TIMEOUT_S": "15s"},
+            "environment variable GRADSYNC_HEARTBEAT_TIMEOUT_S must be a number, got '15s'",
+        ),
+        (
+            {"GRADSYNC_STRATEGY": "ring"},
+            "invalid configuration from the environment (GRADSYNC_WORLD_SIZE='4', "
+            "GRADSYNC_RANK='3', GRADSYNC_STRATEGY='ring'): strategy must be one of "
+            "('sharded', 'root'), got 'ring'",
+        ),
+        (
+            {"GRADSYNC_WARN_AFTER_S": "0.001"},
+            "invalid configuration from the environment (GRADSYNC_WORLD_SIZE='4', "
+            "GRADSYNC_RANK='3', GRADSYNC_WARN_AFTER_S='0.001'): warn_after_s must be at "
+            "least 0.1 s, got 0.001",
+        ),
+    ],
+)
+def test_from_env_bad_knob_names_the_variable(extra: dict[str, str], message: str) -> None:
+    with raises_config(message):
+        FileGradSyncConfig.from_env(env=base_env(**extra))
 
 
 @pytest.mark.parametrize(

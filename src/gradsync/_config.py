@@ -7,7 +7,7 @@ import numbers
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -173,10 +173,14 @@ class FileGradSyncConfig:
 
         Reads ``GRADSYNC_WORLD_SIZE`` and ``GRADSYNC_RANK`` (falling back to torchrun's
         ``WORLD_SIZE`` and ``RANK``), ``GRADSYNC_SYNC_DIR`` (required), and optionally
-        ``GRADSYNC_MAX_WAIT_S``, ``GRADSYNC_THREADS``, ``GRADSYNC_WIDE_SUM`` (``1``/``0``,
-        ``true``/``false``) and ``GRADSYNC_RUN_ID`` (falling back to
-        ``TORCHELASTIC_RUN_ID``). A leading ``~`` of the sync dir is expanded. Keyword
-        ``overrides`` win over the environment.
+        one variable per other field: ``GRADSYNC_MAX_WAIT_S``, ``GRADSYNC_STRATEGY``,
+        ``GRADSYNC_HEARTBEAT_INTERVAL_S``, ``GRADSYNC_HEARTBEAT_TIMEOUT_S``,
+        ``GRADSYNC_WARN_AFTER_S``, ``GRADSYNC_CHECK_FINITE``, ``GRADSYNC_USE_MMAP``,
+        ``GRADSYNC_CHECKSUMS``, ``GRADSYNC_THREADS``, ``GRADSYNC_WIDE_SUM`` (flags:
+        ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off``) and
+        ``GRADSYNC_RUN_ID`` (falling back to ``TORCHELASTIC_RUN_ID``). A leading ``~``
+        of the sync dir is expanded. Keyword ``overrides`` win over the environment
+        (a variable for an overridden field is not read).
         With a world size of 1, ``GRADSYNC_SYNC_DIR`` may be unset (it is never used).
 
         Raises:
@@ -212,18 +216,10 @@ class FileGradSyncConfig:
                 )
             # A quoted "~/dir" reaches us unexpanded; no directory is named "~" on purpose.
             values["sync_dir"] = os.path.expanduser(raw)
-        if "GRADSYNC_MAX_WAIT_S" in source:
-            raw = source["GRADSYNC_MAX_WAIT_S"]
-            values["max_wait_s"] = _parse_float("GRADSYNC_MAX_WAIT_S", raw)
-            used.append(f"GRADSYNC_MAX_WAIT_S={raw!r}")
-        if "GRADSYNC_THREADS" in source:
-            raw = source["GRADSYNC_THREADS"]
-            values["threads"] = _parse_int("GRADSYNC_THREADS", raw)
-            used.append(f"GRADSYNC_THREADS={raw!r}")
-        if "GRADSYNC_WIDE_SUM" in source:
-            raw = source["GRADSYNC_WIDE_SUM"]
-            values["wide_sum"] = _parse_bool("GRADSYNC_WIDE_SUM", raw)
-            used.append(f"GRADSYNC_WIDE_SUM={raw!r}")
+        for key, name, parse in _OPTIONAL_VARS:
+            if name in source and key not in overrides:
+                values[key] = parse(name, source[name])
+                used.append(f"{name}={source[name]!r}")
         for name in ("GRADSYNC_RUN_ID", "TORCHELASTIC_RUN_ID"):
             if source.get(name):
                 values["run_id"] = source[name]
@@ -322,3 +318,23 @@ def _parse_bool(name: str, raw: str) -> bool:
         f"environment variable {name} must be one of 1, 0, true, false, yes, no, on, off; "
         f"got {raw!r}"
     )
+
+
+def _parse_str(name: str, raw: str) -> str:
+    return raw  # checked by the field's own rule, which names the variable's value
+
+
+# (field, environment variable, parser) for each field a launcher may set, beyond
+# world size, rank, sync dir and run id.
+_OPTIONAL_VARS: tuple[tuple[str, str, Callable[[str, str], object]], ...] = (
+    ("max_wait_s", "GRADSYNC_MAX_WAIT_S", _parse_float),
+    ("strategy", "GRADSYNC_STRATEGY", _parse_str),
+    ("heartbeat_interval_s", "GRADSYNC_HEARTBEAT_INTERVAL_S", _parse_float),
+    ("heartbeat_timeout_s", "GRADSYNC_HEARTBEAT_TIMEOUT_S", _parse_float),
+    ("warn_after_s", "GRADSYNC_WARN_AFTER_S", _parse_float),
+    ("check_finite", "GRADSYNC_CHECK_FINITE", _parse_bool),
+    ("use_mmap", "GRADSYNC_USE_MMAP", _parse_bool),
+    ("checksums", "GRADSYNC_CHECKSUMS", _parse_bool),
+    ("threads", "GRADSYNC_THREADS", _parse_int),
+    ("wide_sum", "GRADSYNC_WIDE_SUM", _parse_bool),
+)
