@@ -1129,6 +1129,48 @@ def test_unusable_grads_are_named(grads: object, message: str) -> None:
         validate_grads(grads)
 
 
+_FLAT = np.zeros(16, np.float32)
+_OWN = np.zeros(4)
+_VIEWS = "views of overlapping memory"
+
+
+def _through_torch() -> list[np.ndarray]:
+    # Two arrays of one memory whose bases differ (each the tensor it came from).
+    torch = pytest.importorskip("torch")
+    return [torch.from_numpy(_OWN).numpy(), torch.from_numpy(_OWN[1:]).numpy()]
+
+
+@pytest.mark.parametrize(
+    ("grads", "pair", "what"),
+    [
+        # The case: a float32 and a float64 view of one memory gave different bits.
+        (lambda: [np.zeros(3), _FLAT[:8], _FLAT[:8].view(np.float64)], (1, 2), _VIEWS),
+        (lambda: [_OWN, np.ones(2), _OWN], (0, 2), "the same array"),
+        (lambda: [_FLAT[8:], _FLAT[:4], _FLAT[3:6]], (1, 2), _VIEWS),
+        (lambda: [_FLAT[15:], _FLAT], (0, 1), _VIEWS),
+        (_through_torch, (0, 1), _VIEWS),
+    ],
+    ids=["float32-and-float64-views", "same-array-twice", "slices", "slice-and-whole", "torch"],
+)
+def test_params_sharing_memory_are_invalid_grads(
+    grads: Callable[[], list[np.ndarray]], pair: tuple[int, int], what: str
+) -> None:
+    message = (
+        f"params {pair[0]} and {pair[1]} are {what}: averaging is in place, so each gradient "
+        "must be passed once, in memory of its own"
+    )
+    with pytest.raises(gradsync.InvalidGradsError, match=f"^{re.escape(message)}$"):
+        validate_grads(grads())
+
+
+def test_params_side_by_side_in_one_buffer_are_fine() -> None:
+    # Views of one flat buffer that do not overlap (a fused gradient buffer) are usual.
+    flat = np.zeros(16, np.float32)
+    parts = [flat[12:], flat[:4], flat[4:12].reshape(2, 4), flat[4:4]]
+    assert len(validate_grads(parts)) == 4
+    assert len(validate_grads([np.zeros(3), np.zeros(3)])) == 2
+
+
 @pytest.mark.skipif(not hasattr(getattr(np, "dtypes", None), "StringDType"), reason="numpy < 2")
 def test_a_new_style_dtype_is_invalid_grads() -> None:
     # newbyteorder raises TypeError for StringDType: it must not escape as one (a first

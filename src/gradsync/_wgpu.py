@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import ConfigError, GradSyncError, InvalidGradsError, WgpuBridgeError
+from ._overlap import overlap_message, repeated
 from ._parallel import Workers
 
 if TYPE_CHECKING:
@@ -453,6 +454,9 @@ class WgpuBridge:
             except (TypeError, ValueError):
                 pass  # not comparable: resolved again below, and refused there if bad
         _check_types(buffers)
+        pair = repeated(buffers)
+        if pair is not None:
+            raise InvalidGradsError(overlap_message(*pair, "the same GPUBuffer"))
         dtypes = resolve_dtypes(buffers, dtype)
         self._resolved = (key, spec, dtypes)
         return dtypes
