@@ -1076,7 +1076,11 @@ def _big_average(rank: int, sync_dir: str) -> None:
         gs.average([np.ones(1 << 20, dtype=np.float32)])
 
 
-def test_empty_grads_list(tmp_path: Path) -> None:
+def test_empty_grads_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The test mode: the rank meets its absent peer to tell it for 0.2 s, not 10 s.
+    monkeypatch.setenv("GRADSYNC_TEST_WAIT_S", "0.2")
     with (
         gradsync.GradSync(gradsync.FileGradSyncConfig(2, 0, tmp_path)) as gs,
         pytest.raises(
@@ -1087,6 +1091,25 @@ def test_empty_grads_list(tmp_path: Path) -> None:
         gs.average([], step=3)
     # A rank's own input error names its call's step and itself, as its peers' does.
     assert (info.value.step, info.value.ranks) == (3, (0,))
+    (told,) = [r.getMessage() for r in caplog.records if "could not tell" in r.getMessage()]
+    assert re.fullmatch(
+        r"rank 0 could not tell its peers why it failed: rendezvous: ranks \[1\] did not join "
+        rf"within 0\.2 s in {re.escape(str(tmp_path))} \(.*\)",
+        told,
+    ), told
+
+
+def test_a_bad_test_wait_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("GRADSYNC_TEST_WAIT_S", "soon")
+    cfg = gradsync.FileGradSyncConfig(2, 0, tmp_path)
+    with gradsync.GradSync(cfg) as gs, pytest.raises(gradsync.InvalidGradsError):
+        gs.average([])
+    assert [r.getMessage() for r in caplog.records if "could not tell" in r.getMessage()] == [
+        "rank 0 could not tell its peers why it failed: environment variable "
+        "GRADSYNC_TEST_WAIT_S must be a number, got 'soon'"
+    ]
 
 
 # -- 8. what a step accepts -------------------------------------------------------------

@@ -297,7 +297,7 @@ def _parse_int(name: str, raw: str) -> int:
     return int(raw.strip())
 
 
-def _parse_float(name: str, raw: str) -> float:
+def parse_float(name: str, raw: str) -> float:
     try:
         if not raw.isascii() or "_" in raw:
             raise ValueError(raw)
@@ -327,11 +327,11 @@ def _parse_str(name: str, raw: str) -> str:
 # (field, environment variable, parser) for each field a launcher may set, beyond
 # world size, rank, sync dir and run id.
 _OPTIONAL_VARS: tuple[tuple[str, str, Callable[[str, str], object]], ...] = (
-    ("max_wait_s", "GRADSYNC_MAX_WAIT_S", _parse_float),
+    ("max_wait_s", "GRADSYNC_MAX_WAIT_S", parse_float),
     ("strategy", "GRADSYNC_STRATEGY", _parse_str),
-    ("heartbeat_interval_s", "GRADSYNC_HEARTBEAT_INTERVAL_S", _parse_float),
-    ("heartbeat_timeout_s", "GRADSYNC_HEARTBEAT_TIMEOUT_S", _parse_float),
-    ("warn_after_s", "GRADSYNC_WARN_AFTER_S", _parse_float),
+    ("heartbeat_interval_s", "GRADSYNC_HEARTBEAT_INTERVAL_S", parse_float),
+    ("heartbeat_timeout_s", "GRADSYNC_HEARTBEAT_TIMEOUT_S", parse_float),
+    ("warn_after_s", "GRADSYNC_WARN_AFTER_S", parse_float),
     ("check_finite", "GRADSYNC_CHECK_FINITE", _parse_bool),
     ("use_mmap", "GRADSYNC_USE_MMAP", _parse_bool),
     ("checksums", "GRADSYNC_CHECKSUMS", _parse_bool),
