@@ -203,8 +203,8 @@ def test_a_sync_dir_that_links_to_nothing_is_named(tmp_path: Path) -> None:
     with pytest.raises(
         SyncDirError,
         match=exact(
-            f"creating the rendezvous directory {link}/rdzv failed: File exists "
-            f"({link} is a symbolic link to {tmp_path}/gone, which does not exist)"
+            f"sync_dir {link} cannot be created: {link} is a symbolic link to "
+            f"{tmp_path}/gone, which does not exist"
         ),
     ):
         gradsync.average_grads_file_sync([np.ones(2)], None, cfg, 0)

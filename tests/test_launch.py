@@ -910,7 +910,7 @@ def test_unusable_sync_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         == 2
     )
     assert capsys.readouterr().err.endswith(
-        f"gradsync launch: error: --sync-dir {str(blocker)!r} cannot be created: File exists\n"
+        f"gradsync launch: error: --sync-dir {str(blocker)!r} is not a directory\n"
     )
 
 

@@ -970,11 +970,33 @@ def test_sync_dir_that_cannot_be_created(tmp_path: Path) -> None:
     with gradsync.GradSync(cfg) as gs, pytest.raises(gradsync.SyncDirError) as info:
         gs.average(workers.grads_for(0, 0))
     assert isinstance(info.value, OSError)
-    assert info.value.errno is not None
-    assert re.match(
-        rf"creating the rendezvous directory {re.escape(str(blocker))}/sync/rdzv failed: ",
-        str(info.value),
+    assert info.value.errno == errno.ENOTDIR
+    assert (
+        str(info.value)
+        == f"sync_dir {blocker}/sync cannot be created: {blocker} is not a directory"
     )
+
+
+def test_a_sync_dir_that_is_a_file_is_named(tmp_path: Path) -> None:
+    # mkdir said only "File exists", of the rendezvous directory inside it.
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = gradsync.FileGradSyncConfig(2, 0, blocker, max_wait_s=1.0)
+    with gradsync.GradSync(cfg) as gs, pytest.raises(gradsync.SyncDirError) as info:
+        gs.average([np.ones(2)])
+    assert (str(info.value), info.value.errno) == (
+        f"sync_dir {blocker} is not a directory",
+        errno.ENOTDIR,
+    )
+
+
+def test_a_missing_sync_dir_is_created_with_its_parents(tmp_path: Path) -> None:
+    # As the README's Errors table says: missing is no SyncDirError, a file in its way is.
+    sync_dir = tmp_path / "a" / "b" / "sync"
+    cfg = gradsync.FileGradSyncConfig(2, 0, sync_dir, max_wait_s=0.3)
+    with gradsync.GradSync(cfg) as gs, pytest.raises(gradsync.PeerTimeoutError):
+        gs.average([np.ones(2)])
+    assert sync_dir.is_dir()
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -36,7 +36,8 @@ class FileGradSyncConfig:
         world_size: Number of ranks in the job, >= 1.
         rank: This process's rank, ``0 <= rank < world_size``.
         sync_dir: Directory every rank can read and write: tmpfs (``/dev/shm``) on one
-            machine, a shared filesystem across machines. Created if missing. Kept as
+            machine, a shared filesystem across machines. Created if missing, with its
+            parents (a SyncDirError at the first call if it cannot be). Kept as
             an absolute path: a leading ``~`` is expanded, and a relative path is taken
             from the current directory when the config is made (a later ``os.chdir``
             does not move the job).
@@ -106,6 +107,26 @@ class FileGradSyncConfig:
     checksums: bool = False
     threads: int | None = None
     wide_sum: bool = False
+
+    if TYPE_CHECKING:
+        # What __init__ takes: sync_dir as a str or path-like, kept as an absolute Path.
+        def __init__(
+            self,
+            world_size: int,
+            rank: int,
+            sync_dir: str | os.PathLike[str],
+            max_wait_s: float = ...,
+            strategy: Strategy = ...,
+            heartbeat_interval_s: float = ...,
+            heartbeat_timeout_s: float = ...,
+            warn_after_s: float = ...,
+            check_finite: bool = ...,
+            run_id: str | None = ...,
+            use_mmap: bool | None = ...,
+            checksums: bool = ...,
+            threads: int | None = ...,
+            wide_sum: bool = ...,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         self._set("world_size", check_int("world_size", self.world_size, minimum=1))
@@ -239,6 +260,10 @@ class FileGradSyncConfig:
     def enabled(self) -> bool:
         """Whether there is more than one rank (with one, averaging is a no-op)."""
         return self.world_size > 1
+
+
+# The generated __init__ says what it stores (Path); help() should show what it takes.
+FileGradSyncConfig.__init__.__annotations__["sync_dir"] = "str | os.PathLike[str]"
 
 
 def check_int(name: str, value: object, *, minimum: int) -> int:

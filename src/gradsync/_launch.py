@@ -28,8 +28,8 @@ from types import FrameType
 from typing import IO, Any
 
 from ._config import check_int, check_run_id, check_seconds
-from ._errors import ConfigError, clip
-from ._fsio import DIR_MODE
+from ._errors import ConfigError, SyncDirError, clip
+from ._makedir import make_sync_dir
 from ._reaping import leave_for_ended, remove_dead_jobs
 from ._transport import filesystem_type, local_filesystem
 from ._watchdog import group_alive
@@ -253,11 +253,9 @@ def _prepare_sync_dir(sync_dir: str | os.PathLike[str]) -> Path:
     """Create ``sync_dir`` if missing and return its absolute path."""
     path = Path(os.path.abspath(os.path.expanduser(sync_dir)))  # "--sync-dir=~/x" too
     try:
-        path.mkdir(DIR_MODE, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"--sync-dir {os.fspath(sync_dir)!r} cannot be created: {exc.strerror or exc}"
-        ) from exc
+        make_sync_dir(path, f"--sync-dir {os.fspath(sync_dir)!r}")
+    except SyncDirError as exc:
+        raise ConfigError(str(exc)) from exc
     return path
 
 
