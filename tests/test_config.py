@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
 import os
 import re
+import textwrap
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +30,13 @@ ENV_NAMES = (
     "GRADSYNC_WIDE_SUM",
     "GRADSYNC_RUN_ID",
     "TORCHELASTIC_RUN_ID",
+    "GRADSYNC_STRATEGY",
+    "GRADSYNC_HEARTBEAT_INTERVAL_S",
+    "GRADSYNC_HEARTBEAT_TIMEOUT_S",
+    "GRADSYNC_WARN_AFTER_S",
+    "GRADSYNC_CHECK_FINITE",
+    "GRADSYNC_USE_MMAP",
+    "GRADSYNC_CHECKSUMS",
 )
 
 
@@ -45,10 +56,10 @@ def raises_config(message: str) -> pytest.RaisesExc[ConfigError]:
 
 def test_config_rejects_invalid_rank() -> None:
     with raises_config("rank must satisfy 0 <= rank < world_size, got rank=2 with world_size=2"):
-        FileGradSyncConfig(2, 2, "/tmp/x")  # type: ignore[arg-type]
+        FileGradSyncConfig(2, 2, "/tmp/x")
     with raises_config("world_size must be >= 1, got 0"):
-        FileGradSyncConfig(0, 0, "/tmp/x")  # type: ignore[arg-type]
-    cfg = FileGradSyncConfig(2, 1, "/tmp/x")  # type: ignore[arg-type]
+        FileGradSyncConfig(0, 0, "/tmp/x")
+    cfg = FileGradSyncConfig(2, 1, "/tmp/x")
     assert (cfg.world_size, cfg.rank) == (2, 1)
 
 
@@ -69,6 +80,23 @@ def test_defaults() -> None:
     assert cfg.run_id is None
     assert cfg.enabled is False
     assert make(world_size=2).enabled is True
+
+
+def test_sync_dir_is_typed_as_what_it_takes() -> None:
+    # Documented and accepted as a str or path-like (and kept as a Path): typed so.
+    init = inspect.signature(FileGradSyncConfig).parameters["sync_dir"]
+    assert init.annotation == "str | os.PathLike[str]"
+    assert typing.get_type_hints(FileGradSyncConfig)["sync_dir"] is Path
+
+
+def test_the_typed_init_takes_every_field_in_order() -> None:
+    # Type checkers read a hand-written __init__ (for sync_dir): it must not drift.
+    tree = ast.parse(textwrap.dedent(inspect.getsource(FileGradSyncConfig)))
+    (init,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    fields = dataclasses.fields(FileGradSyncConfig)
+    assert [a.arg for a in init.args.args[1:]] == [f.name for f in fields]
+    with_default = [f.name for f in fields if f.default is not dataclasses.MISSING]
+    assert [a.arg for a in init.args.args[-len(init.args.defaults) :]] == with_default
 
 
 @pytest.mark.parametrize("sync_dir", ["/tmp/gs", Path("/tmp/gs")])
@@ -162,6 +190,8 @@ def test_valid_extremes_accepted() -> None:
         run_id="A" * 64,
     )
     assert cfg.heartbeat_timeout_s == 2 * cfg.heartbeat_interval_s
+    floors = make(heartbeat_interval_s=0.01, heartbeat_timeout_s=0.1, warn_after_s=0.1)
+    assert (floors.heartbeat_interval_s, floors.heartbeat_timeout_s) == (0.01, 0.1)
     assert cfg.strategy == "root"
     assert make(run_id="run-1.2_x").run_id == "run-1.2_x"
 
@@ -216,6 +246,24 @@ def test_config_error_is_value_error() -> None:
             {"heartbeat_interval_s": 10, "heartbeat_timeout_s": 19.999},
             "heartbeat_timeout_s must be at least twice heartbeat_interval_s, got "
             "heartbeat_timeout_s=19.999 and heartbeat_interval_s=10.0",
+        ),
+        # Floors a real job never meets: below them a heartbeat thread or a warning loop spins.
+        (
+            {"heartbeat_interval_s": 1e-9},
+            "heartbeat_interval_s must be at least 0.01 s, got 1e-09",
+        ),
+        (
+            {"heartbeat_interval_s": 1e-9, "heartbeat_timeout_s": 1e-9},
+            "heartbeat_interval_s must be at least 0.01 s, got 1e-09",
+        ),
+        (
+            {"heartbeat_interval_s": 0.01, "heartbeat_timeout_s": 0.05},
+            "heartbeat_timeout_s must be at least 0.1 s, got 0.05",
+        ),
+        ({"warn_after_s": 1e-9}, "warn_after_s must be at least 0.1 s, got 1e-09"),
+        (
+            {"warn_after_s": np.float32(0.05)},
+            f"warn_after_s must be at least 0.1 s, got {np.float32(0.05)!r}",
         ),
         ({"strategy": "ring"}, "strategy must be one of ('sharded', 'root'), got 'ring'"),
         ({"strategy": "Root"}, "strategy must be one of ('sharded', 'root'), got 'Root'"),
@@ -493,6 +541,60 @@ def test_from_env_max_wait() -> None:
     cfg = FileGradSyncConfig.from_env(env=base_env(GRADSYNC_MAX_WAIT_S="12.5"))
     assert cfg.max_wait_s == 12.5
     assert FileGradSyncConfig.from_env(env=base_env(GRADSYNC_MAX_WAIT_S="1e-3")).max_wait_s == 1e-3
+
+
+def test_from_env_every_knob_a_launcher_may_set() -> None:
+    env = base_env(
+        GRADSYNC_STRATEGY="root",
+        GRADSYNC_HEARTBEAT_INTERVAL_S="2",
+        GRADSYNC_HEARTBEAT_TIMEOUT_S="30.5",
+        GRADSYNC_WARN_AFTER_S="7",
+        GRADSYNC_CHECK_FINITE="yes",
+        GRADSYNC_USE_MMAP="0",
+        GRADSYNC_CHECKSUMS="true",
+    )
+    cfg = FileGradSyncConfig.from_env(env=env)
+    assert (cfg.strategy, cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s) == ("root", 2.0, 30.5)
+    assert (cfg.warn_after_s, cfg.check_finite, cfg.use_mmap, cfg.checksums) == (
+        7.0,
+        True,
+        False,
+        True,
+    )
+    # An override wins, and the variable it replaces is not even read.
+    cfg = FileGradSyncConfig.from_env(env=base_env(GRADSYNC_STRATEGY="ring"), strategy="sharded")
+    assert cfg.strategy == "sharded"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"GRADSYNC_CHECK_FINITE": "2"},
+            "environment variable GRADSYNC_CHECK_FINITE must be one of 1, 0, true, false, yes, "
+            "no, on, off; got '2'",
+        ),
+        (
+            {"GRADSYNC_HEARTBEAT_TIMEOUT_S": "15s"},
+            "environment variable GRADSYNC_HEARTBEAT_TIMEOUT_S must be a number, got '15s'",
+        ),
+        (
+            {"GRADSYNC_STRATEGY": "ring"},
+            "invalid configuration from the environment (GRADSYNC_WORLD_SIZE='4', "
+            "GRADSYNC_RANK='3', GRADSYNC_STRATEGY='ring'): strategy must be one of "
+            "('sharded', 'root'), got 'ring'",
+        ),
+        (
+            {"GRADSYNC_WARN_AFTER_S": "0.001"},
+            "invalid configuration from the environment (GRADSYNC_WORLD_SIZE='4', "
+            "GRADSYNC_RANK='3', GRADSYNC_WARN_AFTER_S='0.001'): warn_after_s must be at "
+            "least 0.1 s, got 0.001",
+        ),
+    ],
+)
+def test_from_env_bad_knob_names_the_variable(extra: dict[str, str], message: str) -> None:
+    with raises_config(message):
+        FileGradSyncConfig.from_env(env=base_env(**extra))
 
 
 @pytest.mark.parametrize(

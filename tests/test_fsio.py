@@ -203,8 +203,8 @@ def test_a_sync_dir_that_links_to_nothing_is_named(tmp_path: Path) -> None:
     with pytest.raises(
         SyncDirError,
         match=exact(
-            f"creating the rendezvous directory {link}/rdzv failed: File exists "
-            f"({link} is a symbolic link to {tmp_path}/gone, which does not exist)"
+            f"sync_dir {link} cannot be created: {link} is a symbolic link to "
+            f"{tmp_path}/gone, which does not exist"
         ),
     ):
         gradsync.average_grads_file_sync([np.ones(2)], None, cfg, 0)
@@ -364,6 +364,17 @@ def test_wait_for_path_zero_wait_tries_once(tmp_path: Path, open_calls: list[str
         ConfigError, match=r"^max_wait_s must be a finite number of seconds >= 0, got -1\.0$"
     ):
         wait_for_path(missing, -1.0)
+
+
+def test_wait_for_path_takes_what_the_config_takes(tmp_path: Path) -> None:
+    # numpy numbers are seconds to the config, so they are here too; a bool is not.
+    target = tmp_path / "there"
+    target.write_bytes(b"")
+    assert wait_for_path(target, np.float32(0.5)) is True
+    assert wait_for_path(tmp_path / "missing", np.float64(0.01)) is False
+    assert wait_for_path(target, np.int64(0)) is True
+    with pytest.raises(ConfigError, match=r"^max_wait_s must be a number of seconds, got True$"):
+        wait_for_path(target, True)
 
 
 def test_wait_for_path_polls_repeatedly(tmp_path: Path, open_calls: list[str]) -> None:

@@ -957,15 +957,15 @@ def test_bad_argument_exits_2_with_message() -> None:
         ),
         (
             ["--nproc", "1", "--max-wait-s", "0"],
-            "--max-wait-s must be a finite number > 0, got 0.0",
+            "--max-wait-s must be a finite number of seconds > 0, got 0.0",
         ),
         (
             ["--nproc", "1", "--max-wait-s", "nan"],
-            "--max-wait-s must be a finite number > 0, got nan",
+            "--max-wait-s must be a finite number of seconds > 0, got nan",
         ),
         (
             ["--nproc", "1", "--grace-period-s", "-1"],
-            "--grace-period-s must be a finite number >= 0, got -1.0",
+            "--grace-period-s must be a finite number of seconds >= 0, got -1.0",
         ),
         (["--nproc", "1", "--bogus"], "unrecognized arguments: --bogus"),
     ],
@@ -997,7 +997,7 @@ def test_unusable_sync_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         == 2
     )
     assert capsys.readouterr().err.endswith(
-        f"gradsync launch: error: --sync-dir {str(blocker)!r} cannot be created: File exists\n"
+        f"gradsync launch: error: --sync-dir {str(blocker)!r} is not a directory\n"
     )
 
 

@@ -970,11 +970,33 @@ def test_sync_dir_that_cannot_be_created(tmp_path: Path) -> None:
     with gradsync.GradSync(cfg) as gs, pytest.raises(gradsync.SyncDirError) as info:
         gs.average(workers.grads_for(0, 0))
     assert isinstance(info.value, OSError)
-    assert info.value.errno is not None
-    assert re.match(
-        rf"creating the rendezvous directory {re.escape(str(blocker))}/sync/rdzv failed: ",
-        str(info.value),
+    assert info.value.errno == errno.ENOTDIR
+    assert (
+        str(info.value)
+        == f"sync_dir {blocker}/sync cannot be created: {blocker} is not a directory"
     )
+
+
+def test_a_sync_dir_that_is_a_file_is_named(tmp_path: Path) -> None:
+    # mkdir said only "File exists", of the rendezvous directory inside it.
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = gradsync.FileGradSyncConfig(2, 0, blocker, max_wait_s=1.0)
+    with gradsync.GradSync(cfg) as gs, pytest.raises(gradsync.SyncDirError) as info:
+        gs.average([np.ones(2)])
+    assert (str(info.value), info.value.errno) == (
+        f"sync_dir {blocker} is not a directory",
+        errno.ENOTDIR,
+    )
+
+
+def test_a_missing_sync_dir_is_created_with_its_parents(tmp_path: Path) -> None:
+    # As the README's Errors table says: missing is no SyncDirError, a file in its way is.
+    sync_dir = tmp_path / "a" / "b" / "sync"
+    cfg = gradsync.FileGradSyncConfig(2, 0, sync_dir, max_wait_s=0.3)
+    with gradsync.GradSync(cfg) as gs, pytest.raises(gradsync.PeerTimeoutError):
+        gs.average([np.ones(2)])
+    assert sync_dir.is_dir()
 
 
 @pytest.fixture
@@ -1076,7 +1098,11 @@ def _big_average(rank: int, sync_dir: str) -> None:
         gs.average([np.ones(1 << 20, dtype=np.float32)])
 
 
-def test_empty_grads_list(tmp_path: Path) -> None:
+def test_empty_grads_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The test mode: the rank meets its absent peer to tell it for 0.2 s, not 10 s.
+    monkeypatch.setenv("GRADSYNC_TEST_WAIT_S", "0.2")
     with (
         gradsync.GradSync(gradsync.FileGradSyncConfig(2, 0, tmp_path)) as gs,
         pytest.raises(
@@ -1087,6 +1113,25 @@ def test_empty_grads_list(tmp_path: Path) -> None:
         gs.average([], step=3)
     # A rank's own input error names its call's step and itself, as its peers' does.
     assert (info.value.step, info.value.ranks) == (3, (0,))
+    (told,) = [r.getMessage() for r in caplog.records if "could not tell" in r.getMessage()]
+    assert re.fullmatch(
+        r"rank 0 could not tell its peers why it failed: rendezvous: ranks \[1\] did not join "
+        rf"within 0\.2 s in {re.escape(str(tmp_path))} \(.*\)",
+        told,
+    ), told
+
+
+def test_a_bad_test_wait_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("GRADSYNC_TEST_WAIT_S", "soon")
+    cfg = gradsync.FileGradSyncConfig(2, 0, tmp_path)
+    with gradsync.GradSync(cfg) as gs, pytest.raises(gradsync.InvalidGradsError):
+        gs.average([])
+    assert [r.getMessage() for r in caplog.records if "could not tell" in r.getMessage()] == [
+        "rank 0 could not tell its peers why it failed: environment variable "
+        "GRADSYNC_TEST_WAIT_S must be a number, got 'soon'"
+    ]
 
 
 # -- 8. what a step accepts -------------------------------------------------------------
@@ -1127,6 +1172,48 @@ def _read_only() -> np.ndarray:
 def test_unusable_grads_are_named(grads: object, message: str) -> None:
     with pytest.raises(gradsync.InvalidGradsError, match=f"^{re.escape(message)}$"):
         validate_grads(grads)
+
+
+_FLAT = np.zeros(16, np.float32)
+_OWN = np.zeros(4)
+_VIEWS = "views of overlapping memory"
+
+
+def _through_torch() -> list[np.ndarray]:
+    # Two arrays of one memory whose bases differ (each the tensor it came from).
+    torch = pytest.importorskip("torch")
+    return [torch.from_numpy(_OWN).numpy(), torch.from_numpy(_OWN[1:]).numpy()]
+
+
+@pytest.mark.parametrize(
+    ("grads", "pair", "what"),
+    [
+        # The issue's case: a float32 and a float64 view of one memory gave different bits.
+        (lambda: [np.zeros(3), _FLAT[:8], _FLAT[:8].view(np.float64)], (1, 2), _VIEWS),
+        (lambda: [_OWN, np.ones(2), _OWN], (0, 2), "the same array"),
+        (lambda: [_FLAT[8:], _FLAT[:4], _FLAT[3:6]], (1, 2), _VIEWS),
+        (lambda: [_FLAT[15:], _FLAT], (0, 1), _VIEWS),
+        (_through_torch, (0, 1), _VIEWS),
+    ],
+    ids=["float32-and-float64-views", "same-array-twice", "slices", "slice-and-whole", "torch"],
+)
+def test_params_sharing_memory_are_invalid_grads(
+    grads: Callable[[], list[np.ndarray]], pair: tuple[int, int], what: str
+) -> None:
+    message = (
+        f"params {pair[0]} and {pair[1]} are {what}: averaging is in place, so each gradient "
+        "must be passed once, in memory of its own"
+    )
+    with pytest.raises(gradsync.InvalidGradsError, match=f"^{re.escape(message)}$"):
+        validate_grads(grads())
+
+
+def test_params_side_by_side_in_one_buffer_are_fine() -> None:
+    # Views of one flat buffer that do not overlap (a fused gradient buffer) are usual.
+    flat = np.zeros(16, np.float32)
+    parts = [flat[12:], flat[:4], flat[4:12].reshape(2, 4), flat[4:4]]
+    assert len(validate_grads(parts)) == 4
+    assert len(validate_grads([np.zeros(3), np.zeros(3)])) == 2
 
 
 @pytest.mark.skipif(not hasattr(getattr(np, "dtypes", None), "StringDType"), reason="numpy < 2")

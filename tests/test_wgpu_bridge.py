@@ -842,6 +842,24 @@ def test_one_rank_checks_the_buffers_as_more_ranks_would(device: Any, tmp_path: 
 
 
 @pytest.mark.wgpu
+def test_the_same_buffer_twice_is_invalid_grads(device: Any, tmp_path: Path) -> None:
+    # Averaged in place, the one buffer would get the mean of whichever param came last.
+    a, b = _buffer(device, np.ones(4, np.float32)), _buffer(device, np.ones(2, np.float32))
+    message = (
+        "step 0: params 0 and 2 are the same GPUBuffer: averaging is in place, so each "
+        "gradient must be passed once, in memory of its own"
+    )
+    cfg = gradsync.FileGradSyncConfig(1, 0, tmp_path)
+    with (
+        gradsync.GradSync(cfg) as gs,
+        pytest.raises(InvalidGradsError, match=f"^{re.escape(message)}$"),
+    ):
+        gs.average([a, b, a], device=device)
+    with gradsync.GradSync(cfg) as gs:
+        gs.average([a, b], device=device)  # each once: fine
+
+
+@pytest.mark.wgpu
 def test_one_rank_refuses_an_empty_buffer_list_as_more_ranks_would(
     device: Any, tmp_path: Path
 ) -> None:

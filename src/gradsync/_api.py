@@ -27,6 +27,7 @@ from ._protocol import Deliver, StepEngine, nonfinite_params, validate_grads
 from ._reduce import check_dtype
 from ._rendezvous import Generation, leave, rendezvous
 from ._stats import StepStats
+from ._testing import fixed_wait
 
 if TYPE_CHECKING:
     from ._wgpu import WgpuBridge
@@ -38,6 +39,7 @@ _log = logging.getLogger("gradsync")
 
 # How long a rank whose first call has bad input waits to meet its peers and tell
 # them, before it raises anyway: started together, they are there within seconds.
+# GRADSYNC_TEST_WAIT_S shortens it (see _testing.py).
 TELL_WAIT_S = 10.0
 
 # Forks this process's line has been through: a GradSync made before the last one
@@ -327,7 +329,7 @@ class GradSync:
                 self._session.engine is not None or isinstance(exc, GradSyncError)
             ):
                 try:
-                    self._started(max_wait_s=TELL_WAIT_S).give_up(exc)
+                    self._started(max_wait_s=fixed_wait(TELL_WAIT_S)).give_up(exc)
                     self._fail(exc)
                 except GradSyncError as unmet:
                     _log.warning(

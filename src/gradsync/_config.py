@@ -7,10 +7,10 @@ import numbers
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -23,6 +23,8 @@ _STRATEGIES: tuple[str, ...] = ("sharded", "root")
 _MAX_THREADS = 256
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _MAX_WAIT_SECONDS = 1e9  # about 31 years
+# Below these a heartbeat thread or a warning loop only burns CPU and fills logs.
+_FLOOR_S = {"heartbeat_interval_s": 0.01, "heartbeat_timeout_s": 0.1, "warn_after_s": 0.1}
 _INT_RE = re.compile(r"[+-]?[0-9]+")
 
 
@@ -34,7 +36,8 @@ class FileGradSyncConfig:
         world_size: Number of ranks in the job, >= 1.
         rank: This process's rank, ``0 <= rank < world_size``.
         sync_dir: Directory every rank can read and write: tmpfs (``/dev/shm``) on one
-            machine, a shared filesystem across machines. Created if missing. Kept as
+            machine, a shared filesystem across machines. Created if missing, with its
+            parents (a SyncDirError at the first call if it cannot be). Kept as
             an absolute path: a leading ``~`` is expanded, and a relative path is taken
             from the current directory when the config is made (a later ``os.chdir``
             does not move the job).
@@ -43,13 +46,14 @@ class FileGradSyncConfig:
         strategy: ``"sharded"`` (each rank reduces 1/world_size of the elements) or
             ``"root"`` (rank 0 reduces everything). Both give the same bits.
         heartbeat_interval_s: Seconds between this rank's heartbeats, which tell peers
-            on other hosts that it is alive.
+            on other hosts that it is alive; at least 0.01.
         heartbeat_timeout_s: A peer on another host whose heartbeat has not advanced
-            for this many seconds (measured on this host's clock) is declared lost.
+            for this many seconds (measured on this host's clock) is declared lost; at
+            least 0.1 and twice ``heartbeat_interval_s``.
             Both heartbeat settings must be the same on every rank (the first call
             raises MismatchError otherwise).
         warn_after_s: While waiting, log a warning naming the slow ranks every this
-            many seconds.
+            many seconds (at least 0.1).
         check_finite: Check every published gradient for NaN/Inf and fail the step on
             every rank, naming the rank and param, if one is found. Off by default:
             NaN/Inf then propagate into the mean as IEEE arithmetic says. Every rank
@@ -104,9 +108,29 @@ class FileGradSyncConfig:
     threads: int | None = None
     wide_sum: bool = False
 
+    if TYPE_CHECKING:
+        # What __init__ takes: sync_dir as a str or path-like, kept as an absolute Path.
+        def __init__(
+            self,
+            world_size: int,
+            rank: int,
+            sync_dir: str | os.PathLike[str],
+            max_wait_s: float = ...,
+            strategy: Strategy = ...,
+            heartbeat_interval_s: float = ...,
+            heartbeat_timeout_s: float = ...,
+            warn_after_s: float = ...,
+            check_finite: bool = ...,
+            run_id: str | None = ...,
+            use_mmap: bool | None = ...,
+            checksums: bool = ...,
+            threads: int | None = ...,
+            wide_sum: bool = ...,
+        ) -> None: ...
+
     def __post_init__(self) -> None:
-        self._set("world_size", _check_int("world_size", self.world_size, minimum=1))
-        self._set("rank", _check_int("rank", self.rank, minimum=0))
+        self._set("world_size", check_int("world_size", self.world_size, minimum=1))
+        self._set("rank", check_int("rank", self.rank, minimum=0))
         if self.rank >= self.world_size:
             raise ConfigError(
                 f"rank must satisfy 0 <= rank < world_size, got rank={self.rank!r} "
@@ -130,7 +154,7 @@ class FileGradSyncConfig:
                 ) from exc
         self._set("sync_dir", where)
         for name in ("max_wait_s", "heartbeat_interval_s", "heartbeat_timeout_s", "warn_after_s"):
-            self._set(name, _check_seconds(name, getattr(self, name)))
+            self._set(name, check_seconds(name, getattr(self, name), floor=_FLOOR_S.get(name, 0)))
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s"):
             # Threads wait this long at a time; past ~9.2e9 s such a wait overflows.
             if getattr(self, name) > _MAX_WAIT_SECONDS:
@@ -150,17 +174,13 @@ class FileGradSyncConfig:
         if self.use_mmap is not None:
             self._set("use_mmap", _check_bool("use_mmap", self.use_mmap, " or None"))
         if self.threads is not None:
-            self._set("threads", _check_int("threads", self.threads, minimum=1))
+            self._set("threads", check_int("threads", self.threads, minimum=1))
             if self.threads > _MAX_THREADS:
                 raise ConfigError(
                     f"threads must be <= {_MAX_THREADS} or None, got {self.threads!r}"
                 )
-        if self.run_id is not None and (
-            not isinstance(self.run_id, str) or not _RUN_ID_RE.fullmatch(self.run_id)
-        ):
-            raise ConfigError(
-                f"run_id must be 1-64 characters from [A-Za-z0-9._-] or None, got {self.run_id!r}"
-            )
+        if self.run_id is not None:
+            check_run_id("run_id", self.run_id, " or None")
 
     def _set(self, name: str, value: object) -> None:
         # Frozen: __post_init__ stores normalised values through object.__setattr__.
@@ -174,10 +194,14 @@ class FileGradSyncConfig:
 
         Reads ``GRADSYNC_WORLD_SIZE`` and ``GRADSYNC_RANK`` (falling back to torchrun's
         ``WORLD_SIZE`` and ``RANK``), ``GRADSYNC_SYNC_DIR`` (required), and optionally
-        ``GRADSYNC_MAX_WAIT_S``, ``GRADSYNC_THREADS``, ``GRADSYNC_WIDE_SUM`` (``1``/``0``,
-        ``true``/``false``) and ``GRADSYNC_RUN_ID`` (falling back to
-        ``TORCHELASTIC_RUN_ID``). A leading ``~`` of the sync dir is expanded. Keyword
-        ``overrides`` win over the environment.
+        one variable per other field: ``GRADSYNC_MAX_WAIT_S``, ``GRADSYNC_STRATEGY``,
+        ``GRADSYNC_HEARTBEAT_INTERVAL_S``, ``GRADSYNC_HEARTBEAT_TIMEOUT_S``,
+        ``GRADSYNC_WARN_AFTER_S``, ``GRADSYNC_CHECK_FINITE``, ``GRADSYNC_USE_MMAP``,
+        ``GRADSYNC_CHECKSUMS``, ``GRADSYNC_THREADS``, ``GRADSYNC_WIDE_SUM`` (flags:
+        ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off``) and
+        ``GRADSYNC_RUN_ID`` (falling back to ``TORCHELASTIC_RUN_ID``). A leading ``~``
+        of the sync dir is expanded. Keyword ``overrides`` win over the environment
+        (a variable for an overridden field is not read).
         With a world size of 1, ``GRADSYNC_SYNC_DIR`` may be unset (it is never used).
 
         Raises:
@@ -213,18 +237,10 @@ class FileGradSyncConfig:
                 )
             # A quoted "~/dir" reaches us unexpanded; no directory is named "~" on purpose.
             values["sync_dir"] = os.path.expanduser(raw)
-        if "GRADSYNC_MAX_WAIT_S" in source:
-            raw = source["GRADSYNC_MAX_WAIT_S"]
-            values["max_wait_s"] = _parse_float("GRADSYNC_MAX_WAIT_S", raw)
-            used.append(f"GRADSYNC_MAX_WAIT_S={raw!r}")
-        if "GRADSYNC_THREADS" in source:
-            raw = source["GRADSYNC_THREADS"]
-            values["threads"] = _parse_int("GRADSYNC_THREADS", raw)
-            used.append(f"GRADSYNC_THREADS={raw!r}")
-        if "GRADSYNC_WIDE_SUM" in source:
-            raw = source["GRADSYNC_WIDE_SUM"]
-            values["wide_sum"] = _parse_bool("GRADSYNC_WIDE_SUM", raw)
-            used.append(f"GRADSYNC_WIDE_SUM={raw!r}")
+        for key, name, parse in _OPTIONAL_VARS:
+            if name in source and key not in overrides:
+                values[key] = parse(name, source[name])
+                used.append(f"{name}={source[name]!r}")
         for name in ("GRADSYNC_RUN_ID", "TORCHELASTIC_RUN_ID"):
             if source.get(name):
                 values["run_id"] = source[name]
@@ -246,13 +262,26 @@ class FileGradSyncConfig:
         return self.world_size > 1
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> int:
+# The generated __init__ says what it stores (Path); help() should show what it takes.
+FileGradSyncConfig.__init__.__annotations__["sync_dir"] = "str | os.PathLike[str]"
+
+
+def check_int(name: str, value: object, *, minimum: int) -> int:
     """``value`` as an int (numpy integers too, not bools), or raise ConfigError."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise ConfigError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_run_id(name: str, value: object, alternative: str = "") -> str:
+    """``value`` as a run id (1-64 characters from [A-Za-z0-9._-]), or raise ConfigError."""
+    if not isinstance(value, str) or not _RUN_ID_RE.fullmatch(value):
+        raise ConfigError(
+            f"{name} must be 1-64 characters from [A-Za-z0-9._-]{alternative}, got {value!r}"
+        )
+    return value
 
 
 def _check_bool(name: str, value: object, alternative: str = "") -> bool:
@@ -262,16 +291,20 @@ def _check_bool(name: str, value: object, alternative: str = "") -> bool:
     return bool(value)
 
 
-def _check_seconds(name: str, value: object) -> float:
-    """``value`` as a float of seconds (numpy floats too), finite and > 0, or raise."""
+def check_seconds(name: str, value: object, *, zero_ok: bool = False, floor: float = 0) -> float:
+    """``value`` as a float of seconds (numpy floats too), finite, > 0 (>= 0 if
+    ``zero_ok``) and >= ``floor``, or raise ConfigError naming ``name``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
     try:
         seconds = float(value)
     except OverflowError:  # an int too large for a float is no usable number of seconds
         seconds = math.inf
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    if not (math.isfinite(seconds) and (seconds > 0 or (zero_ok and seconds == 0))):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    if seconds < floor:
+        raise ConfigError(f"{name} must be at least {floor:g} s, got {value!r}")
     return seconds
 
 
@@ -289,7 +322,7 @@ def _parse_int(name: str, raw: str) -> int:
     return int(raw.strip())
 
 
-def _parse_float(name: str, raw: str) -> float:
+def parse_float(name: str, raw: str) -> float:
     try:
         if not raw.isascii() or "_" in raw:
             raise ValueError(raw)
@@ -310,3 +343,23 @@ def _parse_bool(name: str, raw: str) -> bool:
         f"environment variable {name} must be one of 1, 0, true, false, yes, no, on, off; "
         f"got {raw!r}"
     )
+
+
+def _parse_str(name: str, raw: str) -> str:
+    return raw  # checked by the field's own rule, which names the variable's value
+
+
+# (field, environment variable, parser) for each field a launcher may set, beyond
+# world size, rank, sync dir and run id.
+_OPTIONAL_VARS: tuple[tuple[str, str, Callable[[str, str], object]], ...] = (
+    ("max_wait_s", "GRADSYNC_MAX_WAIT_S", parse_float),
+    ("strategy", "GRADSYNC_STRATEGY", _parse_str),
+    ("heartbeat_interval_s", "GRADSYNC_HEARTBEAT_INTERVAL_S", parse_float),
+    ("heartbeat_timeout_s", "GRADSYNC_HEARTBEAT_TIMEOUT_S", parse_float),
+    ("warn_after_s", "GRADSYNC_WARN_AFTER_S", parse_float),
+    ("check_finite", "GRADSYNC_CHECK_FINITE", _parse_bool),
+    ("use_mmap", "GRADSYNC_USE_MMAP", _parse_bool),
+    ("checksums", "GRADSYNC_CHECKSUMS", _parse_bool),
+    ("threads", "GRADSYNC_THREADS", _parse_int),
+    ("wide_sum", "GRADSYNC_WIDE_SUM", _parse_bool),
+)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from ._errors import ConfigError, SyncDirError
+from ._errors import SyncDirError
 
 _log = logging.getLogger("gradsync")
 
@@ -436,8 +436,11 @@ def wait_for_path(path: str | os.PathLike[str], max_wait_s: float) -> bool:
     millisecond and then sleeping at most 0.5 ms between tries for the first
     second and 5 ms after that. ``max_wait_s`` may be 0 (one try).
     """
-    if not (isinstance(max_wait_s, (int, float)) and 0 <= max_wait_s < float("inf")):
-        raise ConfigError(f"max_wait_s must be a finite number of seconds >= 0, got {max_wait_s!r}")
+    # The config's own check: any number it takes for max_wait_s (numpy's too), or 0.
+    # Imported here: the watchdog imports this module and must not load numpy.
+    from ._config import check_seconds  # noqa: PLC0415
+
+    max_wait_s = check_seconds("max_wait_s", max_wait_s, zero_ok=True)
     target = os.fspath(path)
     for _ in _poll(max_wait_s):
         try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import codecs
 import contextlib
 import logging
-import math
 import os
 import queue
 import re
@@ -27,9 +26,10 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+from ._config import check_int, check_run_id, check_seconds
 from ._defaultdir import DEFAULT_PREFIX, default_base
-from ._errors import ConfigError
-from ._fsio import DIR_MODE
+from ._errors import ConfigError, SyncDirError
+from ._makedir import make_sync_dir
 from ._reaping import leave_for_ended, remove_dead_jobs
 from ._report import Tail, announce, failure_summary, stopped_by_launcher
 from ._report import describe as _describe
@@ -41,8 +41,6 @@ __all__ = ["launch"]
 
 logger = logging.getLogger("gradsync.launch")
 
-# Same rule as FileGradSyncConfig.run_id; checked here so a bad id fails before any rank starts.
-_RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _MAX_LINE_BYTES = 64 * 1024  # longer lines are split, so one rank cannot exhaust memory
 _LINE_END = re.compile(rb"\r\n|\r|\n")
@@ -208,18 +206,19 @@ def _validate(
     module: bool,
 ) -> None:
     """Raise :class:`ConfigError` naming the first invalid argument and its value."""
-    _check_int("--nproc", nproc, minimum=1)
+    # The config's own checks: a value the launcher passes on is one the ranks accept.
+    check_int("--nproc", nproc, minimum=1)
     if nproc > _MAX_NPROC:
         raise ConfigError(f"--nproc must be <= {_MAX_NPROC}, got {nproc!r}")
-    _check_int("--nnodes", nnodes, minimum=1)
-    _check_int("--node-rank", node_rank, minimum=0)
+    check_int("--nnodes", nnodes, minimum=1)
+    check_int("--node-rank", node_rank, minimum=0)
     if node_rank >= nnodes:
         raise ConfigError(f"--node-rank must be < --nnodes ({nnodes}), got {node_rank!r}")
     if max_wait_s is not None:
-        _check_seconds("--max-wait-s", max_wait_s, allow_zero=False)
-    _check_seconds("--grace-period-s", grace_period_s, allow_zero=True)
-    if run_id is not None and (not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id)):
-        raise ConfigError(f"--run-id must be 1-64 characters from [A-Za-z0-9._-], got {run_id!r}")
+        check_seconds("--max-wait-s", max_wait_s)
+    check_seconds("--grace-period-s", grace_period_s, zero_ok=True)
+    if run_id is not None:
+        check_run_id("--run-id", run_id)
     if nnodes > 1 and run_id is None:
         raise ConfigError(
             f"--nnodes {nnodes} needs --run-id: pass the same id to the launcher on every node"
@@ -242,21 +241,6 @@ def _validate(
         raise ConfigError(f"SCRIPT {script!r} is not a file")
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
-
-
-def _check_seconds(name: str, value: object, *, allow_zero: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{name} must be a finite number {bound}, got {value!r}")
-
-
 def _make_default_sync_dir(run_id: str) -> Path:
     """Create a fresh private directory on tmpfs if possible, else in the temp dir."""
     return Path(tempfile.mkdtemp(prefix=f"{DEFAULT_PREFIX}{run_id}-", dir=default_base()))
@@ -266,11 +250,9 @@ def _prepare_sync_dir(sync_dir: str | os.PathLike[str]) -> Path:
     """Create ``sync_dir`` if missing and return its absolute path."""
     path = Path(os.path.abspath(os.path.expanduser(sync_dir)))  # "--sync-dir=~/x" too
     try:
-        path.mkdir(DIR_MODE, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"--sync-dir {os.fspath(sync_dir)!r} cannot be created: {exc.strerror or exc}"
-        ) from exc
+        make_sync_dir(path, f"--sync-dir {os.fspath(sync_dir)!r}")
+    except SyncDirError as exc:
+        raise ConfigError(str(exc)) from exc
     return path
 
 

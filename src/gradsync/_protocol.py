@@ -71,6 +71,7 @@ from ._fsio import (
     write_note,
 )
 from ._liveness import Heartbeat
+from ._overlap import overlap_message, overlapping
 from ._parallel import SMALL_COPY_BYTES, Workers, auto_threads, split_range
 from ._peers import Peer, PeerFiles, check_inputs, check_length, reading
 from ._plan import Group, Plan
@@ -133,6 +134,7 @@ def _checked(grads: object) -> tuple[list[np.ndarray], list[np.ndarray], Layout]
     arrays: list[np.ndarray] = []
     flats: list[np.ndarray] = []
     layout: list[tuple[str, tuple[int, ...]]] = []
+    views = False  # whether an array may share memory with another that is not itself
     for i, g in enumerate(grads):
         if not isinstance(g, np.ndarray):
             # Told by its module: the numpy path never imports wgpu.
@@ -165,9 +167,15 @@ def _checked(grads: object) -> tuple[list[np.ndarray], list[np.ndarray], Layout]
         # A subclass (np.matrix, say) may reshape in its own way: its memory, as a plain
         # array, is what is averaged.
         a = g if type(g) is np.ndarray else g.view(np.ndarray)
+        views = views or a.base is not None or not flags.owndata
         arrays.append(a)
         flats.append(a.ravel())  # a view (C-contiguous), and half the cost of reshape(-1)
         layout.append((name, a.shape))
+    pair = overlapping(arrays, views=views)
+    if pair is not None:
+        i, j = pair
+        what = "the same array" if grads[i] is grads[j] else "views of overlapping memory"
+        raise InvalidGradsError(overlap_message(i, j, what))
     return arrays, flats, tuple(layout)
 
 

@@ -78,6 +78,7 @@ from ._jobfiles import (
     write_json,
 )
 from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo
+from ._makedir import make_sync_dir
 from ._reaping import reap_stale_generations, remove_dead_joins
 
 __all__ = ["Generation", "calls_finished", "leave", "rendezvous"]
@@ -156,6 +157,7 @@ def rendezvous(cfg: FileGradSyncConfig, closing: threading.Event | None = None) 
     """
     nonce = secrets.token_hex(8)
     me = MemberInfo.for_self(cfg.rank, nonce)
+    make_sync_dir(cfg.sync_dir, f"sync_dir {cfg.sync_dir}")
     rdzv = cfg.sync_dir / RDZV
     try:
         cfg.sync_dir.mkdir(DIR_MODE, parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import ConfigError, InvalidGradsError, WgpuBridgeError
+from ._overlap import overlap_message, repeated
 from ._parallel import Workers
 from ._reduce import SUPPORTED_DTYPES
 from ._wgpu_checks import (
@@ -173,6 +174,9 @@ class WgpuBridge:
             except (TypeError, ValueError):
                 pass  # not comparable: resolved again below, and refused there if bad
         check_types(buffers)
+        pair = repeated(buffers)
+        if pair is not None:
+            raise InvalidGradsError(overlap_message(*pair, "the same GPUBuffer"))
         dtypes = resolve_dtypes(buffers, dtype)
         self._resolved = (key, spec, dtypes)
         return dtypes
