@@ -1323,9 +1323,9 @@ def test_a_gave_up_note_racing_the_removal_of_its_generation_leaves_nothing(
     sync = tmp_path / "sync"
     original = rdzv.write_note
 
-    def write_note(path: Path, data: bytes) -> None:
+    def write_note(path: Path, data: bytes, **kw: Any) -> None:
         if not path.name.startswith(_jobfiles.GAVE_UP):
-            original(path, data)
+            original(path, data, **kw)
             return
         # A remover (the next rank 0's reaper) has unlinked the leader file and listed
         # the directory, and removes what it listed; this note comes in between.
@@ -1391,10 +1391,10 @@ def test_a_joiner_that_gives_up_as_rank_0_writes_the_roster_leaves_the_job(
         if path.name == _jobfiles.ROSTER:
             rostered.set()
 
-    def note(path: Path, data: bytes) -> None:
+    def note(path: Path, data: bytes, **kw: Any) -> None:
         if path.name.startswith(_jobfiles.GAVE_UP):
             assert rostered.wait(10.0)  # rank 0 wrote the roster before it saw the note
-        write_note(path, data)
+        write_note(path, data, **kw)
 
     monkeypatch.setattr(rdzv, "write_json", confirm)
     monkeypatch.setattr(rdzv, "write_note", note)

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from ._fsio import list_names, remove_tree, write_atomic, write_note
+from ._fsio import list_names, write_atomic, write_note
 from ._jobfiles import (
     ENDED,
     GEN_PREFIX,
@@ -38,6 +38,7 @@ from ._jobfiles import (
     offer_name,
 )
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
+from ._syncdir import dir_below, is_own_dir, remove_own_dir
 
 __all__ = [
     "leave_for_ended",
@@ -94,7 +95,7 @@ def remove_dead_jobs(sync_dir: Path) -> None:
         names = list_names(sync_dir)
         for name in names:
             gen_path = sync_dir / name
-            if not name.startswith(GEN_PREFIX):
+            if not name.startswith(GEN_PREFIX) or not is_own_dir(sync_dir, name):
                 continue
             members = members_of(gen_path)
             if members and all(_gone(gen_path, m) for m in members):
@@ -115,7 +116,9 @@ def leave_for_ended(sync_dir: Path, rank: int, pid: int, how: str) -> None:
     removed, as the last rank to leave would. Never raises: where no note could be
     written, the heartbeat tells."""
     try:
-        names = sorted(n for n in list_names(sync_dir) if n.startswith(GEN_PREFIX))
+        names = sorted(
+            n for n in list_names(sync_dir) if n.startswith(GEN_PREFIX) and is_own_dir(sync_dir, n)
+        )
     except OSError as exc:
         _log.debug("no note for rank %d (pid %d) in %s: %s", rank, pid, sync_dir, exc)
         return
@@ -164,7 +167,7 @@ def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
         if leader_gone(gen_path):
             # Removed meanwhile by someone who listed it before this note: it would
             # keep the directory, without a leader file to say whose it is.
-            remove_tree(gen_path)
+            remove_own_dir(gen_path.parent, gen_path.name)
             return
     if rostered and all((gen_path / left_name(m.rank)).exists() for m in members):
         _remove(gen_path)
@@ -198,10 +201,13 @@ def members_of(gen_path: Path) -> list[MemberInfo] | None:
 
 
 def _remove(gen_path: Path) -> None:
+    sync_dir = gen_path.parent
+    if not is_own_dir(sync_dir, gen_path.name):
+        return
     _log.debug("removing %s: every member of that run is gone", gen_path)
-    with contextlib.suppress(OSError):
-        leader_file(gen_path.parent, gen_path.name[len(GEN_PREFIX) :]).unlink()
-    remove_tree(gen_path)
+    with contextlib.suppress(OSError), dir_below(sync_dir, RDZV) as rdzv:
+        os.unlink(leader_file(sync_dir, gen_path.name[len(GEN_PREFIX) :]).name, dir_fd=rdzv)
+    remove_own_dir(sync_dir, gen_path.name)
 
 
 def _silent_since_last_look(gen_path: Path, beats: list[Path], timeout_s: float) -> bool:
@@ -238,6 +244,8 @@ def reap_stale_generations(sync_dir: Path, keep: Path, timeout_s: float) -> None
         gen_path = sync_dir / name
         if not name.startswith(GEN_PREFIX) or gen_path == keep:
             continue
+        if not is_own_dir(sync_dir, name):
+            continue  # a user's, whatever its name: never looked into, written or removed
         members = members_of(gen_path)
         if members is None:
             continue

@@ -73,8 +73,10 @@ class DataReader:
         buf: Any,
         *,
         drop_cached: bool = False,
+        dir_fd: int | None = None,
     ) -> None:
         self.path = path
+        self._dir_fd = dir_fd
         self.head = head
         self.size = size
         self._fd = fd  # neither fd nor buf: opened when first read (Transport.open)
@@ -169,7 +171,7 @@ class DataReader:
 
     def _file(self) -> int:
         if self._fd is None:
-            self._fd, _ = open_regular(self.path)
+            self._fd, _ = open_regular(self.path, dir_fd=self._dir_fd)
         return self._fd
 
     def close(self) -> None:
@@ -182,8 +184,13 @@ class DataReader:
 class Transport:
     """Writes and opens data files; keeps their mappings when ``mapped``."""
 
-    def __init__(self, *, mapped: bool, head_bytes: int, shared: bool = False) -> None:
+    def __init__(
+        self, *, mapped: bool, head_bytes: int, shared: bool = False, dir_fd: int | None = None
+    ) -> None:
         self.mapped = mapped
+        # The directory of every file it handles, opened without following links: each
+        # is opened by its name relative to it.
+        self._dir_fd = dir_fd
         # Files live on a filesystem other hosts write: what this host sees of them may
         # lag behind (see Transport.open), so its cached pages are dropped before reading.
         self.shared = shared
@@ -217,7 +224,7 @@ class Transport:
         """
         if not self.mapped:
             self._written.pop(path, None)
-            size = write_in_place(path, chunks, midway=midway)
+            size = write_in_place(path, chunks, midway=midway, dir_fd=self._dir_fd)
             self._written[path] = (_first_bytes(chunks, self._head_bytes), size)
             return
         sizes = [memoryview(c).nbytes for c in chunks]
@@ -247,7 +254,7 @@ class Transport:
         if cached is not None and cached[1] == size:
             return cached[3]
         self.forget(path)
-        fd = open_own(path, os.O_RDWR)
+        fd = open_own(path, os.O_RDWR, dir_fd=self._dir_fd)
         try:
             os.ftruncate(fd, size)
             if size:
@@ -287,17 +294,17 @@ class Transport:
             return DataReader(path, bytes(buf[: self._head_bytes]), size, None, buf)
         written = self._written.get(path)
         if written is not None:
-            return DataReader(path, written[0], written[1], None, None)
+            return DataReader(path, written[0], written[1], None, None, dir_fd=self._dir_fd)
         if self.mapped:
             # A kept mapping is reused when the name still leads to the same inode of
             # the same size: one stat instead of open, fstat and close every step.
-            st = os.stat(path)
+            st = os.stat(path if self._dir_fd is None else path.name, dir_fd=self._dir_fd)
             kept = self._maps.get(path)
             if kept is not None and kept[:2] == (st.st_ino, st.st_size):
                 buf = kept[3]
                 return DataReader(path, bytes(buf[: self._head_bytes]), st.st_size, None, buf)
         # Never a plain open: a FIFO in a data file's place would block it forever.
-        fd, st = open_regular(path)
+        fd, st = open_regular(path, dir_fd=self._dir_fd)
         try:
             if not self.mapped or st.st_size == 0:
                 if self._drop_cached:

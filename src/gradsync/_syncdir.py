@@ -1,0 +1,310 @@
+"""Directories below the sync directory, reached only through directory descriptors.
+
+The sync directory itself is opened by its path (the user chose it: links above it
+are theirs). Every directory below it is opened relative to its parent's descriptor
+with ``O_NOFOLLOW``, so no symbolic link below the sync directory is ever followed,
+whoever planted it and whenever. A directory gradsync makes holds the mark
+:data:`OWN_MARK`, written right after its ``mkdir``; gradsync removes a directory only
+where it finds that mark, and never anything else of that name (a user's ``gen-x``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import stat
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from ._errors import SyncDirError
+from ._fsio import DIR_MODE, FILE_MODE
+
+__all__ = [
+    "OWN_MARK",
+    "GenDir",
+    "dir_below",
+    "is_own_dir",
+    "make_own_dir",
+    "open_below",
+    "refuse_link",
+    "remove_own_dir",
+]
+
+_log = logging.getLogger("gradsync")
+
+# The empty file in every directory gradsync makes below the sync dir: proof that it did.
+OWN_MARK = ".gradsync-own"
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_sub(parent_fd: int, name: str, shown: Path) -> int:
+    """The descriptor of directory ``name`` in ``parent_fd``, never through a link.
+
+    Raises:
+        SyncDirError (ELOOP): ``name`` is a symbolic link (naming ``shown``).
+        OSError: as the system reported it (ENOTDIR for a file, ENOENT...).
+    """
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(parent_fd, name):
+            raise _link_error(shown) from exc
+        raise
+
+
+def _is_link(parent_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _link_error(shown: Path) -> SyncDirError:
+    try:
+        target = f" (to {os.readlink(shown)})"
+    except OSError:
+        target = ""
+    return SyncDirError(
+        f"{shown} is a symbolic link{target} where gradsync expects a directory of its own: "
+        "refused (gradsync follows no link below its sync dir); remove it",
+        errno=errno.ELOOP,
+        path=shown,
+    )
+
+
+def open_below(sync_dir: Path, *names: str) -> int:
+    """A descriptor of ``sync_dir/names...``: the sync dir by its path, each name below it
+    relative to the last with ``O_NOFOLLOW``. The caller closes it.
+
+    Raises:
+        SyncDirError (ELOOP): one of ``names`` is a symbolic link.
+        OSError: as the system reported it.
+    """
+    fd = os.open(sync_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    shown = sync_dir
+    for name in names:
+        shown = shown / name
+        try:
+            sub = _open_sub(fd, name, shown)
+        finally:
+            os.close(fd)
+        fd = sub
+    return fd
+
+
+@contextlib.contextmanager
+def dir_below(sync_dir: Path, *names: str) -> Iterator[int]:
+    """:func:`open_below` as a context that closes the descriptor."""
+    fd = open_below(sync_dir, *names)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _marked(fd: int) -> bool:
+    try:
+        st = os.stat(OWN_MARK, dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode)
+
+
+def make_own_dir(sync_dir: Path, *names: str, exist_ok: bool = False) -> bool:
+    """Make the directory ``sync_dir/names...`` (its parents must exist) and mark it as
+    gradsync's; with ``exist_ok``, one found there must bear the mark. Whether it made it.
+
+    Raises:
+        SyncDirError (ELOOP): a link stands in the way. OSError: as the system reported
+            it (EEXIST for an unmarked directory of that name, ENOSPC...).
+    """
+    *above, name = names
+    shown = sync_dir.joinpath(*names)
+    with dir_below(sync_dir, *above) as parent:
+        try:
+            os.mkdir(name, DIR_MODE, dir_fd=parent)
+        except FileExistsError:
+            if not exist_ok:
+                raise
+            fd = _open_sub(parent, name, shown)
+            try:
+                if _marked(fd):
+                    return False
+            finally:
+                os.close(fd)
+            raise FileExistsError(
+                errno.EEXIST, "exists, and gradsync did not make it", os.fspath(shown)
+            ) from None
+        try:
+            fd = _open_sub(parent, name, shown)
+            try:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+                os.close(os.open(OWN_MARK, flags, FILE_MODE, dir_fd=fd))
+            finally:
+                os.close(fd)
+        except BaseException:
+            # Empty, and just made by this process: nobody else's to lose.
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=parent)
+            raise
+    return True
+
+
+def is_own_dir(sync_dir: Path, *names: str) -> bool:
+    """Whether ``sync_dir/names...`` is a directory gradsync made (no link on the way)."""
+    try:
+        with dir_below(sync_dir, *names) as fd:
+            return _marked(fd)
+    except OSError:
+        return False
+
+
+def remove_own_dir(sync_dir: Path, *names: str) -> bool:
+    """Remove the directory ``sync_dir/names...`` and all it holds, if the directory just
+    below the sync dir on its way (``names[0]``, a generation) bears gradsync's mark:
+    everything in a generation is its job's. Never through a link, never anything of
+    an unmarked directory. Whether it was removed. Never raises.
+
+    Ranks may remove the same tree at once: the removal goes on past every error (on
+    JuiceFS an ``fstat`` of a directory another host removed meanwhile raised
+    FileNotFoundError in ``shutil.rmtree``).
+    """
+    shown = sync_dir.joinpath(*names)
+    try:
+        with dir_below(sync_dir) as base, contextlib.ExitStack() as fds:
+            top = _open_sub(base, names[0], sync_dir / names[0])
+            fds.callback(os.close, top)
+            if not _marked(top):
+                _log.debug("not removing %s: gradsync did not make it", shown)
+                return False
+            # Removed from the sync dir: only the directory whose mark was seen, not a swap.
+            seen: os.stat_result | None = os.fstat(top)
+            parent = base
+            if len(names) > 1:
+                parent, seen = top, None
+                for depth in range(2, len(names)):
+                    parent = _open_sub(parent, names[depth - 1], sync_dir.joinpath(*names[:depth]))
+                    fds.callback(os.close, parent)
+            _rmtree_at(parent, names[-1], seen)
+    except OSError as exc:
+        _log.debug("not removing %s: %s", shown, exc)
+        return False
+    return True
+
+
+def _rmtree_at(parent: int, name: str, expect: os.stat_result | None = None) -> None:
+    """Remove directory ``name`` of ``parent`` and all it holds, as far as it goes, by
+    descriptors: a link inside is unlinked, never followed (``shutil.rmtree`` has no
+    ``dir_fd`` before Python 3.11). With ``expect``, only if it is still that directory."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except OSError:
+        return
+    try:
+        if expect is not None and not os.path.samestat(os.fstat(fd), expect):
+            return
+        for entry in os.listdir(fd):
+            try:
+                st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    _rmtree_at(fd, entry)
+                else:
+                    os.unlink(entry, dir_fd=fd)
+            except OSError:
+                continue
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(name, dir_fd=parent)
+
+
+class GenDir:
+    """A generation's directory and its recent step directories ``s-<seq>``, held open:
+    what a rank writes in them goes through these descriptors, never the paths."""
+
+    def __init__(self, gen_path: Path) -> None:
+        self.path = gen_path
+        self.fd = open_below(gen_path.parent, gen_path.name)
+        self._steps: dict[int, int] = {}
+
+    def step_path(self, seq: int) -> Path:
+        """For messages only."""
+        return self.path / f"s-{seq}"
+
+    def step_fd(self, seq: int, *, make: bool = False) -> int:
+        """The descriptor of ``s-<seq>`` (made first with ``make``, if no peer has).
+
+        Raises:
+            SyncDirError (ELOOP): a link is there. OSError: as the system reported it.
+        """
+        fd = self._steps.get(seq)
+        if fd is not None:
+            return fd
+        name = f"s-{seq}"
+        if make:
+            with contextlib.suppress(FileExistsError):  # a peer was first
+                os.mkdir(name, DIR_MODE, dir_fd=self.fd)
+        fd = self._steps[seq] = _open_sub(self.fd, name, self.step_path(seq))
+        return fd
+
+    def held_step_fd(self, seq: int) -> int | None:
+        """The descriptor of ``s-<seq>`` if this rank holds it open, else None."""
+        return self._steps.get(seq)
+
+    def release_before(self, seq: int) -> None:
+        """Close the descriptors of steps before ``seq``."""
+        for old in [k for k in self._steps if k < seq]:
+            os.close(self._steps.pop(old))
+
+    def prune(self, seq: int, names: Iterable[str]) -> None:
+        """Remove ``s-<seq>``, a finished step's directory: normally empty (one rmdir),
+        else its ``names`` are unlinked first, else the rest goes too."""
+        name = f"s-{seq}"
+        try:
+            os.rmdir(name, dir_fd=self.fd)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            pass
+        try:
+            sub = _open_sub(self.fd, name, self.step_path(seq))
+        except OSError:
+            return  # not a directory (a link is never followed): not this job's to remove
+        try:
+            for entry in names:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry, dir_fd=sub)
+        finally:
+            os.close(sub)
+        try:
+            os.rmdir(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            _rmtree_at(self.fd, name)
+
+    def close(self) -> None:
+        self.release_before(sys.maxsize)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def refuse_link(path: Path, *, step: int | None = None) -> None:
+    """Raise SyncDirError (ELOOP) naming ``path`` if it is a symbolic link: one put where
+    gradsync's own directory was, which its descriptors never follow but its listings
+    by path would."""
+    try:
+        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+    except OSError:
+        return
+    if is_link:
+        exc = _link_error(path)
+        exc.step = step
+        raise exc
