@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import syncdir_workers
+from gradsync._transport import Transport
 from ranks import Outcome, run_ranks
 
 
@@ -189,3 +190,33 @@ def test_a_job_starts_where_a_dead_job_holds_the_last_inodes(tmp_path: Path) -> 
         for outcome in results.values():  # nothing left to free: each says what is out
             assert (outcome.ok, outcome.error_type) == (False, "SyncDirError"), outcome
             assert "filesystem is out of inodes" in outcome.message, outcome.message
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
+def test_a_reader_follows_only_a_ranks_link_to_its_shared_arrays(
+    tmp_path: Path, mapped: bool
+) -> None:
+    # d-<rank>.in links to d-<rank>-b<n>.in (buffers_like); any other link there was
+    # followed, anywhere.
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (tmp_path / "outside").write_bytes(b"secret" * 10)
+    (gen / "d-1-b3.in").write_bytes(b"H" * 40)
+    (gen / "d-1.in").symlink_to("d-1-b3.in")
+    (gen / "d-2.in").symlink_to(tmp_path / "outside")
+    (gen / "d-3.in").symlink_to("../outside")
+    (gen / "d-4.in").symlink_to("d-1-b3.in")  # another rank's arrays
+    fd = os.open(gen, os.O_RDONLY | os.O_DIRECTORY)
+    transport = Transport(mapped=mapped, head_bytes=8, dir_fd=fd)
+    try:
+        reader = transport.open(gen / "d-1.in")
+        assert (reader.head, reader.size) == (b"H" * 8, 40)
+        reader.close()
+        for rank in (2, 3, 4):
+            with pytest.raises(OSError, match=r"is a symbolic link to .*: refused") as info:
+                transport.open(gen / f"d-{rank}.in")
+            assert info.value.errno == errno.ELOOP
+            assert str(gen / f"d-{rank}.in") in str(info.value)
+    finally:
+        transport.close()
+        os.close(fd)

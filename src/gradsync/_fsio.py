@@ -306,20 +306,22 @@ _KINDS = {
 
 
 def open_regular(
-    path: str | os.PathLike[str], *, dir_fd: int | None = None
+    path: str | os.PathLike[str], *, dir_fd: int | None = None, follow: bool = True
 ) -> tuple[int, os.stat_result]:
     """Open ``path`` for reading, which must be a regular file: the descriptor and its
     ``fstat``.
 
     Opened with ``O_NONBLOCK``, which a regular file's reads ignore but which keeps a
     FIFO in its place from blocking the open until a writer comes (forever, past any
-    wait limit), then cleared again.
+    wait limit), then cleared again. Without ``follow``, a symbolic link is refused
+    (ELOOP); with ``dir_fd``, ``path``'s name is opened relative to it.
 
     Raises:
         NotAFileError: a FIFO, directory, socket or device ("<path> is a FIFO, not a
             regular file"). OSError: as the system reported it (FileNotFoundError...).
     """
-    fd = os.open(_at(path, dir_fd), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(_at(path, dir_fd), flags, dir_fd=dir_fd)
     return fd, _checked_regular(fd, path, one_link=False)
 
 

@@ -61,13 +61,13 @@ def remove_dead_joins(rdzv: Path) -> None:
     """Remove the join files of dead processes of this host, offers without a join, and
     notes of ended joins older than a day."""
     names = list_names(rdzv)
+    gone: list[str] = []
     for name in names:
         if name.startswith(ENDED):
             at = noted_at(load(rdzv / name) or {})
             fresh = at is not None and time.time() - at < _ENDED_KEEP_S
             if not fresh:
-                with contextlib.suppress(OSError):
-                    (rdzv / name).unlink()
+                gone.append(name)
     waiting = set()  # offers that the process of a join may still read
     for name in names:
         nonce = join_nonce(name)
@@ -75,15 +75,16 @@ def remove_dead_joins(rdzv: Path) -> None:
             continue
         stale = member_of(load(rdzv / name))
         if stale is not None and stale.local_death() is not None:
-            with contextlib.suppress(OSError):
-                (rdzv / name).unlink()
+            gone.append(name)
         else:
             waiting.add(offer_name(nonce))
-    for name in names:
-        # An offer names rank 0, not the joiner: it is stale once its join is gone.
-        if name.startswith("offer-") and name not in waiting:
-            with contextlib.suppress(OSError):
-                (rdzv / name).unlink()
+    # An offer names rank 0, not the joiner: it is stale once its join is gone.
+    gone += [n for n in names if n.startswith("offer-") and n not in waiting]
+    if gone:
+        with contextlib.suppress(OSError), dir_below(rdzv.parent, rdzv.name) as fd:
+            for name in gone:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=fd)
 
 
 def remove_dead_jobs(sync_dir: Path) -> None:
@@ -150,7 +151,9 @@ def _note_unjoined(rdzv: Path, rank: int, pid: int, how: str) -> None:
         if member.local_death() is None:
             continue  # the pid is a live process's by now (see _leave_in)
         note = {"member": member.to_json(), "run_id": data.get("run_id"), "ended": how}
-        write_atomic(rdzv / f"{ENDED}{rank}-{nonce}.json", [dump({**note, "at": time.time()})])
+        with dir_below(rdzv.parent, rdzv.name) as fd:
+            raw = dump({**note, "at": time.time()})
+            write_atomic(rdzv / f"{ENDED}{rank}-{nonce}.json", [raw], dir_fd=fd)
 
 
 def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
@@ -163,7 +166,8 @@ def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
         return
     note = gen_path / left_name(rank)
     if not note.exists():  # else it closed its session itself (and may have died in it)
-        write_note(note, dump({"ended": how}))
+        with dir_below(gen_path.parent, gen_path.name) as fd:
+            write_note(note, dump({"ended": how}), dir_fd=fd)
         if leader_gone(gen_path):
             # Removed meanwhile by someone who listed it before this note: it would
             # keep the directory, without a leader file to say whose it is.
@@ -224,8 +228,8 @@ def _silent_since_last_look(gen_path: Path, beats: list[Path], timeout_s: float)
     if note is not None and note.get("counters") == counters:
         seen_at = note.get("monotonic")
         return isinstance(seen_at, (int, float)) and now - seen_at >= timeout_s
-    with contextlib.suppress(OSError):
-        write_atomic(note_path, [dump({"counters": counters, "monotonic": now})])
+    with contextlib.suppress(OSError), dir_below(gen_path.parent, gen_path.name) as fd:
+        write_atomic(note_path, [dump({"counters": counters, "monotonic": now})], dir_fd=fd)
     return False
 
 

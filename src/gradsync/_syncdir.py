@@ -199,7 +199,9 @@ def remove_own_dir(sync_dir: Path, *names: str) -> bool:
 def _rmtree_at(parent: int, name: str, expect: os.stat_result | None = None) -> None:
     """Remove directory ``name`` of ``parent`` and all it holds, as far as it goes, by
     descriptors: a link inside is unlinked, never followed (``shutil.rmtree`` has no
-    ``dir_fd`` before Python 3.11). With ``expect``, only if it is still that directory."""
+    ``dir_fd`` before Python 3.11). With ``expect``, only if it is still that directory,
+    whose mark goes last: a file written into it meanwhile (a late note) is removed on
+    another pass, or else the mark is put back, so that it never stays unmarked."""
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
     except OSError:
@@ -207,21 +209,38 @@ def _rmtree_at(parent: int, name: str, expect: os.stat_result | None = None) -> 
     try:
         if expect is not None and not os.path.samestat(os.fstat(fd), expect):
             return
-        for entry in os.listdir(fd):
+        for _ in range(3 if expect is not None else 1):
+            _empty(fd, keep=OWN_MARK if expect is not None else None)
+            if expect is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(OWN_MARK, dir_fd=fd)
             try:
-                st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
-                    _rmtree_at(fd, entry)
-                else:
-                    os.unlink(entry, dir_fd=fd)
-            except OSError:
-                continue
+                os.rmdir(name, dir_fd=parent)
+                return
+            except OSError as exc:
+                if expect is None or exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    return
+            flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+            os.close(os.open(OWN_MARK, flags, FILE_MODE, dir_fd=fd))
     except OSError:
         pass
     finally:
         os.close(fd)
-    with contextlib.suppress(OSError):
-        os.rmdir(name, dir_fd=parent)
+
+
+def _empty(fd: int, keep: str | None) -> None:
+    """Remove what directory ``fd`` holds but ``keep``, as far as it goes."""
+    for entry in os.listdir(fd):
+        if entry == keep:
+            continue
+        try:
+            st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                _rmtree_at(fd, entry)
+            else:
+                os.unlink(entry, dir_fd=fd)
+        except OSError:
+            continue
 
 
 class GenDir:

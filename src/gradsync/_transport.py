@@ -11,8 +11,11 @@ reader first drops what this host cached of a peer's file (``Transport.open``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+import re
+import stat
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,6 +37,9 @@ class ChecksumError(Exception):
 _LOCAL_FS = frozenset(
     {"tmpfs", "ramfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "overlay"}
 )
+
+# The one link a reader follows: a rank's input name to its shared arrays' file.
+_SHARED_NAME = re.compile(r"d-(\d+)-b\d+\.in")
 
 
 def local_filesystem(path: Path) -> bool:
@@ -298,13 +304,20 @@ class Transport:
         if self.mapped:
             # A kept mapping is reused when the name still leads to the same inode of
             # the same size: one stat instead of open, fstat and close every step.
-            st = os.stat(path if self._dir_fd is None else path.name, dir_fd=self._dir_fd)
+            st = os.stat(self._name(path), dir_fd=self._dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                st = os.stat(self._name(self._linked(path)), dir_fd=self._dir_fd)
             kept = self._maps.get(path)
             if kept is not None and kept[:2] == (st.st_ino, st.st_size):
                 buf = kept[3]
                 return DataReader(path, bytes(buf[: self._head_bytes]), st.st_size, None, buf)
         # Never a plain open: a FIFO in a data file's place would block it forever.
-        fd, st = open_regular(path, dir_fd=self._dir_fd)
+        try:
+            fd, st = open_regular(path, dir_fd=self._dir_fd, follow=False)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            fd, st = open_regular(self._linked(path), dir_fd=self._dir_fd, follow=False)
         try:
             if not self.mapped or st.st_size == 0:
                 if self._drop_cached:
@@ -325,6 +338,28 @@ class Transport:
                 os.close(fd)
         buf = cached[3]
         return DataReader(path, bytes(buf[: self._head_bytes]), st.st_size, None, buf)
+
+    def _name(self, path: Path) -> str | Path:
+        return path if self._dir_fd is None else path.name
+
+    def _linked(self, path: Path) -> Path:
+        """The file that the symbolic link ``path`` leads to, which must be its rank's
+        shared arrays beside it (``d-<rank>.in`` -> ``d-<rank>-b<n>.in``: what
+        ``buffers_like`` makes); no other link is followed.
+
+        Raises:
+            OSError: ELOOP for a link anywhere else; as the system reported it.
+        """
+        target = os.readlink(self._name(path), dir_fd=self._dir_fd)
+        found = _SHARED_NAME.fullmatch(target)
+        if found is None or path.name != f"d-{found.group(1)}.in":
+            raise OSError(
+                errno.ELOOP,
+                f"{path} is a symbolic link to {target!r}, not to its rank's shared arrays "
+                "beside it (d-<rank>-b<n>.in): refused",
+                str(path),
+            )
+        return path.with_name(target)
 
     def forget(self, path: Path) -> None:
         """Drop the mapping kept for ``path`` (it stays valid while views of it live)."""
