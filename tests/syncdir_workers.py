@@ -45,3 +45,18 @@ def steps_until_it_fails(rank: int, world: int, sync_dir: str, ready: str) -> in
                 Path(ready).touch()
             time.sleep(0.005)
     return 2000
+
+
+def steps_around_a_pause(rank: int, world: int, sync_dir: str, ready: str, go: str) -> int:
+    """Average three calls; rank 0 creates ``ready``; every rank waits for ``go`` (the
+    test tampers with the sync dir meanwhile), averages two more calls and closes."""
+    with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:
+        for step in range(3):
+            gs.average(grads_for(rank, step), step=step)
+        if rank == 0:
+            Path(ready).touch()
+        while not os.path.exists(go):
+            time.sleep(0.01)
+        for step in range(3, 5):
+            gs.average(grads_for(rank, step), step=step)
+    return 5

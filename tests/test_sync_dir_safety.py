@@ -220,3 +220,34 @@ def test_a_reader_follows_only_a_ranks_link_to_its_shared_arrays(
     finally:
         transport.close()
         os.close(fd)
+
+
+def test_a_link_put_in_place_of_rdzv_mid_run_is_never_followed(tmp_path: Path) -> None:
+    # The last rank to leave unlinks its job's leader file in rdzv/: through the link,
+    # a file of that name in its target.
+    sync = tmp_path / "sync"
+    canary = _canary(tmp_path / "canary")
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    results: dict[int, Outcome] = {}
+    job = threading.Thread(
+        target=lambda: results.update(
+            run_ranks(syncdir_workers.steps_around_a_pause, 2, (2, str(sync), str(ready), str(go)))
+        )
+    )
+    job.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and job.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ready.exists(), results
+        (gen,) = sync.glob("gen-*")
+        (canary / f"leader-{gen.name[4:]}.json").write_text("precious")
+        before = _snapshot(canary)
+        (sync / "rdzv").rename(sync / "rdzv-moved")
+        (sync / "rdzv").symlink_to(canary)
+    finally:
+        go.touch()
+        job.join(90)
+    assert not job.is_alive()
+    assert all(r.ok for r in results.values()), [r.message for r in results.values()]
+    assert _snapshot(canary) == before

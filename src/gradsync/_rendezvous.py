@@ -52,7 +52,6 @@ from ._fsio import (
     read_small,
     translate_oserror,
     warn_if_open,
-    write_note,
 )
 from ._jobfiles import (
     ABORT,
@@ -74,7 +73,9 @@ from ._jobfiles import (
     member_rank,
     noted_at,
     offer_name,
+    unlink,
     write_json,
+    write_note,
 )
 from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo
 from ._reaping import reap_stale_generations, remove_dead_joins
@@ -333,12 +334,12 @@ class _Leader:
                 # Confirmed, then died before the roster (same host): a new process may
                 # claim its rank.
                 with contextlib.suppress(OSError):
-                    (self.gen_path / name).unlink()
+                    unlink(self.gen_path / name)
                 continue
             if known is not None and known.local_death() is not None:
                 del self.confirmed[member.rank]
                 with contextlib.suppress(OSError):
-                    (self.gen_path / member_name(known.rank, known.nonce)).unlink()
+                    unlink(self.gen_path / member_name(known.rank, known.nonce))
                 known = None
             self._check_agreement(member, data)
             if not 0 < member.rank < cfg.world_size:
@@ -427,7 +428,7 @@ class _Leader:
             if member.same_host:
                 if member.local_death() is not None:
                     with contextlib.suppress(OSError):
-                        path.unlink()
+                        unlink(path)
                     self.rivals.pop(member.nonce, None)
                     continue
                 raise self._rival(member, "is running in")
@@ -437,7 +438,7 @@ class _Leader:
                 raise self._rival(member, "is beating in")
             if silent >= self.cfg.heartbeat_timeout_s:
                 with contextlib.suppress(OSError):
-                    path.unlink()
+                    unlink(path)
                 self.rivals.pop(member.nonce, None)
             else:
                 # Undecided until its heartbeat either moves or stays silent long enough.
@@ -450,10 +451,10 @@ class _Leader:
         for member in self.confirmed.values():
             for name in (join_name(member.rank, member.nonce), offer_name(member.nonce)):
                 with contextlib.suppress(OSError):
-                    (self.rdzv / name).unlink()
+                    unlink(self.rdzv / name)
         for path, _ in _ended_notes(self.cfg):
             with contextlib.suppress(OSError):
-                path.unlink()
+                unlink(path)
         remove_dead_joins(self.rdzv)
 
 
@@ -474,7 +475,7 @@ def _join(
         member = member_of(data)
         if member is not None and member.rank == cfg.rank:
             with contextlib.suppress(OSError):
-                path.unlink()
+                unlink(path)
     backoff = Backoff()
     next_warn = cfg.warn_after_s
     leader: MemberInfo | None = None
@@ -621,7 +622,7 @@ def _rostered(cfg: FileGradSyncConfig, me: MemberInfo, gen_path: Path) -> Genera
 def _unlink_all(*paths: Path) -> None:
     for path in paths:
         with contextlib.suppress(OSError):
-            path.unlink()
+            unlink(path)
 
 
 def _ended_notes(cfg: FileGradSyncConfig) -> list[tuple[Path, dict[str, Any]]]:
@@ -824,7 +825,7 @@ def leave(gen: Generation, calls: int, ended: str | None = None) -> None:
         return  # not knowing who is left, leave the directory to the last rank
     if all(left_name(r) in names for r in range(len(gen.members))):
         with contextlib.suppress(OSError):
-            leader_file(gen.path.parent, gen.gen_id).unlink()
+            unlink(leader_file(gen.path.parent, gen.gen_id))
         remove_own_dir(gen.path.parent, gen.path.name)
 
 

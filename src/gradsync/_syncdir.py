@@ -27,6 +27,7 @@ __all__ = [
     "GenDir",
     "dir_below",
     "is_own_dir",
+    "job_dir",
     "make_own_dir",
     "open_below",
     "refuse_link",
@@ -327,3 +328,10 @@ def refuse_link(path: Path, *, step: int | None = None) -> None:
         exc = _link_error(path)
         exc.step = step
         raise exc
+
+
+def job_dir(path: Path) -> contextlib.AbstractContextManager[int]:
+    """The descriptor of the directory of ``path``, a job's file (``sync_dir/rdzv/x`` or
+    ``sync_dir/gen-*/x``), that directory opened below the sync dir without following
+    a link."""
+    return dir_below(path.parent.parent, path.parent.name)
