@@ -17,9 +17,8 @@ def steps_then_linger(
     rank: int, world: int, sync_dir: str, steps: int, linger_s: float, kw: dict[str, Any]
 ) -> int:
     """Average ``steps`` calls, then keep the session (and rank 0's reaper) for
-    ``linger_s`` before closing it."""
-    delay_s = kw.pop("delay_s", 0.0)
-    time.sleep(delay_s if rank else 0.0)
+    ``linger_s`` before closing it; start ``kw["delays"][rank]`` seconds late."""
+    time.sleep(kw.pop("delays", {}).get(rank, 0.0))
     with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
         for step in range(steps):
             gs.average(grads_for(rank, step), step=step)

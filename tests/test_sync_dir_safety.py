@@ -182,11 +182,13 @@ def test_a_job_starts_where_a_dead_job_holds_the_last_inodes(tmp_path: Path) -> 
         run_ranks(syncdir_workers.steps_then_killed, 2, (2, str(sync)), expect=[])
         assert list(sync.glob("gen-*"))
         assert _use_every_inode(fs / "user") > 0
-        kw = {"delay_s": 1.0}  # rank 1 joins once rank 0 has freed the dead job's inodes
+        # Rank 1, there first, waits for the room that rank 0 frees as it starts.
+        kw = {"max_wait_s": 10.0, "delays": {0: 1.0}}
         results = run_ranks(syncdir_workers.steps_then_linger, 2, (2, str(sync), 1, 0.0, kw))
         assert all(r.ok for r in results.values()), [r.message for r in results.values()]
         _use_every_inode(fs / "user")
-        results = run_ranks(syncdir_workers.steps_then_linger, 2, (2, str(sync), 1, 0.0, {}))
+        kw = {"max_wait_s": 1.0}  # rank 1 waits that long for room, in vain
+        results = run_ranks(syncdir_workers.steps_then_linger, 2, (2, str(sync), 1, 0.0, kw))
         for outcome in results.values():  # nothing left to free: each says what is out
             assert (outcome.ok, outcome.error_type) == (False, "SyncDirError"), outcome
             assert "filesystem is out of inodes" in outcome.message, outcome.message

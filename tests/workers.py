@@ -567,10 +567,10 @@ def membership_not_written(rank: int, world: int, sync_dir: str) -> Any:
     if rank == 1:
         write = _jobfiles.write_atomic
 
-        def failing(path: Path, chunks: Any) -> int:
+        def failing(path: Path, chunks: Any, **kw: Any) -> int:
             if path.name.startswith("member-"):
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
-            return write(path, chunks)
+            return write(path, chunks, **kw)
 
         _jobfiles.write_atomic = failing  # type: ignore[assignment]
     with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:

@@ -20,6 +20,7 @@ so that every rank raises the same error.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -464,11 +465,7 @@ def _join(
     rdzv = cfg.sync_dir / RDZV
     join = rdzv / join_name(cfg.rank, me.nonce)
     offer_path = rdzv / offer_name(me.nonce)
-    write_json(
-        join,
-        {"member": me.to_json(), "world_size": cfg.world_size, "run_id": cfg.run_id},
-        "registering a join in",
-    )
+    _register(cfg, join, me, closing)
     # This rank is here again: what a launcher said of an earlier process of it that
     # ended while waiting to join is over.
     for path, data in _ended_notes(cfg):
@@ -596,6 +593,25 @@ def _join(
                 _unless_removed(gen_path)
         _unlink_all(join, offer_path)
         raise
+
+
+def _register(
+    cfg: FileGradSyncConfig, join: Path, me: MemberInfo, closing: threading.Event | None
+) -> None:
+    """Write this rank's join file; on a filesystem with no room for it, try again for
+    up to ``max_wait_s``: rank 0 frees the space of dead jobs as it starts."""
+    data = {"member": me.to_json(), "world_size": cfg.world_size, "run_id": cfg.run_id}
+    backoff = Backoff()
+    while True:
+        try:
+            write_json(join, data, "registering a join in")
+            return
+        except SyncDirError as exc:
+            if exc.errno != errno.ENOSPC or backoff.elapsed_s() >= cfg.max_wait_s:
+                raise
+            _log.debug("rendezvous: %s; trying again", exc)
+        _check_closing(cfg, closing)
+        time.sleep(0.05)
 
 
 def _unless_removed(gen_path: Path) -> None:
