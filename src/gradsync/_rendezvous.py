@@ -490,8 +490,9 @@ def _join(
                 offer = load(offer_path)
                 if offer is not None and offer.get("run_id") == cfg.run_id:
                     leader = member_of(offer)
-                    candidate = cfg.sync_dir / f"{GEN_PREFIX}{offer.get('gen')}"
-                    if leader is not None and is_own_dir(cfg.sync_dir, candidate.name):
+                    name = f"{GEN_PREFIX}{offer.get('gen')}"  # one plain name, or refused
+                    candidate = cfg.sync_dir / name
+                    if leader is not None and is_own_dir(cfg.sync_dir, name):
                         gen_path = candidate
                         heartbeat = Heartbeat(gen_path / f"hb-{me.nonce}", cfg.heartbeat_interval_s)
                         try:

@@ -49,6 +49,8 @@ def _open_sub(parent_fd: int, name: str, shown: Path) -> int:
         SyncDirError (ELOOP): ``name`` is a symbolic link (naming ``shown``).
         OSError: as the system reported it (ENOTDIR for a file, ENOENT...).
     """
+    if "/" in name or name in ("", ".", ".."):  # one name below, nothing else
+        raise OSError(errno.EINVAL, "not a plain name", os.fspath(shown))
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
@@ -115,33 +117,19 @@ def _marked(fd: int) -> bool:
     return stat.S_ISREG(st.st_mode)
 
 
-def make_own_dir(sync_dir: Path, *names: str, exist_ok: bool = False) -> bool:
-    """Make the directory ``sync_dir/names...`` (its parents must exist) and mark it as
-    gradsync's; with ``exist_ok``, one found there must bear the mark. Whether it made it.
+def make_own_dir(sync_dir: Path, name: str) -> None:
+    """Make the directory ``sync_dir/name`` and mark it as gradsync's.
+
+    A crash between the two leaves an empty unmarked directory for good: one inode,
+    where removing unmarked ones could remove a user's.
 
     Raises:
-        SyncDirError (ELOOP): a link stands in the way. OSError: as the system reported
-            it (EEXIST for an unmarked directory of that name, ENOSPC...).
+        OSError: as the system reported it (EEXIST, ENOSPC...); nothing is left.
     """
-    *above, name = names
-    shown = sync_dir.joinpath(*names)
-    with dir_below(sync_dir, *above) as parent:
+    with dir_below(sync_dir) as parent:
+        os.mkdir(name, DIR_MODE, dir_fd=parent)
         try:
-            os.mkdir(name, DIR_MODE, dir_fd=parent)
-        except FileExistsError:
-            if not exist_ok:
-                raise
-            fd = _open_sub(parent, name, shown)
-            try:
-                if _marked(fd):
-                    return False
-            finally:
-                os.close(fd)
-            raise FileExistsError(
-                errno.EEXIST, "exists, and gradsync did not make it", os.fspath(shown)
-            ) from None
-        try:
-            fd = _open_sub(parent, name, shown)
+            fd = _open_sub(parent, name, sync_dir / name)
             try:
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
                 os.close(os.open(OWN_MARK, flags, FILE_MODE, dir_fd=fd))
@@ -152,47 +140,39 @@ def make_own_dir(sync_dir: Path, *names: str, exist_ok: bool = False) -> bool:
             with contextlib.suppress(OSError):
                 os.rmdir(name, dir_fd=parent)
             raise
-    return True
 
 
-def is_own_dir(sync_dir: Path, *names: str) -> bool:
-    """Whether ``sync_dir/names...`` is a directory gradsync made (no link on the way)."""
+def is_own_dir(sync_dir: Path, name: str) -> bool:
+    """Whether ``sync_dir/name`` is a directory gradsync made (not a link)."""
     try:
-        with dir_below(sync_dir, *names) as fd:
+        with dir_below(sync_dir, name) as fd:
             return _marked(fd)
     except OSError:
         return False
 
 
-def remove_own_dir(sync_dir: Path, *names: str) -> bool:
-    """Remove the directory ``sync_dir/names...`` and all it holds, if the directory just
-    below the sync dir on its way (``names[0]``, a generation) bears gradsync's mark:
-    everything in a generation is its job's. Never through a link, never anything of
-    an unmarked directory. Whether it was removed. Never raises.
+def remove_own_dir(sync_dir: Path, name: str) -> bool:
+    """Remove the directory ``sync_dir/name`` (a generation) and all it holds, if it
+    bears gradsync's mark: never an unmarked one, never through a link. Whether it was
+    removed. Never raises.
 
     Ranks may remove the same tree at once: the removal goes on past every error (on
     JuiceFS an ``fstat`` of a directory another host removed meanwhile raised
     FileNotFoundError in ``shutil.rmtree``).
     """
-    shown = sync_dir.joinpath(*names)
     try:
-        with dir_below(sync_dir) as base, contextlib.ExitStack() as fds:
-            top = _open_sub(base, names[0], sync_dir / names[0])
-            fds.callback(os.close, top)
-            if not _marked(top):
-                _log.debug("not removing %s: gradsync did not make it", shown)
-                return False
-            # Removed from the sync dir: only the directory whose mark was seen, not a swap.
-            seen: os.stat_result | None = os.fstat(top)
-            parent = base
-            if len(names) > 1:
-                parent, seen = top, None
-                for depth in range(2, len(names)):
-                    parent = _open_sub(parent, names[depth - 1], sync_dir.joinpath(*names[:depth]))
-                    fds.callback(os.close, parent)
-            _rmtree_at(parent, names[-1], seen)
+        with dir_below(sync_dir) as base:
+            top = _open_sub(base, name, sync_dir / name)
+            try:
+                if not _marked(top):
+                    _log.debug("not removing %s: gradsync did not make it", sync_dir / name)
+                    return False
+                seen = os.fstat(top)  # removed: only the one whose mark was seen, not a swap
+            finally:
+                os.close(top)
+            _rmtree_at(base, name, seen)
     except OSError as exc:
-        _log.debug("not removing %s: %s", shown, exc)
+        _log.debug("not removing %s: %s", sync_dir / name, exc)
         return False
     return True
 
