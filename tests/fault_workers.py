@@ -134,9 +134,9 @@ def _before_marker(action: Any) -> Iterator[None]:
     """Run ``action()`` just before the engine creates its next marker file."""
     original = _protocol.place_marker
 
-    def place(path: Path, reuse: str | None) -> None:
+    def place(path: Path, reuse: str | None, **kw: Any) -> None:
         action()
-        original(path, reuse)
+        original(path, reuse, **kw)
 
     _protocol.place_marker = place  # type: ignore[assignment]
     try:

@@ -43,6 +43,7 @@ from gradsync._format import (
 )
 from gradsync._liveness import MemberInfo
 from gradsync._protocol import StepEngine
+from gradsync._syncdir import OWN_MARK
 from ranks import Outcome, run_ranks
 from workers import SHAPES, SHAPES_BIG, grads_for
 
@@ -821,6 +822,7 @@ def _job(sync: Path, gen_id: str, pids: list[int], *, roster: bool = True) -> Pa
     """A generation of ranks of this host with processes ``pids`` (rank 0 registered)."""
     gen = sync / f"gen-{gen_id}"
     gen.mkdir(parents=True)
+    (gen / OWN_MARK).touch()  # gradsync made it
     members = [
         {**MemberInfo.for_self(r, f"{r:016x}").to_json(), "pid": p} for r, p in enumerate(pids)
     ]
@@ -1299,6 +1301,7 @@ def test_one_reaper_thread_however_many_rendezvous_leave_a_generation_pending(
     # thousands of them up.
     gen = tmp_path / "gen-00000000000000aa"
     gen.mkdir()
+    (gen / OWN_MARK).touch()  # gradsync made it
     far = MemberInfo.for_self(0, "00000000000000aa").to_json()
     far["host_id"] = "elsewhere/boot/pidns"
     (gen / "roster.json").write_text(json.dumps({"members": [far], "run_id": None}))
@@ -1309,6 +1312,20 @@ def test_one_reaper_thread_however_many_rendezvous_leave_a_generation_pending(
     reapers[0].join(10)
     assert not reapers[0].is_alive()
     assert not gen.exists()  # its heartbeat stayed silent for 0.3 s
+
+
+def _remove_but(gen: Path, late: Any) -> None:
+    """A remover's one pass over ``gen``, with ``late()`` writing into it after its
+    listing: it unlinks what it listed, its mark last; its rmdir fails on the late
+    file, and it puts the mark back (the directory stays gradsync's)."""
+    listed = sorted(os.listdir(gen), key=lambda n: n == OWN_MARK)
+    for name in listed:
+        os.unlink(gen / name)
+    late()
+    try:
+        os.rmdir(gen)
+    except OSError:
+        (gen / OWN_MARK).touch()
 
 
 def test_a_gave_up_note_racing_the_removal_of_its_generation_leaves_nothing(
@@ -1323,20 +1340,15 @@ def test_a_gave_up_note_racing_the_removal_of_its_generation_leaves_nothing(
     sync = tmp_path / "sync"
     original = rdzv.write_note
 
-    def write_note(path: Path, data: bytes) -> None:
+    def write_note(path: Path, data: bytes, **kw: Any) -> None:
         if not path.name.startswith(_jobfiles.GAVE_UP):
-            original(path, data)
+            original(path, data, **kw)
             return
         # A remover (the next rank 0's reaper) has unlinked the leader file and listed
         # the directory, and removes what it listed; this note comes in between.
         gen = path.parent
         _jobfiles.leader_file(sync, gen.name[len(_jobfiles.GEN_PREFIX) :]).unlink()
-        listed = os.listdir(gen)
-        for name in listed:
-            os.unlink(gen / name)
-        original(path, data)
-        with contextlib.suppress(OSError):
-            os.rmdir(gen)  # the remover's rmdir: the note is in the way
+        _remove_but(gen, lambda: original(path, data, **kw))
 
     monkeypatch.setattr(rdzv, "write_note", write_note)
     errors: dict[int, BaseException] = {}
@@ -1391,10 +1403,10 @@ def test_a_joiner_that_gives_up_as_rank_0_writes_the_roster_leaves_the_job(
         if path.name == _jobfiles.ROSTER:
             rostered.set()
 
-    def note(path: Path, data: bytes) -> None:
+    def note(path: Path, data: bytes, **kw: Any) -> None:
         if path.name.startswith(_jobfiles.GAVE_UP):
             assert rostered.wait(10.0)  # rank 0 wrote the roster before it saw the note
-        write_note(path, data)
+        write_note(path, data, **kw)
 
     monkeypatch.setattr(rdzv, "write_json", confirm)
     monkeypatch.setattr(rdzv, "write_note", note)
@@ -1513,11 +1525,7 @@ def test_a_confirmation_racing_the_removal_of_its_generation_is_waited_past(
         leaders[0].join()
         gen = path.parent
         _jobfiles.leader_file(sync, gen.name[len(_jobfiles.GEN_PREFIX) :]).unlink()
-        for name in os.listdir(gen):
-            os.unlink(gen / name)
-        write_json(path, data, what)
-        with contextlib.suppress(OSError):
-            os.rmdir(gen)  # the remover's rmdir: the confirmation is in the way
+        _remove_but(gen, lambda: write_json(path, data, what))
         leaders.append(threading.Thread(target=_rank_0_of_2, args=(sync, 6.0, outcomes)))
         leaders[-1].start()
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -597,9 +598,9 @@ def test_write_atomic_temp_name_is_hidden_and_in_same_dir(
     real_rename = os.rename
     renames: list[tuple[str, str]] = []
 
-    def spy(src: str, dst: str) -> None:
+    def spy(src: str, dst: str, **kw: Any) -> None:
         renames.append((os.fspath(src), os.fspath(dst)))
-        real_rename(src, dst)
+        real_rename(src, dst, **kw)
 
     monkeypatch.setattr(os, "rename", spy)
     write_atomic(tmp_path / "target", [b"x"])

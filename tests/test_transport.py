@@ -12,7 +12,7 @@ import pytest
 
 from gradsync import _transport
 from gradsync._format import CRC_BLOCK
-from gradsync._protocol import _prune_step_dir
+from gradsync._syncdir import GenDir
 from gradsync._transport import ChecksumError, Transport
 
 
@@ -92,12 +92,20 @@ def test_open_missing_file_raises(tmp_path: Path) -> None:
         Transport(mapped=True, head_bytes=16).open(tmp_path / "absent")
 
 
+def _prune(gen: Path, seq: int, world: int) -> None:
+    held = GenDir(gen)
+    try:
+        held.prune(seq, (f"{p}-{q}" for p in ("in", "out") for q in range(world)))
+    finally:
+        held.close()
+
+
 def test_prune_removes_an_emptied_step_dir(tmp_path: Path) -> None:
     step_dir = tmp_path / "s-3"
     step_dir.mkdir()
-    _prune_step_dir(step_dir, 3)
+    _prune(tmp_path, 3, 3)
     assert not step_dir.exists()
-    _prune_step_dir(step_dir, 3)  # already gone: nothing to do
+    _prune(tmp_path, 3, 3)  # already gone: nothing to do
 
 
 @pytest.mark.parametrize(
@@ -113,7 +121,7 @@ def test_prune_removes_whatever_is_left(tmp_path: Path, left: tuple[str, ...]) -
     step_dir.mkdir()
     for name in left:
         (step_dir / name).write_text("{}")
-    _prune_step_dir(step_dir, 3)
+    _prune(tmp_path, 3, 3)
     assert not step_dir.exists()
 
 
@@ -220,7 +228,9 @@ def test_its_own_file_is_read_back_without_opening_it_until_its_payload_is_neede
     transport.write(path, [b"H" * 10, b"P" * 30], None, lambda pairs: None)
     opened: list[str] = []
     real_open = os.open
-    monkeypatch.setattr(os, "open", lambda p, *a: opened.append(str(p)) or real_open(p, *a))
+    monkeypatch.setattr(
+        os, "open", lambda p, *a, **k: opened.append(str(p)) or real_open(p, *a, **k)
+    )
     reader = transport.open(path)
     assert (reader.head, reader.size, opened) == (b"H" * 10 + b"P" * 6, 40, [])
     dst = np.empty(30, np.uint8)

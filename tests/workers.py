@@ -567,10 +567,10 @@ def membership_not_written(rank: int, world: int, sync_dir: str) -> Any:
     if rank == 1:
         write = _jobfiles.write_atomic
 
-        def failing(path: Path, chunks: Any) -> int:
+        def failing(path: Path, chunks: Any, **kw: Any) -> int:
             if path.name.startswith("member-"):
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
-            return write(path, chunks)
+            return write(path, chunks, **kw)
 
         _jobfiles.write_atomic = failing  # type: ignore[assignment]
     with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:
@@ -630,9 +630,9 @@ def marker_creates(rank: int, world: int, sync_dir: str, plans: str) -> Any:
     build = Plan.build.__func__  # type: ignore[attr-defined]
     built: list[int] = []
 
-    def create(path: Path) -> None:
+    def create(path: Path, **kw: Any) -> None:
         created.append(path.name)
-        original(path)
+        original(path, **kw)
 
     def counted_build(cls: type[Plan], *args: Any, **kwargs: Any) -> Plan:
         built.append(1)
@@ -1049,7 +1049,7 @@ def stale_view(
 
     _protocol.local_filesystem = lambda path: not shared  # type: ignore[assignment]
     if rank == 1:
-        snapshot = Path(sync_dir).parent / "d-0.in-as-of-call-1"
+        snapshot_name = "d-0.in-as-of-call-1"  # beside it: the transport opens by name
         real_open = Transport.open
         opens = {"all": 0, "stale": 0}
 
@@ -1057,6 +1057,7 @@ def stale_view(
             if path.name != "d-0.in":
                 return real_open(self, path)
             opens["all"] += 1
+            snapshot = path.with_name(snapshot_name)
             if opens["all"] == 1:
                 shutil.copyfile(path, snapshot)
             elif opens["all"] >= 3:

@@ -94,7 +94,7 @@ def translate_oserror(
     reason = exc.strerror or str(exc)
     hint = ""
     if exc.errno == errno.ENOSPC:
-        hint = " (the sync directory's filesystem is full)"
+        hint = f" (the sync directory's filesystem is {_what_is_out(Path(path))})"
     elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         access = "readable" if what in _READS else "writable"
         hint = f" (the sync directory is not {access} by this process)"
@@ -108,6 +108,20 @@ def translate_oserror(
     )
 
 
+def _what_is_out(path: Path) -> str:
+    """What a filesystem that refused to grow (ENOSPC) at ``path`` has run out of: its
+    inodes (every file takes one, however small) or its blocks."""
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+        except OSError:
+            continue
+        if st.f_files and st.f_favail == 0:
+            return "out of inodes: remove files from it"
+        break
+    return "full"
+
+
 def _dangling_link(path: Path) -> Path | None:
     """The first of ``path`` and its parents that is a symbolic link to nothing."""
     for p in (path, *path.parents):
@@ -117,44 +131,57 @@ def _dangling_link(path: Path) -> Path | None:
     return None
 
 
-def write_atomic(path: Path, chunks: Sequence[bytes | memoryview], mode: int = FILE_MODE) -> int:
+def _at(path: str | os.PathLike[str], dir_fd: int | None) -> str | os.PathLike[str]:
+    """What a system call is given for ``path``: its last name, relative to ``dir_fd``
+    (a directory opened without following links), or else the path itself."""
+    return path if dir_fd is None else os.path.basename(path)
+
+
+def write_atomic(
+    path: Path,
+    chunks: Sequence[bytes | memoryview],
+    mode: int = FILE_MODE,
+    *,
+    dir_fd: int | None = None,
+) -> int:
     """Write ``chunks`` to ``path`` so that readers see all of it or nothing.
 
     The data goes to a hidden temporary file in the same directory, which is
     closed (surfacing deferred write errors, e.g. NFS's ENOSPC at close) and then
     renamed over ``path``, with ``mode`` (less the umask). Returns the number of bytes
-    written.
+    written. With ``dir_fd`` (the directory of ``path``), each is done relative to it.
 
     Raises:
         OSError: as the system reported it; the temporary file is removed.
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    tmp = _at(path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"), dir_fd)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(tmp, flags, mode, dir_fd=dir_fd)
     total = 0
     try:
         try:
             total = _writev_all(fd, chunks)
         finally:
             os.close(fd)
-        os.rename(tmp, path)
+        os.rename(tmp, _at(path, dir_fd), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
     return total
 
 
-def write_note(path: Path, data: bytes) -> None:
+def write_note(path: Path, data: bytes, *, dir_fd: int | None = None) -> None:
     """Write the small note ``path`` (an abort or leave note) atomically, or, where the
     filesystem has no room for its bytes, at least the empty file: a full disk still
     has room for a name, and a reader takes an empty note for one it cannot read,
     which is what it would decide without the reason. Raises the first OSError when
-    not even the empty file could be made."""
+    not even the empty file could be made. ``dir_fd``: as for :func:`write_atomic`."""
     try:
-        write_atomic(path, [data])
+        write_atomic(path, [data], dir_fd=dir_fd)
     except OSError as exc:
         try:
-            os.close(open_own(path, os.O_WRONLY))
+            os.close(open_own(path, os.O_WRONLY, dir_fd=dir_fd))
         except OSError:
             raise exc from None
         _log.debug("wrote %s empty: %s", path, exc)
@@ -165,6 +192,7 @@ def write_in_place(
     chunks: Sequence[bytes | memoryview],
     *,
     midway: Callable[[], None] | None = None,
+    dir_fd: int | None = None,
 ) -> int:
     """Overwrite ``path`` from byte 0 with ``chunks`` (creating it), then close it.
 
@@ -176,7 +204,7 @@ def write_in_place(
     Raises:
         OSError: as the system reported it (ENOSPC may only surface at close on NFS).
     """
-    fd, found = _open_own(path, os.O_WRONLY)
+    fd, found = _open_own(path, os.O_WRONLY, dir_fd)
     try:
         if midway is None:
             total = _writev_all(fd, chunks, 0)
@@ -194,26 +222,35 @@ def write_in_place(
     return total
 
 
-def create_marker(path: Path) -> None:
+def create_marker(path: Path, *, dir_fd: int | None = None) -> None:
     """Create the empty file ``path``; it must not exist (``O_EXCL``, atomic on NFS too)."""
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    os.close(os.open(_at(path, dir_fd), flags, FILE_MODE, dir_fd=dir_fd))
 
 
-def place_marker(path: Path, reuse: str | None) -> None:
+def place_marker(
+    path: Path, reuse: str | None, *, dir_fd: int | None = None, reuse_dir_fd: int | None = None
+) -> None:
     """Make the empty file ``path`` appear, atomically: by moving the finished marker
     ``reuse`` there if it exists, else by creating it.
 
     A rename is one system call that allocates nothing; a create is two (open, close)
     and allocates an inode that someone later unlinks. ``path`` must not exist
-    (a rename would replace it). Raises OSError as the system reported it.
+    (a rename would replace it). Raises OSError as the system reported it. ``dir_fd``
+    and ``reuse_dir_fd``: the directories of ``path`` and ``reuse``, to work relative to.
     """
     if reuse is not None:
         try:
-            os.rename(reuse, path)
+            os.rename(
+                _at(reuse, reuse_dir_fd),
+                _at(path, dir_fd),
+                src_dir_fd=reuse_dir_fd,
+                dst_dir_fd=dir_fd,
+            )
             return
         except FileNotFoundError:
             pass  # the first calls, a plan that had no such marker, or a pruned step
-    create_marker(path)
+    create_marker(path, dir_fd=dir_fd)
 
 
 def _writev_all(fd: int, chunks: Sequence[bytes | memoryview], offset: int | None = None) -> int:
@@ -268,23 +305,27 @@ _KINDS = {
 }
 
 
-def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
+def open_regular(
+    path: str | os.PathLike[str], *, dir_fd: int | None = None, follow: bool = True
+) -> tuple[int, os.stat_result]:
     """Open ``path`` for reading, which must be a regular file: the descriptor and its
     ``fstat``.
 
     Opened with ``O_NONBLOCK``, which a regular file's reads ignore but which keeps a
     FIFO in its place from blocking the open until a writer comes (forever, past any
-    wait limit), then cleared again.
+    wait limit), then cleared again. Without ``follow``, a symbolic link is refused
+    (ELOOP); with ``dir_fd``, ``path``'s name is opened relative to it.
 
     Raises:
         NotAFileError: a FIFO, directory, socket or device ("<path> is a FIFO, not a
             regular file"). OSError: as the system reported it (FileNotFoundError...).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(_at(path, dir_fd), flags, dir_fd=dir_fd)
     return fd, _checked_regular(fd, path, one_link=False)
 
 
-def open_own(path: str | os.PathLike[str], access: int) -> int:
+def open_own(path: str | os.PathLike[str], access: int, *, dir_fd: int | None = None) -> int:
     """Open (creating it) a file that this rank writes in place, by ``path``.
 
     The name lives in a directory other users may be able to write (a group's shared
@@ -300,13 +341,15 @@ def open_own(path: str | os.PathLike[str], access: int) -> int:
             :class:`NotAFileError` for a FIFO, directory, device; EMLINK for a file of
             several links.
     """
-    return _open_own(path, access)[0]
+    return _open_own(path, access, dir_fd)[0]
 
 
-def _open_own(path: str | os.PathLike[str], access: int) -> tuple[int, os.stat_result]:
+def _open_own(
+    path: str | os.PathLike[str], access: int, dir_fd: int | None = None
+) -> tuple[int, os.stat_result]:
     """:func:`open_own`, and the file's ``fstat`` as found."""
     flags = access | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-    fd = os.open(path, flags, FILE_MODE)
+    fd = os.open(_at(path, dir_fd), flags, FILE_MODE, dir_fd=dir_fd)
     return fd, _checked_regular(fd, path, one_link=True)
 
 

@@ -12,8 +12,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ._errors import SyncDirError
 from ._fsio import read_small, translate_oserror, write_atomic
+from ._fsio import write_note as _write_note
 from ._liveness import MemberInfo
+from ._syncdir import job_dir
 
 __all__ = [
     "ABORT",
@@ -36,7 +39,9 @@ __all__ = [
     "noted_at",
     "offer_name",
     "parse",
+    "unlink",
     "write_json",
+    "write_note",
 ]
 
 RDZV = "rdzv"
@@ -168,6 +173,29 @@ def write_json(path: Path, data: dict[str, Any], what: str) -> None:
         SyncDirError: naming ``what`` was being done and the path.
     """
     try:
-        write_atomic(path, [dump(data)])
+        with job_dir(path) as fd:
+            write_atomic(path, [dump(data)], dir_fd=fd)
+    except SyncDirError:
+        raise  # a link in place of its directory, named
     except OSError as exc:
         raise translate_oserror(exc, what, path) from exc
+
+
+def write_note(path: Path, data: bytes, *, dir_fd: int | None = None) -> None:
+    """:func:`gradsync._fsio.write_note` of a job's file, through ``dir_fd`` (its
+    directory) or else its directory opened without following links. Raises OSError."""
+    if dir_fd is not None:
+        _write_note(path, data, dir_fd=dir_fd)
+        return
+    with job_dir(path) as fd:
+        _write_note(path, data, dir_fd=fd)
+
+
+def unlink(path: Path) -> None:
+    """Unlink the job's file ``path``, its directory reached without following links.
+
+    Raises:
+        OSError: as the system reported it (FileNotFoundError...).
+    """
+    with job_dir(path) as fd:
+        os.unlink(path.name, dir_fd=fd)

@@ -14,6 +14,7 @@ across hosts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ._fsio import open_own, open_regular
+from ._syncdir import open_below
 
 __all__ = [
     "Heartbeat",
@@ -181,6 +183,13 @@ class Heartbeat:
 
     def __init__(self, path: Path, interval_s: float) -> None:
         self._path = path
+        # Its directory (a generation's) held open: a link put in its place later is
+        # never followed.
+        self._dir_fd: int | None = None
+        try:
+            self._dir_fd = open_below(path.parent.parent, path.parent.name)
+        except OSError as exc:
+            _log.debug("heartbeat %s: no directory: %s", path, exc)
         self._interval_s = interval_s
         self._count = 0
         self._stop = threading.Event()
@@ -190,8 +199,10 @@ class Heartbeat:
 
     def _beat(self) -> None:
         self._count += 1
+        if self._dir_fd is None:
+            return
         try:
-            fd = open_own(self._path, os.O_WRONLY)
+            fd = open_own(self._path, os.O_WRONLY, dir_fd=self._dir_fd)
             try:
                 os.pwrite(fd, _COUNTER.pack(self._count), 0)
             finally:
@@ -209,6 +220,10 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
+        if not self._thread.is_alive() and self._dir_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._dir_fd)
+            self._dir_fd = None
 
 
 def read_counter(path: Path) -> int | None:

@@ -55,6 +55,7 @@ from ._jobfiles import how_it_ended, left_name
 from ._liveness import HeartbeatWatch, exact_process_checks
 from ._plan import Plan
 from ._rendezvous import Generation, calls_finished
+from ._syncdir import refuse_link
 from ._transport import ChecksumError, DataReader, Transport
 
 __all__ = ["Peer", "PeerFiles", "check_inputs", "check_length", "nonfinite_error", "reading"]
@@ -221,6 +222,8 @@ class PeerFiles:
             elapsed = backoff.elapsed_s()
             if elapsed >= next_check:
                 next_check = elapsed + _LIVENESS_EVERY_S
+                for own in (self.gen.path, step_dir):
+                    refuse_link(own, step=step)
                 if not names and not step_dir.is_dir():
                     # This rank published into it: only removal explains its absence.
                     raise SyncDirError(

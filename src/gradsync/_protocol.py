@@ -43,6 +43,7 @@ from ._config import FileGradSyncConfig
 from ._errors import (
     GradSyncError,
     InvalidGradsError,
+    SyncDirError,
     error_note,
 )
 from ._faults import fault_point
@@ -64,9 +65,7 @@ from ._format import (
     longest_nonfinite,
 )
 from ._fsio import (
-    DIR_MODE,
     place_marker,
-    remove_tree,
     translate_oserror,
     write_note,
 )
@@ -78,6 +77,7 @@ from ._plan import Group, Plan
 from ._reduce import ACCUMULATOR, CHUNK_ELEMS, Fetch, check_dtype, mean_into
 from ._rendezvous import Generation
 from ._stats import StepStats
+from ._syncdir import GenDir
 from ._transport import ChecksumError, Transport, local_filesystem
 
 __all__ = ["Deliver", "Piece", "StepEngine", "data_name", "nonfinite_params", "validate_grads"]
@@ -244,7 +244,15 @@ class StepEngine:
         self._linked: Path | None = None  # the shared file this rank's input name points at
         local = local_filesystem(gen.path)
         mapped = cfg.use_mmap if cfg.use_mmap is not None else local
-        self._transport = Transport(mapped=mapped, head_bytes=HEADER_READ_BYTES, shared=not local)
+        try:
+            self._dir = GenDir(gen.path)
+        except SyncDirError:
+            raise
+        except OSError as exc:
+            raise translate_oserror(exc, "opening the generation directory", gen.path) from exc
+        self._transport = Transport(
+            mapped=mapped, head_bytes=HEADER_READ_BYTES, shared=not local, dir_fd=self._dir.fd
+        )
         self._peers = PeerFiles(
             cfg, gen, self._transport, self.data_path, self._input_names, closing
         )
@@ -258,6 +266,7 @@ class StepEngine:
         self._heartbeat.stop()
         self._transport.close()
         self.workers.close()
+        self._dir.close()
 
     # -- the step -----------------------------------------------------------------
 
@@ -284,26 +293,28 @@ class StepEngine:
             # call with it; those that had all they needed of it (it failed reading a
             # peer's shard, say) may have finished it already, and hear why at their next
             # call rather than only that it closed its session.
-            later = self.gen.path / f"s-{self.seq + 1}"
+            later = self.seq + 1
             if self._has_mean:
-                note_dirs = [later]
+                note_seqs = [later]
             else:
-                note_dirs = [step_dir, later] if self._peers_served else [step_dir]
-            for note_dir in note_dirs:
-                self._tell_peers(note_dir, exc)
+                note_seqs = [self.seq, later] if self._peers_served else [self.seq]
+            for seq in note_seqs:
+                self._tell_peers(seq, exc)
             raise
         self.completed = self.seq
+        self._dir.release_before(self.seq - 1)
         return stats
 
     def give_up(self, exc: BaseException) -> None:
         """Tell the peers that this rank's next call will not take place (it failed
         before publishing anything): they raise ``exc``'s reason at once."""
-        self._tell_peers(self.gen.path / f"s-{self.seq + 1}", exc)
+        self._tell_peers(self.seq + 1, exc)
 
-    def _tell_peers(self, step_dir: Path, exc: BaseException) -> None:
+    def _tell_peers(self, seq: int, exc: BaseException) -> None:
         with contextlib.suppress(OSError):
-            step_dir.mkdir(DIR_MODE, exist_ok=True)
-            write_note(step_dir / f"abort-{self.rank}", json.dumps(error_note(exc)).encode())
+            note = self._dir.step_path(seq) / f"abort-{self.rank}"
+            data = json.dumps(error_note(exc)).encode()
+            write_note(note, data, dir_fd=self._dir.step_fd(seq, make=True))
 
     def _step(
         self,
@@ -360,7 +371,9 @@ class StepEngine:
                 _to_the_end(lambda: self._delivered(deliver, mapped + read_in))
             if self.rank == 0 and self.seq > 2:
                 # Emptied by the ranks' renames (module docstring): one rmdir, normally.
-                _prune_step_dir(self.gen.path / f"s-{self.seq - 2}", self.world)
+                self._dir.prune(
+                    self.seq - 2, (f"{p}-{q}" for p in ("in", "out") for q in range(self.world))
+                )
             t5 = time.perf_counter()
         finally:
             for peer in (*peers.values(), *outs.values()):
@@ -519,9 +532,10 @@ class StepEngine:
                 raise translate_oserror(exc, "writing", path, step=step) from exc
         marker = step_dir / f"{kind}-{self.rank}"
         # Nobody looks at this rank's marker of call seq-2 any more (module docstring).
-        reuse = f"{self.gen.path}/s-{self.seq - 2}/{kind}-{self.rank}" if self.seq > 2 else None
+        old = self._dir.held_step_fd(self.seq - 2)
+        reuse = f"{kind}-{self.rank}" if old is not None else None
         try:
-            place_marker(marker, reuse)
+            place_marker(marker, reuse, dir_fd=self._dir.step_fd(self.seq), reuse_dir_fd=old)
         except OSError as exc:
             raise translate_oserror(exc, "publishing", marker, step=step) from exc
 
@@ -536,9 +550,9 @@ class StepEngine:
     ) -> None:
         """Publish this rank's input: only the header when ``shared`` holds the arrays."""
         try:
-            os.mkdir(step_dir, DIR_MODE)
-        except FileExistsError:
-            pass  # a peer was first; a non-directory there fails the marker's creation
+            self._dir.step_fd(self.seq, make=True)
+        except SyncDirError:
+            raise
         except OSError as exc:
             raise translate_oserror(
                 exc, "creating the step directory", step_dir, step=step
@@ -607,7 +621,7 @@ class StepEngine:
             # Arrays handed out before keep their memory (the mapping outlives the name).
             self._transport.forget(old.path)
             with contextlib.suppress(OSError):
-                os.unlink(old.path)
+                os.unlink(old.path.name, dir_fd=self._dir.fd)
         return list(self._shared.arrays)
 
     @property
@@ -634,9 +648,9 @@ class StepEngine:
         temp = name.with_name(name.name + ".link")
         try:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-            os.symlink(target.name, temp)
-            os.replace(temp, name)
+                os.unlink(temp.name, dir_fd=self._dir.fd)
+            os.symlink(target.name, temp.name, dir_fd=self._dir.fd)
+            os.replace(temp.name, name.name, src_dir_fd=self._dir.fd, dst_dir_fd=self._dir.fd)
         except OSError as exc:
             raise translate_oserror(exc, "publishing", name, step=step) from exc
         self._transport.forget(name)
@@ -648,7 +662,7 @@ class StepEngine:
             return
         name = self._input_name()
         try:
-            os.unlink(name)
+            os.unlink(name.name, dir_fd=self._dir.fd)
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -906,33 +920,6 @@ def data_name(rank: int, kind: str, slot: int | None) -> str:
 def _one_slot(plan: Plan) -> bool:
     """Whether every rank publishes a shard, so one input file per rank suffices."""
     return not plan.replicated and all(plan.out_lens)
-
-
-def _prune_step_dir(step_dir: Path, world: int) -> None:
-    """Remove a finished step's directory.
-
-    It is normally empty: every rank moved its markers on to a later step. What can
-    be left (an abort note, markers that a later plan had no use for) is unlinked by
-    name, or left to ``remove_tree``, which lists and reopens the directory first.
-    """
-    try:
-        os.rmdir(step_dir)
-        return
-    except FileNotFoundError:
-        return
-    except OSError:
-        pass
-    base = os.fspath(step_dir)
-    for prefix in ("in", "out"):
-        for q in range(world):
-            with contextlib.suppress(OSError):
-                os.unlink(f"{base}/{prefix}-{q}")
-    try:
-        os.rmdir(step_dir)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        remove_tree(step_dir)
 
 
 def _to_the_end(copy: Callable[[], None]) -> None:

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from ._fsio import list_names, remove_tree, write_atomic, write_note
+from ._fsio import list_names, write_atomic, write_note
 from ._jobfiles import (
     ENDED,
     GEN_PREFIX,
@@ -38,6 +38,7 @@ from ._jobfiles import (
     offer_name,
 )
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
+from ._syncdir import dir_below, is_own_dir, remove_own_dir
 
 __all__ = [
     "leave_for_ended",
@@ -60,13 +61,13 @@ def remove_dead_joins(rdzv: Path) -> None:
     """Remove the join files of dead processes of this host, offers without a join, and
     notes of ended joins older than a day."""
     names = list_names(rdzv)
+    gone: list[str] = []
     for name in names:
         if name.startswith(ENDED):
             at = noted_at(load(rdzv / name) or {})
             fresh = at is not None and time.time() - at < _ENDED_KEEP_S
             if not fresh:
-                with contextlib.suppress(OSError):
-                    (rdzv / name).unlink()
+                gone.append(name)
     waiting = set()  # offers that the process of a join may still read
     for name in names:
         nonce = join_nonce(name)
@@ -74,15 +75,16 @@ def remove_dead_joins(rdzv: Path) -> None:
             continue
         stale = member_of(load(rdzv / name))
         if stale is not None and stale.local_death() is not None:
-            with contextlib.suppress(OSError):
-                (rdzv / name).unlink()
+            gone.append(name)
         else:
             waiting.add(offer_name(nonce))
-    for name in names:
-        # An offer names rank 0, not the joiner: it is stale once its join is gone.
-        if name.startswith("offer-") and name not in waiting:
-            with contextlib.suppress(OSError):
-                (rdzv / name).unlink()
+    # An offer names rank 0, not the joiner: it is stale once its join is gone.
+    gone += [n for n in names if n.startswith("offer-") and n not in waiting]
+    if gone:
+        with contextlib.suppress(OSError), dir_below(rdzv.parent, rdzv.name) as fd:
+            for name in gone:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=fd)
 
 
 def remove_dead_jobs(sync_dir: Path) -> None:
@@ -94,7 +96,7 @@ def remove_dead_jobs(sync_dir: Path) -> None:
         names = list_names(sync_dir)
         for name in names:
             gen_path = sync_dir / name
-            if not name.startswith(GEN_PREFIX):
+            if not name.startswith(GEN_PREFIX) or not is_own_dir(sync_dir, name):
                 continue
             members = members_of(gen_path)
             if members and all(_gone(gen_path, m) for m in members):
@@ -115,7 +117,9 @@ def leave_for_ended(sync_dir: Path, rank: int, pid: int, how: str) -> None:
     removed, as the last rank to leave would. Never raises: where no note could be
     written, the heartbeat tells."""
     try:
-        names = sorted(n for n in list_names(sync_dir) if n.startswith(GEN_PREFIX))
+        names = sorted(
+            n for n in list_names(sync_dir) if n.startswith(GEN_PREFIX) and is_own_dir(sync_dir, n)
+        )
     except OSError as exc:
         _log.debug("no note for rank %d (pid %d) in %s: %s", rank, pid, sync_dir, exc)
         return
@@ -147,7 +151,9 @@ def _note_unjoined(rdzv: Path, rank: int, pid: int, how: str) -> None:
         if member.local_death() is None:
             continue  # the pid is a live process's by now (see _leave_in)
         note = {"member": member.to_json(), "run_id": data.get("run_id"), "ended": how}
-        write_atomic(rdzv / f"{ENDED}{rank}-{nonce}.json", [dump({**note, "at": time.time()})])
+        with dir_below(rdzv.parent, rdzv.name) as fd:
+            raw = dump({**note, "at": time.time()})
+            write_atomic(rdzv / f"{ENDED}{rank}-{nonce}.json", [raw], dir_fd=fd)
 
 
 def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
@@ -160,11 +166,12 @@ def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
         return
     note = gen_path / left_name(rank)
     if not note.exists():  # else it closed its session itself (and may have died in it)
-        write_note(note, dump({"ended": how}))
+        with dir_below(gen_path.parent, gen_path.name) as fd:
+            write_note(note, dump({"ended": how}), dir_fd=fd)
         if leader_gone(gen_path):
             # Removed meanwhile by someone who listed it before this note: it would
             # keep the directory, without a leader file to say whose it is.
-            remove_tree(gen_path)
+            remove_own_dir(gen_path.parent, gen_path.name)
             return
     if rostered and all((gen_path / left_name(m.rank)).exists() for m in members):
         _remove(gen_path)
@@ -198,10 +205,13 @@ def members_of(gen_path: Path) -> list[MemberInfo] | None:
 
 
 def _remove(gen_path: Path) -> None:
+    sync_dir = gen_path.parent
+    if not is_own_dir(sync_dir, gen_path.name):
+        return
     _log.debug("removing %s: every member of that run is gone", gen_path)
-    with contextlib.suppress(OSError):
-        leader_file(gen_path.parent, gen_path.name[len(GEN_PREFIX) :]).unlink()
-    remove_tree(gen_path)
+    with contextlib.suppress(OSError), dir_below(sync_dir, RDZV) as rdzv:
+        os.unlink(leader_file(sync_dir, gen_path.name[len(GEN_PREFIX) :]).name, dir_fd=rdzv)
+    remove_own_dir(sync_dir, gen_path.name)
 
 
 def _silent_since_last_look(gen_path: Path, beats: list[Path], timeout_s: float) -> bool:
@@ -218,8 +228,8 @@ def _silent_since_last_look(gen_path: Path, beats: list[Path], timeout_s: float)
     if note is not None and note.get("counters") == counters:
         seen_at = note.get("monotonic")
         return isinstance(seen_at, (int, float)) and now - seen_at >= timeout_s
-    with contextlib.suppress(OSError):
-        write_atomic(note_path, [dump({"counters": counters, "monotonic": now})])
+    with contextlib.suppress(OSError), dir_below(gen_path.parent, gen_path.name) as fd:
+        write_atomic(note_path, [dump({"counters": counters, "monotonic": now})], dir_fd=fd)
     return False
 
 
@@ -238,6 +248,8 @@ def reap_stale_generations(sync_dir: Path, keep: Path, timeout_s: float) -> None
         gen_path = sync_dir / name
         if not name.startswith(GEN_PREFIX) or gen_path == keep:
             continue
+        if not is_own_dir(sync_dir, name):
+            continue  # a user's, whatever its name: never looked into, written or removed
         members = members_of(gen_path)
         if members is None:
             continue

@@ -20,6 +20,7 @@ so that every rank raises the same error.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -50,10 +51,8 @@ from ._fsio import (
     Backoff,
     list_names,
     read_small,
-    remove_tree,
     translate_oserror,
     warn_if_open,
-    write_note,
 )
 from ._jobfiles import (
     ABORT,
@@ -75,11 +74,14 @@ from ._jobfiles import (
     member_rank,
     noted_at,
     offer_name,
+    unlink,
     write_json,
+    write_note,
 )
 from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo
 from ._makedir import make_sync_dir
 from ._reaping import reap_stale_generations, remove_dead_joins
+from ._syncdir import dir_below, is_own_dir, make_own_dir, open_below, remove_own_dir
 
 __all__ = ["Generation", "calls_finished", "leave", "rendezvous"]
 
@@ -161,7 +163,11 @@ def rendezvous(cfg: FileGradSyncConfig, closing: threading.Event | None = None) 
     rdzv = cfg.sync_dir / RDZV
     try:
         cfg.sync_dir.mkdir(DIR_MODE, parents=True, exist_ok=True)
-        rdzv.mkdir(DIR_MODE, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(rdzv, DIR_MODE)
+        os.close(open_below(cfg.sync_dir, RDZV))  # a link in its place is refused, named
+    except SyncDirError:
+        raise
     except OSError as exc:
         raise translate_oserror(exc, "creating the rendezvous directory", rdzv) from exc
     warn_if_open(cfg.sync_dir)
@@ -204,23 +210,24 @@ class _Leader:
         }
 
     def run(self) -> Generation:
+        # First thing, so that the look at dead runs' heartbeats starts early, and
+        # before this run makes anything: on a full disk (or one out of inodes) it
+        # frees their space.
+        reap_stale_generations(self.cfg.sync_dir, self.gen_path, self.cfg.heartbeat_timeout_s)
         try:
-            self.gen_path.mkdir(DIR_MODE)
+            make_own_dir(self.cfg.sync_dir, self.gen_path.name)
         except OSError as exc:
             raise translate_oserror(
                 exc, "creating the generation directory", self.gen_path
             ) from exc
         heartbeat = Heartbeat(self.gen_path / f"hb-{self.me.nonce}", self.cfg.heartbeat_interval_s)
         try:
-            # First thing, so that the look at dead runs' heartbeats starts early, and
-            # before this run writes anything more: on a full disk it frees their space.
-            reap_stale_generations(self.cfg.sync_dir, self.gen_path, self.cfg.heartbeat_timeout_s)
             write_json(self.leader_file, self._info(), "registering rank 0 in")
         except BaseException:
             heartbeat.stop()
             # Nobody can have joined a generation without a leader file: remove it now,
             # rather than leave it to a reaper that waits out its heartbeat.
-            remove_tree(self.gen_path)
+            remove_own_dir(self.cfg.sync_dir, self.gen_path.name)
             raise
         try:
             gen = self._admit()
@@ -330,12 +337,12 @@ class _Leader:
                 # Confirmed, then died before the roster (same host): a new process may
                 # claim its rank.
                 with contextlib.suppress(OSError):
-                    (self.gen_path / name).unlink()
+                    unlink(self.gen_path / name)
                 continue
             if known is not None and known.local_death() is not None:
                 del self.confirmed[member.rank]
                 with contextlib.suppress(OSError):
-                    (self.gen_path / member_name(known.rank, known.nonce)).unlink()
+                    unlink(self.gen_path / member_name(known.rank, known.nonce))
                 known = None
             self._check_agreement(member, data)
             if not 0 < member.rank < cfg.world_size:
@@ -424,7 +431,7 @@ class _Leader:
             if member.same_host:
                 if member.local_death() is not None:
                     with contextlib.suppress(OSError):
-                        path.unlink()
+                        unlink(path)
                     self.rivals.pop(member.nonce, None)
                     continue
                 raise self._rival(member, "is running in")
@@ -434,7 +441,7 @@ class _Leader:
                 raise self._rival(member, "is beating in")
             if silent >= self.cfg.heartbeat_timeout_s:
                 with contextlib.suppress(OSError):
-                    path.unlink()
+                    unlink(path)
                 self.rivals.pop(member.nonce, None)
             else:
                 # Undecided until its heartbeat either moves or stays silent long enough.
@@ -447,10 +454,10 @@ class _Leader:
         for member in self.confirmed.values():
             for name in (join_name(member.rank, member.nonce), offer_name(member.nonce)):
                 with contextlib.suppress(OSError):
-                    (self.rdzv / name).unlink()
+                    unlink(self.rdzv / name)
         for path, _ in _ended_notes(self.cfg):
             with contextlib.suppress(OSError):
-                path.unlink()
+                unlink(path)
         remove_dead_joins(self.rdzv)
 
 
@@ -460,18 +467,14 @@ def _join(
     rdzv = cfg.sync_dir / RDZV
     join = rdzv / join_name(cfg.rank, me.nonce)
     offer_path = rdzv / offer_name(me.nonce)
-    write_json(
-        join,
-        {"member": me.to_json(), "world_size": cfg.world_size, "run_id": cfg.run_id},
-        "registering a join in",
-    )
+    _register(cfg, join, me, closing)
     # This rank is here again: what a launcher said of an earlier process of it that
     # ended while waiting to join is over.
     for path, data in _ended_notes(cfg):
         member = member_of(data)
         if member is not None and member.rank == cfg.rank:
             with contextlib.suppress(OSError):
-                path.unlink()
+                unlink(path)
     backoff = Backoff()
     next_warn = cfg.warn_after_s
     leader: MemberInfo | None = None
@@ -489,8 +492,9 @@ def _join(
                 offer = load(offer_path)
                 if offer is not None and offer.get("run_id") == cfg.run_id:
                     leader = member_of(offer)
-                    candidate = cfg.sync_dir / f"{GEN_PREFIX}{offer.get('gen')}"
-                    if leader is not None and candidate.is_dir():
+                    name = f"{GEN_PREFIX}{offer.get('gen')}"  # one plain name, or refused
+                    candidate = cfg.sync_dir / name
+                    if leader is not None and is_own_dir(cfg.sync_dir, name):
                         gen_path = candidate
                         heartbeat = Heartbeat(gen_path / f"hb-{me.nonce}", cfg.heartbeat_interval_s)
                         try:
@@ -504,13 +508,15 @@ def _join(
                                 "confirming membership in",
                             )
                         except SyncDirError:
-                            if gen_path.is_dir() and not leader_gone(gen_path):
+                            if is_own_dir(cfg.sync_dir, gen_path.name) and not leader_gone(
+                                gen_path
+                            ):
                                 raise
                             # Removed since the look above: rank 0 gave up and a new
                             # session of it removed the generation. Wait for its offer,
                             # as below when that happens after confirming.
                             heartbeat.stop()
-                            remove_tree(gen_path)  # what this rank wrote meanwhile
+                            remove_own_dir(cfg.sync_dir, gen_path.name)  # what it wrote
                             stale = (leader, gen_path)
                             heartbeat = gen_path = leader = None
             if gen_path is None and elapsed >= next_check:
@@ -535,7 +541,7 @@ def _join(
                 if elapsed >= next_check:
                     next_check = elapsed + _CHECK_EVERY_S
                     _check_leader(cfg, leader, gen_path, watch)
-                    if not gen_path.is_dir() or leader_gone(gen_path):
+                    if not is_own_dir(cfg.sync_dir, gen_path.name) or leader_gone(gen_path):
                         # Rank 0 failed and a new session of it already removed this
                         # generation: wait for its offer, as a rank that came later,
                         # while that process lives. (The directory stays where this
@@ -543,7 +549,7 @@ def _join(
                         # listed it: only the leader file, unlinked first, tells.)
                         if heartbeat is not None:
                             heartbeat.stop()
-                        remove_tree(gen_path)
+                        remove_own_dir(cfg.sync_dir, gen_path.name)
                         stale = (leader, gen_path)
                         heartbeat = gen_path = leader = None
             if elapsed >= cfg.max_wait_s:
@@ -592,6 +598,25 @@ def _join(
         raise
 
 
+def _register(
+    cfg: FileGradSyncConfig, join: Path, me: MemberInfo, closing: threading.Event | None
+) -> None:
+    """Write this rank's join file; on a filesystem with no room for it, try again for
+    up to ``max_wait_s``: rank 0 frees the space of dead jobs as it starts."""
+    data = {"member": me.to_json(), "world_size": cfg.world_size, "run_id": cfg.run_id}
+    backoff = Backoff()
+    while True:
+        try:
+            write_json(join, data, "registering a join in")
+            return
+        except SyncDirError as exc:
+            if exc.errno != errno.ENOSPC or backoff.elapsed_s() >= cfg.max_wait_s:
+                raise
+            _log.debug("rendezvous: %s; trying again", exc)
+        _check_closing(cfg, closing)
+        time.sleep(0.05)
+
+
 def _unless_removed(gen_path: Path) -> None:
     """Remove the generation at ``gen_path`` if it is being removed: its leader file is
     gone (the last rank leaving, or a rank 0 reaping it, unlinks that first). What this
@@ -599,7 +624,7 @@ def _unless_removed(gen_path: Path) -> None:
     with no leader file to tell whose it was, as a job of another host (waited out for
     ``heartbeat_timeout_s``, and shown by ``gradsync status``)."""
     if leader_gone(gen_path):
-        remove_tree(gen_path)
+        remove_own_dir(gen_path.parent, gen_path.name)
 
 
 def _rostered(cfg: FileGradSyncConfig, me: MemberInfo, gen_path: Path) -> Generation | None:
@@ -616,7 +641,7 @@ def _rostered(cfg: FileGradSyncConfig, me: MemberInfo, gen_path: Path) -> Genera
 def _unlink_all(*paths: Path) -> None:
     for path in paths:
         with contextlib.suppress(OSError):
-            path.unlink()
+            unlink(path)
 
 
 def _ended_notes(cfg: FileGradSyncConfig) -> list[tuple[Path, dict[str, Any]]]:
@@ -726,7 +751,7 @@ def _left(sync_dir: Path, leader_data: dict[str, Any]) -> bool:
     makes its directory before this file, and the last rank to leave removes the file
     first.)"""
     gen = sync_dir / f"{GEN_PREFIX}{leader_data.get('gen')}"
-    return (gen / left_name(0)).exists() or not gen.is_dir()
+    return (gen / left_name(0)).exists() or not is_own_dir(sync_dir, gen.name)
 
 
 def _held_here(rank: int, path: Path) -> RendezvousError:
@@ -812,17 +837,15 @@ def leave(gen: Generation, calls: int, ended: str | None = None) -> None:
     rank to leave removes the generation directory."""
     note: dict[str, Any] = {"calls": calls} if ended is None else {"calls": calls, "ended": ended}
     try:
-        write_note(gen.left_path(gen.rank), json.dumps(note).encode())
-    except OSError:
-        return
-    try:
-        names = list_names(gen.path)
+        with dir_below(gen.path.parent, gen.path.name) as fd:
+            write_note(gen.left_path(gen.rank), json.dumps(note).encode(), dir_fd=fd)
+            names = set(os.listdir(fd))
     except OSError:
         return  # not knowing who is left, leave the directory to the last rank
     if all(left_name(r) in names for r in range(len(gen.members))):
         with contextlib.suppress(OSError):
-            leader_file(gen.path.parent, gen.gen_id).unlink()
-        remove_tree(gen.path)
+            unlink(leader_file(gen.path.parent, gen.gen_id))
+        remove_own_dir(gen.path.parent, gen.path.name)
 
 
 def calls_finished(gen: Generation, rank: int) -> int | None:

@@ -11,8 +11,10 @@ reader first drops what this host cached of a peer's file (``Transport.open``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+import re
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,6 +36,9 @@ class ChecksumError(Exception):
 _LOCAL_FS = frozenset(
     {"tmpfs", "ramfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "overlay"}
 )
+
+# The one link a reader follows: a rank's input name to its shared arrays' file.
+_SHARED_NAME = re.compile(r"d-(\d+)-b\d+\.in")
 
 
 def local_filesystem(path: Path) -> bool:
@@ -73,8 +78,10 @@ class DataReader:
         buf: Any,
         *,
         drop_cached: bool = False,
+        dir_fd: int | None = None,
     ) -> None:
         self.path = path
+        self._dir_fd = dir_fd
         self.head = head
         self.size = size
         self._fd = fd  # neither fd nor buf: opened when first read (Transport.open)
@@ -169,7 +176,7 @@ class DataReader:
 
     def _file(self) -> int:
         if self._fd is None:
-            self._fd, _ = open_regular(self.path)
+            self._fd, _ = open_regular(self.path, dir_fd=self._dir_fd)
         return self._fd
 
     def close(self) -> None:
@@ -182,8 +189,13 @@ class DataReader:
 class Transport:
     """Writes and opens data files; keeps their mappings when ``mapped``."""
 
-    def __init__(self, *, mapped: bool, head_bytes: int, shared: bool = False) -> None:
+    def __init__(
+        self, *, mapped: bool, head_bytes: int, shared: bool = False, dir_fd: int | None = None
+    ) -> None:
         self.mapped = mapped
+        # The directory of every file it handles, opened without following links: each
+        # is opened by its name relative to it.
+        self._dir_fd = dir_fd
         # Files live on a filesystem other hosts write: what this host sees of them may
         # lag behind (see Transport.open), so its cached pages are dropped before reading.
         self.shared = shared
@@ -217,7 +229,7 @@ class Transport:
         """
         if not self.mapped:
             self._written.pop(path, None)
-            size = write_in_place(path, chunks, midway=midway)
+            size = write_in_place(path, chunks, midway=midway, dir_fd=self._dir_fd)
             self._written[path] = (_first_bytes(chunks, self._head_bytes), size)
             return
         sizes = [memoryview(c).nbytes for c in chunks]
@@ -247,7 +259,7 @@ class Transport:
         if cached is not None and cached[1] == size:
             return cached[3]
         self.forget(path)
-        fd = open_own(path, os.O_RDWR)
+        fd = open_own(path, os.O_RDWR, dir_fd=self._dir_fd)
         try:
             os.ftruncate(fd, size)
             if size:
@@ -287,17 +299,24 @@ class Transport:
             return DataReader(path, bytes(buf[: self._head_bytes]), size, None, buf)
         written = self._written.get(path)
         if written is not None:
-            return DataReader(path, written[0], written[1], None, None)
+            return DataReader(path, written[0], written[1], None, None, dir_fd=self._dir_fd)
         if self.mapped:
             # A kept mapping is reused when the name still leads to the same inode of
             # the same size: one stat instead of open, fstat and close every step.
-            st = os.stat(path)
+            # Through a link too (d-<rank>.in): it only compares with what a checked
+            # open mapped; a link leading anywhere else never matches and is refused.
+            st = os.stat(self._name(path), dir_fd=self._dir_fd)
             kept = self._maps.get(path)
             if kept is not None and kept[:2] == (st.st_ino, st.st_size):
                 buf = kept[3]
                 return DataReader(path, bytes(buf[: self._head_bytes]), st.st_size, None, buf)
         # Never a plain open: a FIFO in a data file's place would block it forever.
-        fd, st = open_regular(path)
+        try:
+            fd, st = open_regular(path, dir_fd=self._dir_fd, follow=False)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            fd, st = open_regular(self._linked(path), dir_fd=self._dir_fd, follow=False)
         try:
             if not self.mapped or st.st_size == 0:
                 if self._drop_cached:
@@ -318,6 +337,28 @@ class Transport:
                 os.close(fd)
         buf = cached[3]
         return DataReader(path, bytes(buf[: self._head_bytes]), st.st_size, None, buf)
+
+    def _name(self, path: Path) -> str | Path:
+        return path if self._dir_fd is None else path.name
+
+    def _linked(self, path: Path) -> Path:
+        """The file that the symbolic link ``path`` leads to, which must be its rank's
+        shared arrays beside it (``d-<rank>.in`` -> ``d-<rank>-b<n>.in``: what
+        ``buffers_like`` makes); no other link is followed.
+
+        Raises:
+            OSError: ELOOP for a link anywhere else; as the system reported it.
+        """
+        target = os.readlink(self._name(path), dir_fd=self._dir_fd)
+        found = _SHARED_NAME.fullmatch(target)
+        if found is None or path.name != f"d-{found.group(1)}.in":
+            raise OSError(
+                errno.ELOOP,
+                f"{path} is a symbolic link to {target!r}, not to its rank's shared arrays "
+                "beside it (d-<rank>-b<n>.in): refused",
+                str(path),
+            )
+        return path.with_name(target)
 
     def forget(self, path: Path) -> None:
         """Drop the mapping kept for ``path`` (it stays valid while views of it live)."""

@@ -1,0 +1,258 @@
+"""gradsync touches nothing below its sync dir that it did not make, and follows no link
+there: a user's ``gen-*`` directory survives every job, and a symbolic link planted
+where gradsync's own directories are (before a job or during it) never leads a write,
+a truncation or a removal outside the sync dir."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import syncdir_workers
+from gradsync._transport import Transport
+from ranks import Outcome, run_ranks
+
+
+def _snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every name below ``root`` (not following links), with each file's bytes."""
+    seen: dict[str, bytes | None] = {}
+    for where, dirs, files in os.walk(root):
+        for name in dirs:
+            seen[os.path.relpath(os.path.join(where, name), root)] = None
+        for name in files:
+            path = os.path.join(where, name)
+            seen[os.path.relpath(path, root)] = Path(path).read_bytes()
+    return seen
+
+
+def _canary(root: Path) -> Path:
+    """A user's directory outside the sync dir, holding names a job's files have."""
+    root.mkdir()
+    for name in ("d-0.in", "d-1.in", "d-0.out", "d-1.out", "left-0", "roster.json"):
+        (root / name).write_bytes(b"precious " + name.encode())
+    for k in range(1, 40):
+        (root / f"s-{k}").mkdir()
+    return root
+
+
+def _user_gen_dirs(sync_dir: Path) -> dict[str, bytes | None]:
+    samples = sync_dir / "gen-samples" / "epoch1"
+    samples.mkdir(parents=True)
+    for i in range(3):
+        (samples / f"{i}.png").write_bytes(b"\x89PNG" + bytes([i]) * 100)
+    (sync_dir / "gen-0123456789abcdef").mkdir()  # named like a generation, but the user's
+    (sync_dir / "gen-0123456789abcdef" / "notes.txt").write_text("mine")
+    (sync_dir / "gen-notes").write_text("a file")
+    return {n: v for n, v in _snapshot(sync_dir).items() if n.startswith("gen-")}
+
+
+def test_a_users_gen_directories_survive_jobs_and_their_reaping(tmp_path: Path) -> None:
+    # gen-samples was taken for a generation whose rank 0 is on another host: the
+    # first job wrote its note of heartbeats into it, its reaper thread removed it
+    # heartbeat_timeout_s later, and a later job removed it at once.
+    sync = tmp_path / "sync"
+    before = _user_gen_dirs(sync)
+    kw = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.3}
+    for _ in range(2):
+        results = run_ranks(syncdir_workers.steps_then_linger, 2, (2, str(sync), 2, 0.8, kw))
+        assert all(r.ok for r in results.values()), results
+        after = {n: v for n, v in _snapshot(sync).items() if n.startswith("gen-")}
+        assert after == before
+    assert sorted(os.listdir(sync)) == ["gen-0123456789abcdef", "gen-notes", "gen-samples", "rdzv"]
+
+
+def _link_error(outcome: Outcome, link: Path) -> None:
+    assert not outcome.ok
+    assert outcome.error_type == "SyncDirError", outcome
+    assert f"{link} is a symbolic link" in outcome.message, outcome.message
+    assert outcome.attrs["errno"] == errno.ELOOP
+
+
+def test_a_link_planted_as_rdzv_is_refused_and_named(tmp_path: Path) -> None:
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    canary = _canary(tmp_path / "canary")
+    before = _snapshot(canary)
+    (sync / "rdzv").symlink_to(canary)
+    results = run_ranks(syncdir_workers.steps_then_linger, 2, (2, str(sync), 1, 0.0, {}))
+    for outcome in results.values():
+        _link_error(outcome, sync / "rdzv")
+    assert _snapshot(canary) == before
+
+
+def test_a_link_planted_as_a_generation_is_never_followed(tmp_path: Path) -> None:
+    # Taken for a dead job's generation, it made rank 0 write its note of heartbeats
+    # into the link's target.
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    canary = _canary(tmp_path / "canary")
+    before = _snapshot(canary)
+    (sync / "gen-00000000000000aa").symlink_to(canary)
+    kw = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.3}
+    for _ in range(2):
+        results = run_ranks(syncdir_workers.steps_then_linger, 2, (2, str(sync), 2, 0.8, kw))
+        assert all(r.ok for r in results.values()), results
+    assert _snapshot(canary) == before
+    assert (sync / "gen-00000000000000aa").is_symlink()
+
+
+@pytest.mark.parametrize("what", ["generation", "step"])
+def test_a_link_put_in_place_of_a_jobs_directory_mid_run_is_never_followed(
+    tmp_path: Path, what: str
+) -> None:
+    # A generation replaced by a link made the ranks truncate and overwrite the
+    # target's files of the same names and remove its s-<k> directories, with no error.
+    sync = tmp_path / "sync"
+    canary = _canary(tmp_path / "canary")
+    before = _snapshot(canary)
+    ready = tmp_path / "ready"
+    results: dict[int, Outcome] = {}
+    job = threading.Thread(
+        target=lambda: results.update(
+            run_ranks(syncdir_workers.steps_until_it_fails, 2, (2, str(sync), str(ready)))
+        )
+    )
+    job.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and job.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ready.exists(), results
+        (gen,) = sync.glob("gen-*")
+        if what == "generation":
+            gen.rename(sync / "moved")
+            gen.symlink_to(canary)
+            link = gen
+        else:
+            seqs = [int(p.name[2:]) for p in gen.glob("s-*")]
+            ahead = max(seqs, default=0) + 20
+            for k in range(ahead, ahead + 300):
+                try:
+                    (gen / f"s-{k}").symlink_to(canary / f"s-{k % 39 + 1}")
+                except FileNotFoundError:
+                    break  # the ranks got to the first links and their job has ended
+            link = gen / f"s-{ahead}"
+    finally:
+        job.join(90)
+    assert not job.is_alive()
+    for outcome in results.values():
+        _link_error(outcome, link)
+    assert _snapshot(canary) == before
+
+
+@contextlib.contextmanager
+def _few_inodes(where: Path, inodes: int) -> Iterator[Path]:
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size=8m,nr_inodes={inodes}", "tmpfs", str(where)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _use_every_inode(directory: Path) -> int:
+    directory.mkdir(exist_ok=True)
+    n = 0
+    while True:
+        try:
+            (directory / f"f{n}").touch()
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            return n
+        n += 1
+
+
+def test_a_job_starts_where_a_dead_job_holds_the_last_inodes(tmp_path: Path) -> None:
+    # The dead job's generation was removed only after the new one was made: the
+    # next job could not start ("creating the generation directory: No space left").
+    with _few_inodes(tmp_path / "fs", 96) as fs:
+        sync = fs / "sync"
+        run_ranks(syncdir_workers.steps_then_killed, 2, (2, str(sync)), expect=[])
+        assert list(sync.glob("gen-*"))
+        assert _use_every_inode(fs / "user") > 0
+        # Rank 1, there first, waits for the room that rank 0 frees as it starts.
+        kw = {"max_wait_s": 10.0, "delays": {0: 1.0}}
+        results = run_ranks(syncdir_workers.steps_then_linger, 2, (2, str(sync), 1, 0.0, kw))
+        assert all(r.ok for r in results.values()), [r.message for r in results.values()]
+        _use_every_inode(fs / "user")
+        kw = {"max_wait_s": 1.0}  # rank 1 waits that long for room, in vain
+        results = run_ranks(syncdir_workers.steps_then_linger, 2, (2, str(sync), 1, 0.0, kw))
+        for outcome in results.values():  # nothing left to free: each says what is out
+            assert (outcome.ok, outcome.error_type) == (False, "SyncDirError"), outcome
+            assert "filesystem is out of inodes" in outcome.message, outcome.message
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
+def test_a_reader_follows_only_a_ranks_link_to_its_shared_arrays(
+    tmp_path: Path, mapped: bool
+) -> None:
+    # d-<rank>.in links to d-<rank>-b<n>.in (buffers_like); any other link there was
+    # followed, anywhere.
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (tmp_path / "outside").write_bytes(b"secret" * 10)
+    (gen / "d-1-b3.in").write_bytes(b"H" * 40)
+    (gen / "d-1.in").symlink_to("d-1-b3.in")
+    (gen / "d-2.in").symlink_to(tmp_path / "outside")
+    (gen / "d-3.in").symlink_to("../outside")
+    (gen / "d-4.in").symlink_to("d-1-b3.in")  # another rank's arrays
+    fd = os.open(gen, os.O_RDONLY | os.O_DIRECTORY)
+    transport = Transport(mapped=mapped, head_bytes=8, dir_fd=fd)
+    try:
+        reader = transport.open(gen / "d-1.in")
+        assert (reader.head, reader.size) == (b"H" * 8, 40)
+        reader.close()
+        for rank in (2, 3, 4):
+            with pytest.raises(OSError, match=r"is a symbolic link to .*: refused") as info:
+                transport.open(gen / f"d-{rank}.in")
+            assert info.value.errno == errno.ELOOP
+            assert str(gen / f"d-{rank}.in") in str(info.value)
+    finally:
+        transport.close()
+        os.close(fd)
+
+
+def test_a_link_put_in_place_of_rdzv_mid_run_is_never_followed(tmp_path: Path) -> None:
+    # The last rank to leave unlinks its job's leader file in rdzv/: through the link,
+    # a file of that name in its target.
+    sync = tmp_path / "sync"
+    canary = _canary(tmp_path / "canary")
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    results: dict[int, Outcome] = {}
+    job = threading.Thread(
+        target=lambda: results.update(
+            run_ranks(syncdir_workers.steps_around_a_pause, 2, (2, str(sync), str(ready), str(go)))
+        )
+    )
+    job.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and job.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ready.exists(), results
+        (gen,) = sync.glob("gen-*")
+        (canary / f"leader-{gen.name[4:]}.json").write_text("precious")
+        before = _snapshot(canary)
+        (sync / "rdzv").rename(sync / "rdzv-moved")
+        (sync / "rdzv").symlink_to(canary)
+    finally:
+        go.touch()
+        job.join(90)
+    assert not job.is_alive()
+    assert all(r.ok for r in results.values()), [r.message for r in results.values()]
+    assert _snapshot(canary) == before
