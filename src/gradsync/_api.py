@@ -403,7 +403,9 @@ class GradSync:
             self._device_layout, self._device_shared = layout, None
             if current is None or current is previous:
                 try:
-                    engine.buffers_like(layout)  # plain arrays (dropped) where nothing is saved
+                    # Plain arrays (dropped) where nothing is saved; unwatched: a step
+                    # delivers the mean to the GPU, never into them.
+                    engine.buffers_like(layout, watch=False)
                 except GradSyncError as exc:
                     # Outside a step no peer would hear of it: copy as before, and let the
                     # step itself fail (telling the peers) if the sync dir is unusable.
