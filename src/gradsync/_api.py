@@ -196,6 +196,9 @@ class GradSync:
 
         Like :meth:`average`, the first call meets the other ranks: call it on every
         rank. A later call allocates new arrays (the earlier ones stop being shared).
+        A step given these arrays with nothing written into them since the last one
+        (torch's ``zero_grad()`` default dropped them as ``p.grad``) raises
+        :class:`InvalidGradsError`: zero them with ``zero_grad(set_to_none=False)``.
 
         Args:
             like: numpy arrays (or array-likes) of float16/32/64; only their shapes and
