@@ -130,6 +130,18 @@ def test_torch_grads_can_live_in_buffers(tmp_path: Path) -> None:
         assert outs[1]["after"][step] == want
 
 
+def test_buffers_averaged_again_unwritten_fail(tmp_path: Path) -> None:
+    # Step 1 averages step 0's mean again (no rank wrote the buffers): it looks stale,
+    # and step 2, the same in full, fails on every rank; mapped and plain alike.
+    results = run_ranks(workers.buffers_left_unwritten, 2, (2, str(tmp_path)))
+    for r in range(2):
+        assert results[r].ok, results[r].message
+        for out in results[r].value:
+            assert out is not None, "the ranks averaged unwritten buffers and went on"
+            assert out[:2] == ("InvalidGradsError", 2), out
+            assert out[2].startswith("step 2: the buffers_like arrays hold exactly the mean")
+
+
 # hidden 1200: 0.32 MiB of gradients, in mapped buffers; 16: plain arrays (under 256 KiB).
 MAPPED, PLAIN = 1200, 16
 

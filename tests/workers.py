@@ -841,6 +841,25 @@ def torch_grads_in_buffers(rank: int, world: int, sync_dir: str) -> dict[str, An
     return out
 
 
+def buffers_left_unwritten(rank: int, world: int, sync_dir: str) -> list[Any]:
+    """``buffers_like`` arrays, mapped (SHAPES_BIG) then plain (SHAPES), each in a
+    session of its own: written for step 0, then averaged as they are. Returns each
+    session's error type, step and message, or ``None``."""
+    out: list[Any] = []
+    for i, shapes in enumerate((SHAPES_BIG, SHAPES)):
+        with gradsync.GradSync(config(rank, world, f"{sync_dir}/{i}")) as gs:
+            bufs = gs.buffers_like(grads_for(rank, 0, shapes))
+            for b, g in zip(bufs, grads_for(rank, 0, shapes), strict=True):
+                b[...] = g
+            try:
+                for step in range(4):
+                    gs.average(bufs, step=step)
+                out.append(None)
+            except gradsync.GradSyncError as exc:
+                out.append((type(exc).__name__, exc.step, str(exc)))
+    return out
+
+
 def torch_buffers_recipes(
     rank: int, world: int, sync_dir: str, runs: list[tuple[str, int, int | None]]
 ) -> list[Any]:
