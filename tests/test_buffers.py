@@ -128,3 +128,58 @@ def test_torch_grads_can_live_in_buffers(tmp_path: Path) -> None:
         want = [m.tobytes() for m in gradsync.average_host_grads(per_rank)]
         assert outs[0]["after"][step] == want
         assert outs[1]["after"][step] == want
+
+
+def test_buffers_averaged_again_unwritten_fail(tmp_path: Path) -> None:
+    # Step 1 averages step 0's mean again (no rank wrote the buffers): it looks stale,
+    # and step 2, the same in full, fails on every rank; mapped and plain alike.
+    results = run_ranks(workers.buffers_left_unwritten, 2, (2, str(tmp_path)))
+    for r in range(2):
+        assert results[r].ok, results[r].message
+        for out in results[r].value:
+            assert out is not None, "the ranks averaged unwritten buffers and went on"
+            assert out[:2] == ("InvalidGradsError", 2), out
+            assert out[2].startswith("step 2: the buffers_like arrays hold exactly the mean")
+
+
+# hidden 1200: 0.32 MiB of gradients, in mapped buffers; 16: plain arrays (under 256 KiB).
+MAPPED, PLAIN = 1200, 16
+
+
+def test_torch_zero_grad_that_drops_the_buffers_fails(tmp_path: Path) -> None:
+    # torch's zero_grad() sets p.grad = None: backward() then makes new tensors, the
+    # buffers keep the last mean, and each rank stepped with its own gradients (exit 0,
+    # different weights on every rank). Every rank now fails, at its third call; where
+    # only one rank does it, at its second, and its peer hears why from it.
+    pytest.importorskip("torch")
+    runs = [("top", MAPPED, None), ("end", MAPPED, None), ("top", PLAIN, None)]
+    runs += [("end", PLAIN, None), ("top:1", MAPPED, None)]
+    results = run_ranks(workers.torch_buffers_recipes, 2, (2, str(tmp_path), runs), timeout_s=180)
+    outs = [results[r].value for r in range(2)]
+    for r in range(2):
+        assert results[r].ok, results[r].message
+        kinds = [out[0] for out in outs[r]]
+        assert kinds[:4] == ["InvalidGradsError"] * 4, "ranks averaged stale buffers and went on"
+        for _, step, message in outs[r][:4]:
+            assert step == 2, message
+            assert message.startswith("step 2: the buffers_like arrays "), message
+            assert "(torch: zero_grad() with set_to_none=True, its default, replaced" in message
+            assert "Call optimizer.zero_grad(set_to_none=False), or average" in message
+    assert outs[1][4][:2] == ("InvalidGradsError", 1), outs[1][4]
+    assert outs[0][4][:2] == ("PeerAbortedError", 1), outs[0][4]
+    assert "rank 1 (" in outs[0][4][2]
+    assert "the buffers_like arrays hold exactly the mean the last call" in outs[0][4][2]
+
+
+def test_torch_buffers_kept_train_on(tmp_path: Path) -> None:
+    # The recipe as documented, with a frozen layer and an unused param in the buffers
+    # (never written), and with gradients exactly zero from step 2 on: never taken for
+    # buffers that nothing wrote into, and one model on both ranks.
+    pytest.importorskip("torch")
+    runs = [("keep", MAPPED, None), ("keep", MAPPED, 2), ("keep", PLAIN, None)]
+    runs += [("keep", PLAIN, 2)]
+    results = run_ranks(workers.torch_buffers_recipes, 2, (2, str(tmp_path), runs), timeout_s=180)
+    for r in range(2):
+        assert results[r].ok, results[r].message
+        assert [kind for kind, _ in results[r].value] == ["ok"] * 4, results[r].value
+    assert results[0].value == results[1].value

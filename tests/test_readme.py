@@ -45,6 +45,24 @@ def test_readme_example_runs_on_two_ranks_and_agrees(tmp_path: Path) -> None:
     assert w == pytest.approx([1.0, -2.0, 0.5], abs=1e-3)
 
 
+def test_readme_torch_examples_run_on_two_ranks_and_agree(tmp_path: Path) -> None:
+    # The views of p.grad (function form) and the buffers_like recipe: one model on
+    # both ranks, and the same one from both recipes.
+    pytest.importorskip("torch")
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "import torch" in b]
+    assert len(blocks) == 2, "the README no longer shows both torch recipes"
+    weights = []
+    for i, block in enumerate(blocks):
+        script = tmp_path / f"torch_{i}.py"
+        script.write_text(block)
+        result = _launch(["--nproc", "2", str(script)], tmp_path)
+        assert result.returncode == 0, result.stderr
+        lines = dict(re.findall(r"^\[rank (\d)\] rank \d: (.*)$", result.stdout, re.M))
+        assert set(lines) == {"0", "1"}, result.stdout
+        weights += lines.values()
+    assert len(set(weights)) == 1, weights
+
+
 def test_the_two_node_commands_run_as_written(tmp_path: Path) -> None:
     # Both "nodes" on this host, the shared directory a temporary one.
     commands = re.findall(r"^# on node \d:\n(gradsync launch .*)$", README, re.M)

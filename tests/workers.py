@@ -841,6 +841,81 @@ def torch_grads_in_buffers(rank: int, world: int, sync_dir: str) -> dict[str, An
     return out
 
 
+def buffers_left_unwritten(rank: int, world: int, sync_dir: str) -> list[Any]:
+    """``buffers_like`` arrays, mapped (SHAPES_BIG) then plain (SHAPES), each in a
+    session of its own: written for step 0, then averaged as they are. Returns each
+    session's error type, step and message, or ``None``."""
+    out: list[Any] = []
+    for i, shapes in enumerate((SHAPES_BIG, SHAPES)):
+        with gradsync.GradSync(config(rank, world, f"{sync_dir}/{i}")) as gs:
+            bufs = gs.buffers_like(grads_for(rank, 0, shapes))
+            for b, g in zip(bufs, grads_for(rank, 0, shapes), strict=True):
+                b[...] = g
+            try:
+                for step in range(4):
+                    gs.average(bufs, step=step)
+                out.append(None)
+            except gradsync.GradSyncError as exc:
+                out.append((type(exc).__name__, exc.step, str(exc)))
+    return out
+
+
+def torch_buffers_recipes(
+    rank: int, world: int, sync_dir: str, runs: list[tuple[str, int, int | None]]
+) -> list[Any]:
+    """Each run of ``runs`` in a session of its own (one torch import for them all):
+    ``("ok", the parameters as bytes)``, or the error's type name, step and message."""
+    out: list[Any] = []
+    for i, (how, hidden, zero_from) in enumerate(runs):
+        try:
+            params = _torch_buffers_recipe(rank, world, f"{sync_dir}/{i}", how, hidden, zero_from)
+            out.append(("ok", params))
+        except gradsync.GradSyncError as exc:
+            out.append((type(exc).__name__, exc.step, str(exc)))
+    return out
+
+
+def _torch_buffers_recipe(
+    rank: int, world: int, sync_dir: str, how: str, hidden: int, zero_from: int | None
+) -> list[bytes]:
+    """Six SGD steps of the README's torch recipe (``p.grad`` are ``buffers_like``
+    arrays); ``how``: "keep" (``zero_grad(set_to_none=False)``, as documented), "top" or
+    "end" (torch's default ``zero_grad()`` before ``backward()`` or after the step), on
+    the rank given after a colon (else every rank). Besides the trained layers: a frozen
+    one and an unused param, both in the buffers; from step ``zero_from`` the loss is
+    scaled by 0 (every gradient exactly zero). Returns the parameters as bytes."""
+    import torch  # noqa: PLC0415 - only this worker needs torch
+
+    mode, _, only = how.partition(":")
+    mode = mode if not only or int(only) == rank else "keep"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 2)
+    )
+    frozen = torch.nn.Linear(64, 64).requires_grad_(False)
+    unused = torch.nn.Parameter(torch.zeros(10))
+    trained = [*model.parameters(), unused]
+    every = [*trained, *frozen.parameters()]
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        grads = gs.buffers_like([p.detach().numpy() for p in every])
+        for p, g in zip(every, grads, strict=True):
+            p.grad = torch.from_numpy(g)
+        opt = torch.optim.SGD(trained, lr=0.1)
+        x = torch.from_numpy(np.random.default_rng(rank).standard_normal((16, 64)).astype("f4"))
+        for step in range(6):
+            if mode == "top":
+                opt.zero_grad()
+            elif mode == "keep":
+                opt.zero_grad(set_to_none=False)
+            scale = 0.0 if zero_from is not None and step >= zero_from else 1.0
+            (model(frozen(x)).pow(2).mean() * scale).backward()
+            gs.average(grads, step=step)
+            opt.step()
+            if mode == "end":
+                opt.zero_grad()
+    return [p.detach().numpy().tobytes() for p in every]
+
+
 def without_proc(rank: int, world: int, sync_dir: str, late: int, victim: int | None) -> Any:
     """Ranks on a host without /proc (as on macOS): ``late`` publishes each call 0.3 s
     after the others, then ``victim`` (if any) exits before its third call (and stays

@@ -198,6 +198,9 @@ class GradSync:
 
         Like :meth:`average`, the first call meets the other ranks: call it on every
         rank. A later call allocates new arrays (the earlier ones stop being shared).
+        A step given these arrays with nothing written into them since the last one
+        (torch's ``zero_grad()`` default dropped them as ``p.grad``) raises
+        :class:`InvalidGradsError`: zero them with ``zero_grad(set_to_none=False)``.
 
         Args:
             like: numpy arrays (or array-likes) of float16/32/64; only their shapes and
@@ -405,7 +408,9 @@ class GradSync:
             self._device_layout, self._device_shared = layout, None
             if current is None or current is previous:
                 try:
-                    engine.buffers_like(layout)  # plain arrays (dropped) where nothing is saved
+                    # Plain arrays (dropped) where nothing is saved; unwatched: a step
+                    # delivers the mean to the GPU, never into them.
+                    engine.buffers_like(layout, watch=False)
                 except GradSyncError as exc:
                     # Outside a step no peer would hear of it: copy as before, and let the
                     # step itself fail (telling the peers) if the sync dir is unusable.

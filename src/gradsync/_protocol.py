@@ -76,6 +76,7 @@ from ._peers import Peer, PeerFiles, check_inputs, check_length, reading
 from ._plan import Group, Plan
 from ._reduce import ACCUMULATOR, CHUNK_ELEMS, Fetch, check_dtype, mean_into
 from ._rendezvous import Generation
+from ._stale import StaleWatch
 from ._stats import StepStats
 from ._syncdir import GenDir
 from ._transport import ChecksumError, Transport, local_filesystem
@@ -241,6 +242,7 @@ class StepEngine:
         self._data_paths: dict[tuple[int, str, int | None], Path] = {}
         self._shared: SharedBuffers | None = None
         self._shared_serial = 0
+        self._watch: StaleWatch | None = None  # over the last buffers_like arrays
         self._linked: Path | None = None  # the shared file this rank's input name points at
         local = local_filesystem(gen.path)
         mapped = cfg.use_mmap if cfg.use_mmap is not None else local
@@ -335,6 +337,11 @@ class StepEngine:
         nonfinite = nonfinite_params(flats) if self.cfg.check_finite else []
         shared = self._shared
         in_place = shared is not None and self._publishes_in_place(shared, plan, arrays)
+        watch = self._watch if deliver is None else None
+        if watch is not None and (in_place or watch.given(arrays)):
+            watch.before(step)
+        else:
+            watch = None
         fault_point("before_publish", self.rank, self.seq)
         self._publish(step_dir, plan, flats, step, nonfinite, shared if in_place else None)
         fault_point("after_publish", self.rank, self.seq)
@@ -365,6 +372,8 @@ class StepEngine:
             t4 = time.perf_counter()
             if deliver is None:
                 self._gather(work, runs, shard, outs, step, restore=not in_place)
+                if watch is not None:
+                    watch.after()
             else:
                 ranks = [self.rank] if plan.replicated else range(self.world)
                 mapped, read_in = self._pieces(plan, flats, shard, outs, step, ranks)
@@ -592,19 +601,23 @@ class StepEngine:
 
     # -- shared gradient arrays ---------------------------------------------------------
 
-    def buffers_like(self, layout: Layout) -> list[np.ndarray]:
+    def buffers_like(self, layout: Layout, *, watch: bool = True) -> list[np.ndarray]:
         """Zero-filled arrays of ``layout`` that later steps publish without copying.
 
         Plain arrays where that cannot work: a file that is not mapped (another
         host's filesystem), or a plan where readers of one call may still read
-        when the next begins (small payloads, strategy "root").
+        when the next begins (small payloads, strategy "root"). With ``watch``, a
+        later step given them unwritten since the last one fails (``_stale.py``).
 
         Raises:
             SyncDirError: the file could not be created or sized.
         """
         plan = self._plan_for(layout)
         if not (self._transport.mapped and _one_slot(plan)):
-            return [np.zeros(shape, dtype=np.dtype(dtype)) for dtype, shape in layout]
+            arrays = [np.zeros(shape, dtype=np.dtype(dtype)) for dtype, shape in layout]
+            if watch:
+                self._watch = StaleWatch.for_arrays(arrays, self.rank)
+            return arrays
         # Sized for the longest header this layout can have: the longest list of
         # non-finite params (only with check_finite: without it a layout near the
         # header's limit would be refused for a list it never has).
@@ -617,6 +630,11 @@ class StepEngine:
         self._shared = SharedBuffers.create(
             path, plan, len(worst), lambda p, size: self._reserve(p, size, None)
         )
+        if watch:
+            spans = [[(first, count) for _, first, count in g.params] for g in plan.groups]
+            self._watch = StaleWatch.for_runs(
+                self._shared.arrays, self._shared.runs, spans, self.rank
+            )
         if old is not None:
             # Arrays handed out before keep their memory (the mapping outlives the name).
             self._transport.forget(old.path)
