@@ -30,12 +30,14 @@ __all__ = [
     "leader_gone",
     "left_name",
     "load",
+    "lock_file",
     "member_name",
     "member_of",
     "member_rank",
     "noted_at",
     "offer_name",
     "parse",
+    "rival_name",
     "write_json",
 ]
 
@@ -66,6 +68,19 @@ def leader_gone(gen_path: Path) -> bool:
     except OSError:
         return False
     return False
+
+
+def lock_file(sync_dir: Path, run_id: str | None) -> Path:
+    """The file whose flock the one rank 0 of run ``run_id`` holds for its job's life.
+    Only its holder removes it, as it lets go: a process that opened it before would
+    otherwise lock a gone file while a later one locked a new one, both "the" lock."""
+    return sync_dir / RDZV / ("lock-0.lock" if run_id is None else f"lock-0-{run_id}.lock")
+
+
+def rival_name(nonce: str) -> str:
+    """The name, in a forming generation's directory, of the note that a rank 0 with
+    ``nonce`` came for the same run id while that job's rank 0 held the lock."""
+    return f"rival-0-{nonce}.json"
 
 
 def join_name(rank: int, nonce: str) -> str:

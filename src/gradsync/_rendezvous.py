@@ -75,7 +75,16 @@ from ._jobfiles import (
     member_rank,
     noted_at,
     offer_name,
+    rival_name,
     write_json,
+)
+from ._leaderlock import (
+    LeaderLock,
+    hold_join,
+    live_rival_join,
+    offered_by_another,
+    release_join,
+    take_leader_lock,
 )
 from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo
 from ._reaping import reap_stale_generations, remove_dead_joins
@@ -106,6 +115,8 @@ class Generation:
     # Started as soon as the rank knew its generation: peers on other hosts judge it
     # by this during the rendezvous too.
     heartbeat: Heartbeat | None = field(default=None, compare=False, repr=False)
+    # Rank 0's hold on its run id in the sync dir, until it leaves the job.
+    lock: LeaderLock | None = field(default=None, compare=False, repr=False)
 
     @property
     def me(self) -> MemberInfo:
@@ -209,13 +220,17 @@ class _Leader:
                 exc, "creating the generation directory", self.gen_path
             ) from exc
         heartbeat = Heartbeat(self.gen_path / f"hb-{self.me.nonce}", self.cfg.heartbeat_interval_s)
+        lock = None
         try:
+            lock = take_leader_lock(self.cfg, self.me, self._lock_holder)
             # First thing, so that the look at dead runs' heartbeats starts early, and
             # before this run writes anything more: on a full disk it frees their space.
             reap_stale_generations(self.cfg.sync_dir, self.gen_path, self.cfg.heartbeat_timeout_s)
             write_json(self.leader_file, self._info(), "registering rank 0 in")
         except BaseException:
             heartbeat.stop()
+            if lock is not None:
+                lock.release()
             # Nobody can have joined a generation without a leader file: remove it now,
             # rather than leave it to a reaper that waits out its heartbeat.
             remove_tree(self.gen_path)
@@ -224,8 +239,9 @@ class _Leader:
             gen = self._admit()
         except BaseException:
             heartbeat.stop()
+            lock.release()
             raise
-        return Generation(gen.path, gen.gen_id, gen.members, 0, heartbeat)
+        return Generation(gen.path, gen.gen_id, gen.members, 0, heartbeat, lock)
 
     def _admit(self) -> Generation:
         try:
@@ -255,6 +271,7 @@ class _Leader:
                 next_check = elapsed + _CHECK_EVERY_S
             missing = [r for r in range(1, cfg.world_size) if r not in self.confirmed]
             if not missing and not self.rivals:
+                self._check_claims()
                 break
             if elapsed >= cfg.max_wait_s:
                 if missing:
@@ -303,6 +320,9 @@ class _Leader:
             data = load(self.rdzv / name)
             if data is None or data.get("run_id") != self.cfg.run_id:
                 continue
+            other = offered_by_another(self.rdzv, nonce, self.me)
+            if other is not None:
+                raise self._rival(other, "is running in")  # it offered this join a place
             offer = {"gen": self.me.nonce, "member": self.me.to_json(), "run_id": self.cfg.run_id}
             write_json(self.rdzv / offer_name(nonce), offer, "answering a join in")
             self.offered.add(nonce)
@@ -315,6 +335,8 @@ class _Leader:
         for name in list_names(self.gen_path):
             if name.startswith(GAVE_UP):
                 self._raise_gave_up(self.gen_path / name)
+            if name.startswith(rival_name("")):
+                raise self._rival(member_of(load(self.gen_path / name)), "is running in")
             if name in seen or member_rank(name) is None:
                 continue
             data = load(self.gen_path / name)
@@ -396,16 +418,34 @@ class _Leader:
                     path=cfg.sync_dir,
                 )
 
-    def _rival(self, rival: MemberInfo, doing: str) -> RendezvousError:
-        if rival.pid == self.me.pid and rival.same_host:
+    def _rival(self, rival: MemberInfo | None, doing: str) -> RendezvousError:
+        if rival is not None and rival.pid == self.me.pid and rival.same_host:
             return _held_here(0, self.cfg.sync_dir)
+        who = "" if rival is None else f" ({rival.describe()})"
         return RendezvousError(
-            f"rendezvous: another rank 0 ({rival.describe()}) with run_id {self.cfg.run_id!r} "
+            f"rendezvous: another rank 0{who} with run_id {self.cfg.run_id!r} "
             f"{doing} {self.cfg.sync_dir}; give each job its own sync_dir or run_id"
             f"{_NODE_RANK_HINT}",
             ranks=[0],
             path=self.cfg.sync_dir,
         )
+
+    def _lock_holder(self, holder: MemberInfo | None) -> RendezvousError:
+        return self._rival(holder, "is running in")
+
+    def _check_claims(self) -> None:
+        """Fail if another live process waits to join as a rank this job has admitted:
+        which of the two belongs to this job no file can tell."""
+        names = list_names(self.rdzv)
+        for member in self.confirmed.values():
+            other = live_rival_join(self.rdzv, self.cfg.run_id, member, names)
+            if other is not None:
+                raise RendezvousError(
+                    f"rendezvous: two processes claim rank {member.rank}: {member.describe()} "
+                    f"and {other.describe()} in {self.cfg.sync_dir}",
+                    ranks=[member.rank],
+                    path=self.cfg.sync_dir,
+                )
 
     def _check_rivals(self) -> None:
         """Find other live rank-0s of the same run id; stale ones are removed."""
@@ -463,6 +503,7 @@ def _join(
         {"member": me.to_json(), "world_size": cfg.world_size, "run_id": cfg.run_id},
         "registering a join in",
     )
+    claim = hold_join(join)
     # This rank is here again: what a launcher said of an earlier process of it that
     # ended while waiting to join is over.
     for path, data in _ended_notes(cfg):
@@ -527,6 +568,7 @@ def _join(
                 if roster is not None:
                     accepted = _accept(cfg, me, gen_path, roster)
                     _unlink_all(join, offer_path)  # here, not in a finally an interrupt may skip
+                    release_join(claim)
                     return Generation(
                         accepted.path, accepted.gen_id, accepted.members, accepted.rank, heartbeat
                     )
@@ -587,6 +629,7 @@ def _join(
             else:
                 _unless_removed(gen_path)
         _unlink_all(join, offer_path)
+        release_join(claim)
         raise
 
 
@@ -813,6 +856,9 @@ def leave(gen: Generation, calls: int, ended: str | None = None) -> None:
         write_note(gen.left_path(gen.rank), json.dumps(note).encode())
     except OSError:
         return
+    finally:
+        if gen.lock is not None:
+            gen.lock.release()  # after the note: the next rank 0 sees this one left
     try:
         names = list_names(gen.path)
     except OSError:

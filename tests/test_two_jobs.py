@@ -1,0 +1,118 @@
+"""Two jobs of two ranks started together in one sync dir, with no run id or the same
+one, never average each other's gradients: one of them forms, or neither, and every
+other process raises RendezvousError."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gradsync
+import gradsync._status  # what `gradsync status --json` reports
+from ranks import run_ranks
+
+TRIALS = 15  # per case: the old code mixed the jobs in most trials
+CASES: tuple[str | None, ...] = (None, "shared")
+# Process i is rank i % 2 of job i // 2. Job A's ranks pass 1 and 2, job B's 100 and
+# 110: each pairing has its own mean.
+VALUES = (1.0, 2.0, 100.0, 110.0)
+MEANS = {1.5: (0, 1), 105.0: (2, 3), 55.5: (0, 3), 51.0: (2, 1)}
+# What a process that came after a job had formed is told.
+LATE = ("is running in", "is already taken by")
+
+
+def _two_jobs(index: int, base: str, start: Any, rank_0s: Any, staged: bool) -> list[Any]:
+    """Every trial starts at the ``start`` barrier; ``staged``: both ranks 1 wait for a
+    rank 0 before the two ranks 0 start at once. A formed job stays open until all four
+    processes are done."""
+    rank = index % 2
+    results = []
+    for trial in range(TRIALS):
+        for run_id in CASES:
+            sync_dir = Path(base) / f"{trial}-{run_id}"
+            cfg = gradsync.FileGradSyncConfig(2, rank, sync_dir, run_id=run_id, max_wait_s=2.0)
+            grads = [np.full(4, VALUES[index])]
+            start.wait()
+            if staged and rank == 0:
+                if index == 0:
+                    _wait_for_two_ranks_1(sync_dir, run_id)
+                rank_0s.wait()
+            got: dict[str, Any] = {"entered": time.time()}
+            try:
+                with gradsync.GradSync(cfg) as gs:
+                    gs.average(grads)
+                    got["mean"] = float(grads[0][0])
+                    start.wait()
+            except gradsync.GradSyncError as exc:
+                got["error"] = f"{type(exc).__name__}: {exc}"
+                start.wait()
+            results.append(got)
+    return results
+
+
+def _wait_for_two_ranks_1(sync_dir: Path, run_id: str | None) -> None:
+    """Until ``gradsync status`` shows two ranks 1 of ``run_id`` waiting for a rank 0."""
+    while True:
+        try:
+            joining = gradsync._status.describe(sync_dir, sample_s=0.0)["joining"]
+        except FileNotFoundError:
+            joining = []
+        for run in joining:
+            if run["run_id"] == run_id and [r["rank"] for r in run["ranks"]] == [1, 1]:
+                return
+        time.sleep(0.001)
+
+
+def _judge(trial: list[dict[str, Any]], *, mixed_ok: bool) -> str | None:
+    """What is wrong with one trial's four outcomes, if anything."""
+    done = [i for i, got in enumerate(trial) if "mean" in got]
+    if len(done) > 2:
+        return f"processes {done} all returned a mean"
+    for i, got in enumerate(trial):
+        if "error" in got and not got["error"].startswith("RendezvousError"):
+            return f"process {i} raised {got['error']}"
+    for i in done:
+        members = MEANS.get(trial[i]["mean"])
+        if members is None or i not in members:
+            return f"process {i} returned {trial[i]['mean']}"
+        if members[0] // 2 == members[1] // 2:
+            continue
+        if not mixed_ok:
+            return f"processes {members} of two jobs averaged together"
+        # The one case no file can tell: ranks of both jobs formed one before the
+        # others came; those must then have been told that they came late.
+        late = [j for j in range(4) if j not in members]
+        if not all(any(s in trial[j]["error"] for s in LATE) for j in late):
+            return f"processes {members} formed one job, yet {late} were not late"
+    return None
+
+
+def _trials(base: Path, staged: bool) -> list[list[dict[str, Any]]]:
+    ctx = mp.get_context("spawn")
+    args = (str(base), ctx.Barrier(4, timeout=30.0), ctx.Barrier(2, timeout=30.0), staged)
+    results = run_ranks(_two_jobs, 4, args, timeout_s=110.0)
+    assert all(o.ok for o in results.values()), [o.value for o in results.values() if not o.ok]
+    return [list(t) for t in zip(*(results[i].value for i in range(4)), strict=True)]
+
+
+@pytest.mark.slow
+def test_two_jobs_started_at_once_never_mix(tmp_path: Path) -> None:
+    # All four start at one instant: a rank may come so late that the others have
+    # formed a job already, of ranks of both jobs; that alone is allowed.
+    trials = _trials(tmp_path, staged=False)
+    wrong = [(n, why) for n, t in enumerate(trials) if (why := _judge(t, mixed_ok=True))]
+    assert not wrong, f"{len(wrong)} of {len(trials)} trials went wrong: {wrong}"
+
+
+@pytest.mark.slow
+def test_two_rank_0s_started_at_once_never_mix_the_waiting_ranks(tmp_path: Path) -> None:
+    # Both ranks 1 wait before the ranks 0 start: every rank has come before any job
+    # can form, so no job of ranks of both may form.
+    trials = _trials(tmp_path, staged=True)
+    wrong = [(n, why) for n, t in enumerate(trials) if (why := _judge(t, mixed_ok=False))]
+    assert not wrong, f"{len(wrong)} of {len(trials)} trials went wrong: {wrong}"
