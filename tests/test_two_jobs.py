@@ -5,6 +5,8 @@ other process raises RendezvousError."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -116,3 +118,43 @@ def test_two_rank_0s_started_at_once_never_mix_the_waiting_ranks(tmp_path: Path)
     trials = _trials(tmp_path, staged=True)
     wrong = [(n, why) for n, t in enumerate(trials) if (why := _judge(t, mixed_ok=False))]
     assert not wrong, f"{len(wrong)} of {len(trials)} trials went wrong: {wrong}"
+
+
+def _job_then_a_late_rank_0(index: int, base: str, formed: Any, tried: Any) -> Any:
+    """Processes 0 and 1 form a job and average twice, the second time after process 2,
+    a rank 0 of the same run id, has tried to join the directory."""
+    if index == 2:
+        formed.wait(30)
+        try:
+            with gradsync.GradSync(gradsync.FileGradSyncConfig(2, 0, base, max_wait_s=2.0)) as gs:
+                gs.average([np.ones(4)])
+        finally:
+            tried.set()
+    cfg = gradsync.FileGradSyncConfig(2, index, base, max_wait_s=20.0)
+    with gradsync.GradSync(cfg) as gs:
+        means = []
+        for step in range(2):
+            grads = [np.full(4, float(index))]
+            gs.average(grads, step=step)
+            means.append(float(grads[0][0]))
+            formed.set()
+            tried.wait(30)
+    return {"means": means, "pid": os.getpid()}
+
+
+def test_a_rank_0_coming_to_a_running_job_fails_at_once_and_the_job_runs_on(
+    tmp_path: Path,
+) -> None:
+    ctx = mp.get_context("spawn")
+    args = (str(tmp_path), ctx.Event(), ctx.Event())
+    results = run_ranks(_job_then_a_late_rank_0, 3, args, timeout_s=60.0)
+    assert results[0].value["means"] == results[1].value["means"] == [0.5, 0.5]
+    assert (results[2].error_type, results[2].message) == (
+        "RendezvousError",
+        f"rendezvous: another rank 0 (pid {results[0].value['pid']} on {socket.gethostname()}) "
+        f"with run_id None is running in {tmp_path}; give each job its own sync_dir or run_id "
+        "(or, within one job, each node its own --node-rank)",
+    )
+    # The job's rank 0 removed its lock as it left: nothing stays behind.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rdzv"]
+    assert list((tmp_path / "rdzv").iterdir()) == []

@@ -8,10 +8,10 @@ still forming (so a holder that has not written its roster yet aborts), then fai
 naming the holder. A joiner holds a shared ``flock`` on its join file while it waits, so
 that rank 0 can tell a live second claimant of a rank on another host from a dead one.
 
-Written with ``fcntl`` rather than the ``filelock`` package: filelock 3.12 (the oldest
-gradsync accepts) opens the lock's name through a symbolic link and truncates what it
-leads to, and filelock 4 removes the lock file on release unless told not to and falls
-back to a marker file where ``flock`` is missing; gradsync needs none of its waiting.
+Written with ``fcntl`` rather than the ``filelock`` package: filelock 3.x (3.12 is the
+oldest gradsync accepts) opens the lock's name through a symbolic link and truncates
+what it leads to; filelock 4 falls back to a marker file where ``flock`` is missing and
+never removes a lock file; gradsync needs none of its waiting.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ import fcntl
 import logging
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ._config import FileGradSyncConfig
+from ._errors import RendezvousError
 from ._fsio import Backoff, list_names, open_own, remove_tree, translate_oserror, write_note
 from ._jobfiles import (
     GEN_PREFIX,
@@ -45,8 +47,8 @@ from ._liveness import HeartbeatWatch, MemberInfo
 
 __all__ = [
     "LeaderLock",
+    "check_claims",
     "hold_join",
-    "live_rival_join",
     "offered_by_another",
     "release_join",
     "take_leader_lock",
@@ -127,9 +129,13 @@ def take_leader_lock(
     try:
         while True:
             fd = _open_lock(path)
-            got = _try_flock(fd, fcntl.LOCK_EX)
-            if not got or _same_file(fd, path):
-                break
+            try:
+                got = _try_flock(fd, fcntl.LOCK_EX)
+                if not got or _same_file(fd, path):
+                    break
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)  # its holder removed it as it let go: lock the new one
     except OSError as exc:
         raise translate_oserror(exc, "taking rank 0's lock in", path) from exc
@@ -212,11 +218,16 @@ def hold_join(path: Path) -> int | None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
-    try:
-        if _try_flock(fd, fcntl.LOCK_SH):
+    for _ in range(100):  # a rank 0's look (_join_held) holds it for an instant
+        try:
+            got = _try_flock(fd, fcntl.LOCK_SH)
+        except OSError:
+            break
+        if got is None:
+            break
+        if got:
             return fd
-    except OSError:
-        pass
+        time.sleep(0.001)
     os.close(fd)
     return None
 
@@ -227,7 +238,26 @@ def release_join(fd: int | None) -> None:
             os.close(fd)
 
 
-def live_rival_join(
+def check_claims(rdzv: Path, run_id: str | None, members: Iterable[MemberInfo]) -> None:
+    """Fail if another live process waits in ``rdzv`` to join run ``run_id`` as the rank
+    of one of ``members``.
+
+    Raises:
+        RendezvousError: naming the rank and both processes.
+    """
+    names = list_names(rdzv)
+    for member in members:
+        other = _live_rival_join(rdzv, run_id, member, names)
+        if other is not None:
+            raise RendezvousError(
+                f"rendezvous: two processes claim rank {member.rank}: {member.describe()} "
+                f"and {other.describe()} in {rdzv.parent}",
+                ranks=[member.rank],
+                path=rdzv.parent,
+            )
+
+
+def _live_rival_join(
     rdzv: Path, run_id: str | None, member: MemberInfo, names: set[str]
 ) -> MemberInfo | None:
     """Another live process waiting to join run ``run_id`` as ``member``'s rank, among
@@ -242,10 +272,7 @@ def live_rival_join(
         other = member_of(data)
         if data is None or other is None or data.get("run_id") != run_id:
             continue
-        if other.rank != member.rank:
-            continue
-        alive = other.local_death() is None if other.same_host else _join_held(rdzv / name)
-        if alive:
+        if other.rank == member.rank and _lives(rdzv / name, other):
             return other
     return None
 
@@ -264,14 +291,22 @@ def _join_held(path: Path) -> bool:
         os.close(fd)  # drops the probe's own lock, if it got one
 
 
-def offered_by_another(rdzv: Path, nonce: str, me: MemberInfo) -> MemberInfo | None:
-    """Another live rank 0 that offered the join with ``nonce`` a place: that joiner may
-    have come for it (which job it belongs to no file tells), so it is not this rank 0's
-    to take. A new session of this same process may take it."""
-    other = member_of(load(rdzv / offer_name(nonce)))
-    if other is None or (other.host_id, other.pid) == (me.host_id, me.pid):
+def offered_by_another(rdzv: Path, name: str, me: MemberInfo) -> MemberInfo | None:
+    """Another live rank 0 of this host that offered the live process of the join file
+    ``name`` a place: that joiner may have come for it (which job it belongs to no file
+    tells), so it is not this rank 0's to take. A new session of this same process may
+    take it; a rank 0 on another host cannot be told from a dead one at a look."""
+    nonce = join_nonce(name)
+    other = member_of(load(rdzv / offer_name(nonce))) if nonce is not None else None
+    if other is None or not other.same_host or other.pid == me.pid:
         return None
-    if other.same_host:
-        return other if other.local_death() is None else None
-    gen_path = rdzv.parent / f"{GEN_PREFIX}{other.nonce}"
-    return None if leader_gone(gen_path) else other
+    if other.local_death() is not None or not _lives(rdzv / name, member_of(load(rdzv / name))):
+        return None
+    return other
+
+
+def _lives(join: Path, joiner: MemberInfo | None) -> bool:
+    """Whether ``joiner``, the process of the join file at ``join``, lives."""
+    if joiner is None:
+        return False
+    return joiner.local_death() is None if joiner.same_host else _join_held(join)

@@ -80,8 +80,8 @@ from ._jobfiles import (
 )
 from ._leaderlock import (
     LeaderLock,
+    check_claims,
     hold_join,
-    live_rival_join,
     offered_by_another,
     release_join,
     take_leader_lock,
@@ -271,7 +271,13 @@ class _Leader:
                 next_check = elapsed + _CHECK_EVERY_S
             missing = [r for r in range(1, cfg.world_size) if r not in self.confirmed]
             if not missing and not self.rivals:
-                self._check_claims()
+                # Last look before the roster: a second live claimant of an admitted
+                # rank may be this job's own; no file can tell.
+                try:
+                    check_claims(self.rdzv, cfg.run_id, self.confirmed.values())
+                except RendezvousError:
+                    self._offer()  # the other claimant too reads why, in this generation
+                    raise
                 break
             if elapsed >= cfg.max_wait_s:
                 if missing:
@@ -320,7 +326,7 @@ class _Leader:
             data = load(self.rdzv / name)
             if data is None or data.get("run_id") != self.cfg.run_id:
                 continue
-            other = offered_by_another(self.rdzv, nonce, self.me)
+            other = offered_by_another(self.rdzv, name, self.me)
             if other is not None:
                 raise self._rival(other, "is running in")  # it offered this join a place
             offer = {"gen": self.me.nonce, "member": self.me.to_json(), "run_id": self.cfg.run_id}
@@ -432,20 +438,6 @@ class _Leader:
 
     def _lock_holder(self, holder: MemberInfo | None) -> RendezvousError:
         return self._rival(holder, "is running in")
-
-    def _check_claims(self) -> None:
-        """Fail if another live process waits to join as a rank this job has admitted:
-        which of the two belongs to this job no file can tell."""
-        names = list_names(self.rdzv)
-        for member in self.confirmed.values():
-            other = live_rival_join(self.rdzv, self.cfg.run_id, member, names)
-            if other is not None:
-                raise RendezvousError(
-                    f"rendezvous: two processes claim rank {member.rank}: {member.describe()} "
-                    f"and {other.describe()} in {self.cfg.sync_dir}",
-                    ranks=[member.rank],
-                    path=self.cfg.sync_dir,
-                )
 
     def _check_rivals(self) -> None:
         """Find other live rank-0s of the same run id; stale ones are removed."""
