@@ -75,8 +75,11 @@ def _judge(trial: list[dict[str, Any]], *, mixed_ok: bool) -> str | None:
     done = [i for i, got in enumerate(trial) if "mean" in got]
     if len(done) > 2:
         return f"processes {done} all returned a mean"
+    # Where no job formed, a process that came after the others had failed and gone
+    # waits for them in vain.
+    allowed = ("RendezvousError",) if done else ("RendezvousError", "PeerTimeoutError")
     for i, got in enumerate(trial):
-        if "error" in got and not got["error"].startswith("RendezvousError"):
+        if "error" in got and not got["error"].startswith(allowed):
             return f"process {i} raised {got['error']}"
     for i in done:
         members = MEANS.get(trial[i]["mean"])
