@@ -279,8 +279,15 @@ def _live_rival_join(
 
 def _join_held(path: Path) -> bool:
     """Whether the process of the join file at ``path`` holds its lock (it waits)."""
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        # NFS takes an exclusive flock as a write lock: on a file open for writing.
+        fd = os.open(path, os.O_RDWR | flags)
+    except PermissionError:
+        try:
+            fd = os.open(path, os.O_RDONLY | flags)
+        except OSError:
+            return False
     except OSError:
         return False
     try:
