@@ -20,6 +20,7 @@ __all__ = [
     "ENDED",
     "GAVE_UP",
     "GEN_PREFIX",
+    "LOCK_PREFIX",
     "RDZV",
     "ROSTER",
     "dump",
@@ -50,6 +51,7 @@ GAVE_UP = "gave-up-"
 # rdzv/ended-<rank>-<nonce>.json: the launcher of a rank whose process ended while it
 # waited to join (join-<rank>-<nonce>.json) says how, for a rank 0 waiting for it.
 ENDED = "ended-"
+LOCK_PREFIX = "lock-0"
 
 
 def leader_file(sync_dir: Path, gen_id: str) -> Path:
@@ -74,7 +76,8 @@ def lock_file(sync_dir: Path, run_id: str | None) -> Path:
     """The file whose flock the one rank 0 of run ``run_id`` holds for its job's life.
     Only its holder removes it, as it lets go: a process that opened it before would
     otherwise lock a gone file while a later one locked a new one, both "the" lock."""
-    return sync_dir / RDZV / ("lock-0.lock" if run_id is None else f"lock-0-{run_id}.lock")
+    name = LOCK_PREFIX if run_id is None else f"{LOCK_PREFIX}-{run_id}"
+    return sync_dir / RDZV / f"{name}.lock"
 
 
 def rival_name(nonce: str) -> str:

@@ -25,12 +25,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ._config import FileGradSyncConfig
 from ._errors import RendezvousError
 from ._fsio import Backoff, list_names, open_own, remove_tree, translate_oserror, write_note
 from ._jobfiles import (
     GEN_PREFIX,
+    LOCK_PREFIX,
     RDZV,
     ROSTER,
     dump,
@@ -45,12 +46,16 @@ from ._jobfiles import (
 )
 from ._liveness import HeartbeatWatch, MemberInfo
 
+if TYPE_CHECKING:  # the launcher's watchdog imports this module without numpy
+    from ._config import FileGradSyncConfig
+
 __all__ = [
     "LeaderLock",
     "check_claims",
     "hold_join",
     "offered_by_another",
     "release_join",
+    "remove_free_locks",
     "take_leader_lock",
 ]
 
@@ -126,59 +131,75 @@ def take_leader_lock(
         SyncDirError: the lock file cannot be opened.
     """
     path = lock_file(cfg.sync_dir, cfg.run_id)
+    while True:
+        fd, got = _lock_once(path)
+        if got is None:
+            _log.warning(
+                "rendezvous: %s has no working flock: rank 0 cannot lock out another job "
+                "with run_id %r there and relies on its slower checks of other rank 0s' files",
+                path.parent,
+                cfg.run_id,
+            )
+            return LeaderLock(None, path)
+        if got:
+            return LeaderLock(fd, path)
+        try:
+            holder, freed = _wait_for_holder(cfg, me, fd)
+        finally:
+            os.close(fd)
+        # Never taken once a rank 0 of the run was seen with it: it may have formed with
+        # ranks that came for this one, or failed and left them to it. A holder that
+        # registered none was tidying (remove_free_locks), or failed before offering.
+        if holder is not None or not freed:
+            raise rival(holder)
+
+
+def _lock_once(path: Path) -> tuple[int, bool | None]:
+    """The lock file, open, and whether it is now locked (None: no ``flock`` here)."""
     try:
         while True:
             fd = _open_lock(path)
             try:
                 got = _try_flock(fd, fcntl.LOCK_EX)
                 if not got or _same_file(fd, path):
-                    break
+                    if got is None:
+                        os.close(fd)
+                    return fd, got
             except BaseException:
                 os.close(fd)
                 raise
             os.close(fd)  # its holder removed it as it let go: lock the new one
     except OSError as exc:
         raise translate_oserror(exc, "taking rank 0's lock in", path) from exc
-    if got is None:
-        os.close(fd)
-        _log.warning(
-            "rendezvous: %s has no working flock: rank 0 cannot lock out another job with "
-            "run_id %r there and relies on its slower checks of other rank 0s' files",
-            path.parent,
-            cfg.run_id,
-        )
-        return LeaderLock(None, path)
-    if got:
-        return LeaderLock(fd, path)
-    # Never taken once it was seen held: its holder may have formed with some of the
-    # ranks that came for this rank 0, or failed and left them to it.
-    try:
-        holder = _wait_for_holder(cfg, me, fd)
-    finally:
-        os.close(fd)
-    raise rival(holder)
 
 
-def _wait_for_holder(cfg: FileGradSyncConfig, me: MemberInfo, fd: int) -> MemberInfo | None:
-    """Tell every generation of the run still forming that this rank 0 came, and name
-    the lock's holder once it is known to live (or has let the lock go, or after
-    ``max_wait_s``: the last one seen, None if none was)."""
+def _wait_for_holder(
+    cfg: FileGradSyncConfig, me: MemberInfo, fd: int
+) -> tuple[MemberInfo | None, bool]:
+    """Tell every generation of the run still forming that this rank 0 came; the lock's
+    holder once it is known to live, else (once the lock is let go, or after
+    ``max_wait_s``) the last rank 0 of the run seen, None if none was; and whether the
+    lock was let go."""
     backoff = Backoff()
     watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
     told: set[str] = set()
     seen: MemberInfo | None = None
     while True:
-        for gen_path, leader in _forming(cfg):
+        for gen_path, leader, left in _registered(cfg):
+            seen = seen or leader
+            if left:
+                continue
             if gen_path.name not in told:
                 _tell(gen_path, me, cfg.run_id)
                 told.add(gen_path.name)
             hb = gen_path / f"hb-{leader.nonce}"
             watch.silent_for_s(hb)
             if leader.same_host or watch.moved(hb):
-                return leader
-            seen = seen or leader
-        if _try_flock(fd, fcntl.LOCK_EX) or backoff.elapsed_s() >= cfg.max_wait_s:
-            return seen
+                return leader, False
+        if _try_flock(fd, fcntl.LOCK_EX):
+            return seen, True
+        if backoff.elapsed_s() >= cfg.max_wait_s:
+            return seen, False
         backoff.pause()
 
 
@@ -191,9 +212,10 @@ def _tell(gen_path: Path, me: MemberInfo, run_id: str | None) -> None:
         remove_tree(gen_path)  # removed meanwhile: the note must not keep its directory
 
 
-def _forming(cfg: FileGradSyncConfig) -> list[tuple[Path, MemberInfo]]:
-    """The generations of ``cfg.run_id`` (with their rank 0) that rank 0 has not left,
-    on this host only those whose rank 0 lives."""
+def _registered(cfg: FileGradSyncConfig) -> list[tuple[Path, MemberInfo, bool]]:
+    """The generations of ``cfg.run_id`` with their rank 0 (on this host, only those
+    whose rank 0 lives) and whether it has left them; those not yet formed first (the
+    lock's holder is among them, or has formed)."""
     rdzv = cfg.sync_dir / RDZV
     found = []
     for name in sorted(list_names(rdzv)):
@@ -203,12 +225,47 @@ def _forming(cfg: FileGradSyncConfig) -> list[tuple[Path, MemberInfo]]:
         leader = member_of(data)
         if data is None or leader is None or data.get("run_id") != cfg.run_id:
             continue
-        gen_path = cfg.sync_dir / f"{GEN_PREFIX}{data.get('gen')}"
-        if (gen_path / left_name(0)).exists() or leader.local_death() is not None:
+        if leader.local_death() is not None:
             continue
-        found.append((gen_path, leader))
-    # Those not yet formed first: the holder of the lock is among them, or has formed.
+        gen_path = cfg.sync_dir / f"{GEN_PREFIX}{data.get('gen')}"
+        found.append((gen_path, leader, (gen_path / left_name(0)).exists()))
     return sorted(found, key=lambda g: (g[0] / ROSTER).exists())
+
+
+def remove_free_locks(rdzv: Path, names: Iterable[str]) -> None:
+    """Remove the rank 0 locks among ``names`` in ``rdzv`` that no rank 0 holds (one
+    stopped by a signal leaves its file): each locked, then removed while held, as its
+    holder does. Never raises."""
+    for name in names:
+        if not (name.startswith(LOCK_PREFIX) and name.endswith(".lock")):
+            continue
+        path = rdzv / name
+        fd = _open_existing(path)
+        if fd is None:
+            continue
+        try:
+            if _try_flock(fd, fcntl.LOCK_EX) and _same_file(fd, path):
+                os.unlink(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _open_existing(path: Path) -> int | None:
+    """``path``, opened without following a link, for writing where allowed (NFS takes an
+    exclusive flock as a write lock); None if it cannot be."""
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        return os.open(path, os.O_RDWR | flags)
+    except PermissionError:
+        pass
+    except OSError:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | flags)
+    except OSError:
+        return None
 
 
 def hold_join(path: Path) -> int | None:
@@ -279,16 +336,8 @@ def _live_rival_join(
 
 def _join_held(path: Path) -> bool:
     """Whether the process of the join file at ``path`` holds its lock (it waits)."""
-    flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-    try:
-        # NFS takes an exclusive flock as a write lock: on a file open for writing.
-        fd = os.open(path, os.O_RDWR | flags)
-    except PermissionError:
-        try:
-            fd = os.open(path, os.O_RDONLY | flags)
-        except OSError:
-            return False
-    except OSError:
+    fd = _open_existing(path)
+    if fd is None:
         return False
     try:
         return _try_flock(fd, fcntl.LOCK_EX) is False

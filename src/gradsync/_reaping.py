@@ -37,6 +37,7 @@ from ._jobfiles import (
     noted_at,
     offer_name,
 )
+from ._leaderlock import remove_free_locks
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
 
 __all__ = [
@@ -57,8 +58,8 @@ _ENDED_KEEP_S = 24 * 3600.0
 
 
 def remove_dead_joins(rdzv: Path) -> None:
-    """Remove the join files of dead processes of this host, offers without a join, and
-    notes of ended joins older than a day."""
+    """Remove the join files of dead processes of this host, offers without a join,
+    notes of ended joins older than a day, and rank 0 locks nobody holds."""
     names = list_names(rdzv)
     for name in names:
         if name.startswith(ENDED):
@@ -83,6 +84,7 @@ def remove_dead_joins(rdzv: Path) -> None:
         if name.startswith("offer-") and name not in waiting:
             with contextlib.suppress(OSError):
                 (rdzv / name).unlink()
+    remove_free_locks(rdzv, names)
 
 
 def remove_dead_jobs(sync_dir: Path) -> None:
