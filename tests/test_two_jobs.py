@@ -161,3 +161,34 @@ def test_a_rank_0_coming_to_a_running_job_fails_at_once_and_the_job_runs_on(
     # The job's rank 0 removed its lock as it left: nothing stays behind.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rdzv"]
     assert list((tmp_path / "rdzv").iterdir()) == []
+
+
+def _rank_0_then_another(index: int, base: str, started: Any) -> dict[str, Any]:
+    """Process 0 is rank 0 of a job of 2 whose rank 1 never comes; process 1, another
+    rank 0 of the same run, comes while it waits. What each raised, and its pid."""
+    cfg = gradsync.FileGradSyncConfig(2, 0, base, max_wait_s=10.0)
+    if index == 1:
+        started.wait(30)
+        time.sleep(0.3)  # process 0 is in its rendezvous by now
+    else:
+        started.set()
+    got: dict[str, Any] = {"pid": os.getpid()}
+    try:
+        with gradsync.GradSync(cfg) as gs:
+            gs.average([np.ones(4)])
+    except gradsync.GradSyncError as exc:
+        got["error"] = f"{type(exc).__name__}: {exc}"
+    return got
+
+
+def test_a_second_rank_0_fails_a_job_still_forming(tmp_path: Path) -> None:
+    # Which job's rank 1 will come no file tells: both rank 0s fail, each naming the
+    # other, long before max_wait_s.
+    args = (str(tmp_path), mp.get_context("spawn").Event())
+    results = run_ranks(_rank_0_then_another, 2, args, timeout_s=60.0)
+    for me, other in ((0, 1), (1, 0)):
+        assert results[me].value["error"] == (
+            f"RendezvousError: rendezvous: another rank 0 (pid {results[other].value['pid']} on "
+            f"{socket.gethostname()}) with run_id None is running in {tmp_path}; give each job "
+            "its own sync_dir or run_id (or, within one job, each node its own --node-rank)"
+        )

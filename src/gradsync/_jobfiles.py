@@ -22,6 +22,7 @@ __all__ = [
     "GEN_PREFIX",
     "LOCK_PREFIX",
     "RDZV",
+    "RIVAL",
     "ROSTER",
     "dump",
     "how_it_ended",
@@ -52,6 +53,8 @@ GAVE_UP = "gave-up-"
 # waited to join (join-<rank>-<nonce>.json) says how, for a rank 0 waiting for it.
 ENDED = "ended-"
 LOCK_PREFIX = "lock-0"
+# gen-<id>/rival-0-<nonce>.json: a second rank 0 of the run came while the job formed.
+RIVAL = "rival-0-"
 
 
 def leader_file(sync_dir: Path, gen_id: str) -> Path:
@@ -83,7 +86,7 @@ def lock_file(sync_dir: Path, run_id: str | None) -> Path:
 def rival_name(nonce: str) -> str:
     """The name, in a forming generation's directory, of the note that a rank 0 with
     ``nonce`` came for the same run id while that job's rank 0 held the lock."""
-    return f"rival-0-{nonce}.json"
+    return f"{RIVAL}{nonce}.json"
 
 
 def join_name(rank: int, nonce: str) -> str:

@@ -187,6 +187,8 @@ def _wait_for_holder(
     while True:
         for gen_path, leader, left in _registered(cfg):
             seen = seen or leader
+            if leader.same_host and leader.pid == me.pid and not left:
+                return leader, False  # a session of this process: it goes on
             if left:
                 continue
             if gen_path.name not in told:

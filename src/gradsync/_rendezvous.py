@@ -61,6 +61,7 @@ from ._jobfiles import (
     GAVE_UP,
     GEN_PREFIX,
     RDZV,
+    RIVAL,
     ROSTER,
     dump,
     how_it_ended,
@@ -75,7 +76,6 @@ from ._jobfiles import (
     member_rank,
     noted_at,
     offer_name,
-    rival_name,
     write_json,
 )
 from ._leaderlock import (
@@ -341,7 +341,7 @@ class _Leader:
         for name in list_names(self.gen_path):
             if name.startswith(GAVE_UP):
                 self._raise_gave_up(self.gen_path / name)
-            if name.startswith(rival_name("")):
+            if name.startswith(RIVAL):
                 raise self._rival(member_of(load(self.gen_path / name)), "is running in")
             if name in seen or member_rank(name) is None:
                 continue
