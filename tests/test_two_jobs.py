@@ -90,10 +90,14 @@ def _judge(trial: list[dict[str, Any]], *, mixed_ok: bool) -> str | None:
         if not mixed_ok:
             return f"processes {members} of two jobs averaged together"
         # The one case no file can tell: ranks of both jobs formed one before the
-        # others came; those must then have been told that they came late.
+        # others came. Those must have been told that they came late, and (as far as
+        # a test sees it) started after the first rank of that job.
         late = [j for j in range(4) if j not in members]
+        first = min(trial[m]["entered"] for m in members)
         if not all(any(s in trial[j]["error"] for s in LATE) for j in late):
             return f"processes {members} formed one job, yet {late} were not late"
+        if any(trial[j]["entered"] < first for j in late):
+            return f"processes {members} formed one job, yet one of {late} started first"
     return None
 
 
