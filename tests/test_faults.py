@@ -1492,7 +1492,9 @@ def test_a_generation_removed_as_a_joiner_confirms_is_waited_past(
 
     def confirm(path: Path, data: dict[str, Any], what: str) -> None:
         if path.name.startswith("member-1-") and not leaders[1:]:
-            # The first rank 0 has gone; the next one removes its generation now.
+            # The first rank 0 has given up (and let its lock go); the next one removes
+            # its generation now.
+            leaders[0].join()
             _reaping._remove(path.parent)
             leaders.append(threading.Thread(target=_rank_0_of_2, args=(sync, 10.0, outcomes)))
             leaders[-1].start()

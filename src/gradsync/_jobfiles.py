@@ -23,7 +23,9 @@ __all__ = [
     "ENDED",
     "GAVE_UP",
     "GEN_PREFIX",
+    "LOCK_PREFIX",
     "RDZV",
+    "RIVAL",
     "ROSTER",
     "dump",
     "how_it_ended",
@@ -33,12 +35,14 @@ __all__ = [
     "leader_gone",
     "left_name",
     "load",
+    "lock_file",
     "member_name",
     "member_of",
     "member_rank",
     "noted_at",
     "offer_name",
     "parse",
+    "rival_name",
     "unlink",
     "write_json",
     "write_note",
@@ -53,6 +57,9 @@ GAVE_UP = "gave-up-"
 # rdzv/ended-<rank>-<nonce>.json: the launcher of a rank whose process ended while it
 # waited to join (join-<rank>-<nonce>.json) says how, for a rank 0 waiting for it.
 ENDED = "ended-"
+LOCK_PREFIX = "lock-0"
+# gen-<id>/rival-0-<nonce>.json: a second rank 0 of the run came while the job formed.
+RIVAL = "rival-0-"
 
 
 def leader_file(sync_dir: Path, gen_id: str) -> Path:
@@ -71,6 +78,20 @@ def leader_gone(gen_path: Path) -> bool:
     except OSError:
         return False
     return False
+
+
+def lock_file(sync_dir: Path, run_id: str | None) -> Path:
+    """The file whose flock the one rank 0 of run ``run_id`` holds for its job's life.
+    Only its holder removes it, as it lets go: a process that opened it before would
+    otherwise lock a gone file while a later one locked a new one, both "the" lock."""
+    name = LOCK_PREFIX if run_id is None else f"{LOCK_PREFIX}-{run_id}"
+    return sync_dir / RDZV / f"{name}.lock"
+
+
+def rival_name(nonce: str) -> str:
+    """The name, in a forming generation's directory, of the note that a rank 0 with
+    ``nonce`` came for the same run id while that job's rank 0 held the lock."""
+    return f"{RIVAL}{nonce}.json"
 
 
 def join_name(rank: int, nonce: str) -> str:

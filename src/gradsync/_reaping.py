@@ -37,6 +37,7 @@ from ._jobfiles import (
     noted_at,
     offer_name,
 )
+from ._leaderlock import remove_free_locks
 from ._liveness import HeartbeatWatch, MemberInfo, read_counter
 from ._syncdir import dir_below, is_own_dir, remove_own_dir
 
@@ -58,8 +59,8 @@ _ENDED_KEEP_S = 24 * 3600.0
 
 
 def remove_dead_joins(rdzv: Path) -> None:
-    """Remove the join files of dead processes of this host, offers without a join, and
-    notes of ended joins older than a day."""
+    """Remove the join files of dead processes of this host, offers without a join,
+    notes of ended joins older than a day, and rank 0 locks nobody holds."""
     names = list_names(rdzv)
     gone: list[str] = []
     for name in names:
@@ -85,6 +86,7 @@ def remove_dead_joins(rdzv: Path) -> None:
             for name in gone:
                 with contextlib.suppress(OSError):
                     os.unlink(name, dir_fd=fd)
+    remove_free_locks(rdzv, names)
 
 
 def remove_dead_jobs(sync_dir: Path) -> None:

@@ -60,6 +60,7 @@ from ._jobfiles import (
     GAVE_UP,
     GEN_PREFIX,
     RDZV,
+    RIVAL,
     ROSTER,
     dump,
     how_it_ended,
@@ -77,6 +78,14 @@ from ._jobfiles import (
     unlink,
     write_json,
     write_note,
+)
+from ._leaderlock import (
+    LeaderLock,
+    check_claims,
+    hold_join,
+    offered_by_another,
+    release_join,
+    take_leader_lock,
 )
 from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo
 from ._makedir import make_sync_dir
@@ -109,6 +118,8 @@ class Generation:
     # Started as soon as the rank knew its generation: peers on other hosts judge it
     # by this during the rendezvous too.
     heartbeat: Heartbeat | None = field(default=None, compare=False, repr=False)
+    # Rank 0's hold on its run id in the sync dir, until it leaves the job.
+    lock: LeaderLock | None = field(default=None, compare=False, repr=False)
 
     @property
     def me(self) -> MemberInfo:
@@ -221,10 +232,14 @@ class _Leader:
                 exc, "creating the generation directory", self.gen_path
             ) from exc
         heartbeat = Heartbeat(self.gen_path / f"hb-{self.me.nonce}", self.cfg.heartbeat_interval_s)
+        lock = None
         try:
+            lock = take_leader_lock(self.cfg, self.me, self._lock_holder)
             write_json(self.leader_file, self._info(), "registering rank 0 in")
         except BaseException:
             heartbeat.stop()
+            if lock is not None:
+                lock.release()
             # Nobody can have joined a generation without a leader file: remove it now,
             # rather than leave it to a reaper that waits out its heartbeat.
             remove_own_dir(self.cfg.sync_dir, self.gen_path.name)
@@ -233,8 +248,9 @@ class _Leader:
             gen = self._admit()
         except BaseException:
             heartbeat.stop()
+            lock.release()
             raise
-        return Generation(gen.path, gen.gen_id, gen.members, 0, heartbeat)
+        return Generation(gen.path, gen.gen_id, gen.members, 0, heartbeat, lock)
 
     def _admit(self) -> Generation:
         try:
@@ -264,6 +280,13 @@ class _Leader:
                 next_check = elapsed + _CHECK_EVERY_S
             missing = [r for r in range(1, cfg.world_size) if r not in self.confirmed]
             if not missing and not self.rivals:
+                # Last look before the roster: a second live claimant of an admitted
+                # rank may be this job's own; no file can tell.
+                try:
+                    check_claims(self.rdzv, cfg.run_id, self.confirmed.values())
+                except RendezvousError:
+                    self._offer()  # the other claimant too reads why, in this generation
+                    raise
                 break
             if elapsed >= cfg.max_wait_s:
                 if missing:
@@ -312,6 +335,9 @@ class _Leader:
             data = load(self.rdzv / name)
             if data is None or data.get("run_id") != self.cfg.run_id:
                 continue
+            other = offered_by_another(self.rdzv, name, self.me)
+            if other is not None:
+                raise self._rival(other, "is running in")  # it offered this join a place
             offer = {"gen": self.me.nonce, "member": self.me.to_json(), "run_id": self.cfg.run_id}
             write_json(self.rdzv / offer_name(nonce), offer, "answering a join in")
             self.offered.add(nonce)
@@ -324,6 +350,8 @@ class _Leader:
         for name in list_names(self.gen_path):
             if name.startswith(GAVE_UP):
                 self._raise_gave_up(self.gen_path / name)
+            if name.startswith(RIVAL):
+                raise self._rival(member_of(load(self.gen_path / name)), "is running in")
             if name in seen or member_rank(name) is None:
                 continue
             data = load(self.gen_path / name)
@@ -405,16 +433,20 @@ class _Leader:
                     path=cfg.sync_dir,
                 )
 
-    def _rival(self, rival: MemberInfo, doing: str) -> RendezvousError:
-        if rival.pid == self.me.pid and rival.same_host:
+    def _rival(self, rival: MemberInfo | None, doing: str) -> RendezvousError:
+        if rival is not None and rival.pid == self.me.pid and rival.same_host:
             return _held_here(0, self.cfg.sync_dir)
+        who = "" if rival is None else f" ({rival.describe()})"
         return RendezvousError(
-            f"rendezvous: another rank 0 ({rival.describe()}) with run_id {self.cfg.run_id!r} "
+            f"rendezvous: another rank 0{who} with run_id {self.cfg.run_id!r} "
             f"{doing} {self.cfg.sync_dir}; give each job its own sync_dir or run_id"
             f"{_NODE_RANK_HINT}",
             ranks=[0],
             path=self.cfg.sync_dir,
         )
+
+    def _lock_holder(self, holder: MemberInfo | None) -> RendezvousError:
+        return self._rival(holder, "is running in")
 
     def _check_rivals(self) -> None:
         """Find other live rank-0s of the same run id; stale ones are removed."""
@@ -468,6 +500,7 @@ def _join(
     join = rdzv / join_name(cfg.rank, me.nonce)
     offer_path = rdzv / offer_name(me.nonce)
     _register(cfg, join, me, closing)
+    claim = hold_join(join)
     # This rank is here again: what a launcher said of an earlier process of it that
     # ended while waiting to join is over.
     for path, data in _ended_notes(cfg):
@@ -535,6 +568,7 @@ def _join(
                 if roster is not None:
                     accepted = _accept(cfg, me, gen_path, roster)
                     _unlink_all(join, offer_path)  # here, not in a finally an interrupt may skip
+                    release_join(claim)
                     return Generation(
                         accepted.path, accepted.gen_id, accepted.members, accepted.rank, heartbeat
                     )
@@ -595,6 +629,7 @@ def _join(
             else:
                 _unless_removed(gen_path)
         _unlink_all(join, offer_path)
+        release_join(claim)
         raise
 
 
@@ -842,6 +877,9 @@ def leave(gen: Generation, calls: int, ended: str | None = None) -> None:
             names = set(os.listdir(fd))
     except OSError:
         return  # not knowing who is left, leave the directory to the last rank
+    finally:
+        if gen.lock is not None:
+            gen.lock.release()  # after the note: the next rank 0 sees this one left
     if all(left_name(r) in names for r in range(len(gen.members))):
         with contextlib.suppress(OSError):
             unlink(leader_file(gen.path.parent, gen.gen_id))

@@ -1,0 +1,370 @@
+"""One forming or running job per run id in a sync dir, and no job formed while a rank
+it admits is claimed twice.
+
+Rank 0 holds an ``flock`` on ``rdzv/lock-0[-<run id>].lock`` from before it offers a
+place until it leaves the job; the OS lets it go when the process dies. A rank 0 that
+cannot take it leaves a ``rival-0-<nonce>.json`` note in every generation of its run id
+still forming (so a holder that has not written its roster yet aborts), then fails,
+naming the holder. A joiner holds a shared ``flock`` on its join file while it waits, so
+that rank 0 can tell a live second claimant of a rank on another host from a dead one.
+
+Written with ``fcntl`` rather than the ``filelock`` package: filelock 3.x (3.12 is the
+oldest gradsync accepts) opens the lock's name through a symbolic link and truncates
+what it leads to; filelock 4 falls back to a marker file where ``flock`` is missing and
+never removes a lock file; gradsync needs none of its waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ._errors import RendezvousError
+from ._fsio import Backoff, list_names, open_own, remove_tree, translate_oserror, write_note
+from ._jobfiles import (
+    GEN_PREFIX,
+    LOCK_PREFIX,
+    RDZV,
+    ROSTER,
+    dump,
+    join_nonce,
+    leader_gone,
+    left_name,
+    load,
+    lock_file,
+    member_of,
+    offer_name,
+    rival_name,
+)
+from ._liveness import HeartbeatWatch, MemberInfo
+
+if TYPE_CHECKING:  # the launcher's watchdog imports this module without numpy
+    from ._config import FileGradSyncConfig
+
+__all__ = [
+    "LeaderLock",
+    "check_claims",
+    "hold_join",
+    "offered_by_another",
+    "release_join",
+    "remove_free_locks",
+    "take_leader_lock",
+]
+
+_log = logging.getLogger("gradsync")
+_HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)  # some filesystems say EACCES
+_NOT_THERE = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF, errno.EINVAL)
+
+
+class LeaderLock:
+    """Rank 0's hold on its run id in a sync dir (none where ``flock`` is missing)."""
+
+    def __init__(self, fd: int | None, path: Path) -> None:
+        self._fd = fd
+        self._path = path
+        self._guard = threading.Lock()
+
+    def release(self) -> None:
+        """Remove the lock file, then let the lock go (closing the file drops the flock);
+        only the first call acts. Removed while held, so that whoever opened it before
+        finds it held, and whoever locks it after sees that it is no longer the file of
+        its name (:func:`_same_file`)."""
+        with self._guard:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether the file open as ``fd`` is still the one named ``path``."""
+    try:
+        named = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (named.st_dev, named.st_ino)
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file, opened (created) without following a link; read-only where another
+    user of the group made it (``flock`` needs no write access)."""
+    try:
+        return open_own(path, os.O_RDWR)
+    except PermissionError:
+        return open_own(path, os.O_RDONLY)
+
+
+def _try_flock(fd: int, how: int) -> bool | None:
+    """True: locked; False: held by another; None: this filesystem has no ``flock``."""
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in _HELD:
+            return False
+        if exc.errno in _NOT_THERE:
+            return None
+        raise
+    return True
+
+
+def take_leader_lock(
+    cfg: FileGradSyncConfig, me: MemberInfo, rival: Callable[[MemberInfo | None], Exception]
+) -> LeaderLock:
+    """Hold rank 0's lock for ``cfg.run_id`` in ``cfg.sync_dir``; this rank's generation
+    directory must exist already (a rival's note must find it).
+
+    Raises:
+        Exception: ``rival(holder)``: another live rank 0 of the run holds it (at once on
+            this host; for one on another host, once its heartbeat moves, or after
+            ``max_wait_s``; None where none could be named).
+        SyncDirError: the lock file cannot be opened.
+    """
+    path = lock_file(cfg.sync_dir, cfg.run_id)
+    while True:
+        fd, got = _lock_once(path)
+        if got is None:
+            _log.warning(
+                "rendezvous: %s has no working flock: rank 0 cannot lock out another job "
+                "with run_id %r there and relies on its slower checks of other rank 0s' files",
+                path.parent,
+                cfg.run_id,
+            )
+            return LeaderLock(None, path)
+        if got:
+            return LeaderLock(fd, path)
+        try:
+            holder, freed = _wait_for_holder(cfg, me, fd)
+        finally:
+            os.close(fd)
+        # Never taken once a rank 0 of the run was seen with it: it may have formed with
+        # ranks that came for this one, or failed and left them to it. A holder that
+        # registered none was tidying (remove_free_locks), or failed before offering.
+        if holder is not None or not freed:
+            raise rival(holder)
+
+
+def _lock_once(path: Path) -> tuple[int, bool | None]:
+    """The lock file, open, and whether it is now locked (None: no ``flock`` here)."""
+    try:
+        while True:
+            fd = _open_lock(path)
+            try:
+                got = _try_flock(fd, fcntl.LOCK_EX)
+                if not got or _same_file(fd, path):
+                    if got is None:
+                        os.close(fd)
+                    return fd, got
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)  # its holder removed it as it let go: lock the new one
+    except OSError as exc:
+        raise translate_oserror(exc, "taking rank 0's lock in", path) from exc
+
+
+def _wait_for_holder(
+    cfg: FileGradSyncConfig, me: MemberInfo, fd: int
+) -> tuple[MemberInfo | None, bool]:
+    """Tell every generation of the run still forming that this rank 0 came; the lock's
+    holder once it is known to live, else (once the lock is let go, or after
+    ``max_wait_s``) the last rank 0 of the run seen, None if none was; and whether the
+    lock was let go."""
+    backoff = Backoff()
+    watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
+    told: set[str] = set()
+    seen: MemberInfo | None = None
+    while True:
+        for gen_path, leader, left in _registered(cfg):
+            seen = seen or leader
+            if leader.same_host and leader.pid == me.pid and not left:
+                return leader, False  # a session of this process: it goes on
+            if left:
+                continue
+            if gen_path.name not in told:
+                _tell(gen_path, me, cfg.run_id)
+                told.add(gen_path.name)
+            hb = gen_path / f"hb-{leader.nonce}"
+            watch.silent_for_s(hb)
+            if leader.same_host or watch.moved(hb):
+                return leader, False
+        if _try_flock(fd, fcntl.LOCK_EX):
+            return seen, True
+        if backoff.elapsed_s() >= cfg.max_wait_s:
+            return seen, False
+        backoff.pause()
+
+
+def _tell(gen_path: Path, me: MemberInfo, run_id: str | None) -> None:
+    """Leave a rival's note in the generation at ``gen_path``."""
+    note = dump({"member": me.to_json(), "run_id": run_id})
+    with contextlib.suppress(OSError):
+        write_note(gen_path / rival_name(me.nonce), note)
+    if leader_gone(gen_path):
+        remove_tree(gen_path)  # removed meanwhile: the note must not keep its directory
+
+
+def _registered(cfg: FileGradSyncConfig) -> list[tuple[Path, MemberInfo, bool]]:
+    """The generations of ``cfg.run_id`` with their rank 0 (on this host, only those
+    whose rank 0 lives) and whether it has left them; those not yet formed first (the
+    lock's holder is among them, or has formed)."""
+    rdzv = cfg.sync_dir / RDZV
+    found = []
+    for name in sorted(list_names(rdzv)):
+        if not (name.startswith("leader-") and name.endswith(".json")):
+            continue
+        data = load(rdzv / name)
+        leader = member_of(data)
+        if data is None or leader is None or data.get("run_id") != cfg.run_id:
+            continue
+        if leader.local_death() is not None:
+            continue
+        gen_path = cfg.sync_dir / f"{GEN_PREFIX}{data.get('gen')}"
+        found.append((gen_path, leader, (gen_path / left_name(0)).exists()))
+    return sorted(found, key=lambda g: (g[0] / ROSTER).exists())
+
+
+def remove_free_locks(rdzv: Path, names: Iterable[str]) -> None:
+    """Remove the rank 0 locks among ``names`` in ``rdzv`` that no rank 0 holds (one
+    stopped by a signal leaves its file): each locked, then removed while held, as its
+    holder does. Never raises."""
+    for name in names:
+        if not (name.startswith(LOCK_PREFIX) and name.endswith(".lock")):
+            continue
+        path = rdzv / name
+        fd = _open_existing(path)
+        if fd is None:
+            continue
+        try:
+            if _try_flock(fd, fcntl.LOCK_EX) and _same_file(fd, path):
+                os.unlink(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _open_existing(path: Path) -> int | None:
+    """``path``, opened without following a link, for writing where allowed (NFS takes an
+    exclusive flock as a write lock); None if it cannot be."""
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        return os.open(path, os.O_RDWR | flags)
+    except PermissionError:
+        pass
+    except OSError:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | flags)
+    except OSError:
+        return None
+
+
+def hold_join(path: Path) -> int | None:
+    """Hold a shared ``flock`` on this rank's join file while it waits for a place: the
+    sign to rank 0 that it lives. None where it cannot be taken."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    for _ in range(100):  # a rank 0's look (_join_held) holds it for an instant
+        try:
+            got = _try_flock(fd, fcntl.LOCK_SH)
+        except OSError:
+            break
+        if got is None:
+            break
+        if got:
+            return fd
+        time.sleep(0.001)
+    os.close(fd)
+    return None
+
+
+def release_join(fd: int | None) -> None:
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def check_claims(rdzv: Path, run_id: str | None, members: Iterable[MemberInfo]) -> None:
+    """Fail if another live process waits in ``rdzv`` to join run ``run_id`` as the rank
+    of one of ``members``.
+
+    Raises:
+        RendezvousError: naming the rank and both processes.
+    """
+    names = list_names(rdzv)
+    for member in members:
+        other = _live_rival_join(rdzv, run_id, member, names)
+        if other is not None:
+            raise RendezvousError(
+                f"rendezvous: two processes claim rank {member.rank}: {member.describe()} "
+                f"and {other.describe()} in {rdzv.parent}",
+                ranks=[member.rank],
+                path=rdzv.parent,
+            )
+
+
+def _live_rival_join(
+    rdzv: Path, run_id: str | None, member: MemberInfo, names: set[str]
+) -> MemberInfo | None:
+    """Another live process waiting to join run ``run_id`` as ``member``'s rank, among
+    the join files ``names`` of ``rdzv``: on this host its process lives, on another
+    it holds its join file's lock."""
+    prefix = f"join-{member.rank}-"
+    for name in names:
+        nonce = join_nonce(name)
+        if not name.startswith(prefix) or nonce is None or nonce == member.nonce:
+            continue
+        data = load(rdzv / name)
+        other = member_of(data)
+        if data is None or other is None or data.get("run_id") != run_id:
+            continue
+        if other.rank == member.rank and _lives(rdzv / name, other):
+            return other
+    return None
+
+
+def _join_held(path: Path) -> bool:
+    """Whether the process of the join file at ``path`` holds its lock (it waits)."""
+    fd = _open_existing(path)
+    if fd is None:
+        return False
+    try:
+        return _try_flock(fd, fcntl.LOCK_EX) is False
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # drops the probe's own lock, if it got one
+
+
+def offered_by_another(rdzv: Path, name: str, me: MemberInfo) -> MemberInfo | None:
+    """Another live rank 0 of this host that offered the live process of the join file
+    ``name`` a place: that joiner may have come for it (which job it belongs to no file
+    tells), so it is not this rank 0's to take. A new session of this same process may
+    take it; a rank 0 on another host cannot be told from a dead one at a look."""
+    nonce = join_nonce(name)
+    other = member_of(load(rdzv / offer_name(nonce))) if nonce is not None else None
+    if other is None or not other.same_host or other.pid == me.pid:
+        return None
+    if other.local_death() is not None or not _lives(rdzv / name, member_of(load(rdzv / name))):
+        return None
+    return other
+
+
+def _lives(join: Path, joiner: MemberInfo | None) -> bool:
+    """Whether ``joiner``, the process of the join file at ``join``, lives."""
+    if joiner is None:
+        return False
+    return joiner.local_death() is None if joiner.same_host else _join_held(join)
