@@ -1,11 +1,11 @@
 """``wgpu_step.py`` with module constants of gradsync patched in every rank, for
 same-host A/B runs of one change (every lent GPU machine is another host).
 
-``GS_PATCH="gradsync._wgpu.SPIN_S=0.0,gradsync._wgpu.DIRECT_MAX_BYTES=0"`` sets each
+``GS_PATCH="gradsync._gpu.bridge.SPIN_S=0.0,gradsync._gpu.bridge.DIRECT_MAX_BYTES=0"`` sets each
 ``module.NAME`` to the Python literal after ``=`` before the rank starts; unset or
 empty, this is ``wgpu_step.py`` itself. Run it like ``wgpu_step.py``, alternating
 patched and plain invocations:
-``GS_PATCH=gradsync._wgpu.SPIN_S=0.0 python benchmarks/wgpu_ab.py --world-sizes 2 4
+``GS_PATCH=gradsync._gpu.bridge.SPIN_S=0.0 python benchmarks/wgpu_ab.py --world-sizes 2 4
 --sizes-mib 1 16 --steps 30 --profile``.
 """
 

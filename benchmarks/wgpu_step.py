@@ -61,7 +61,7 @@ def _rank(
     import wgpu  # noqa: PLC0415 - only ranks need a GPU
 
     import gradsync  # noqa: PLC0415
-    from gradsync import _wgpu  # noqa: PLC0415
+    from gradsync._gpu import bridge as _wgpu  # noqa: PLC0415
 
     # The bridge's two copies, timed from outside (the benchmark alone wraps them).
     spans: dict[str, float] = {}

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import gradsync
-from gradsync import _protocol
-from gradsync._format import HEADER_READ_BYTES, decode_header
-from gradsync._protocol import StepEngine
+from gradsync._step import engine as _protocol
+from gradsync._step.engine import StepEngine
+from gradsync._step.header import HEADER_READ_BYTES, decode_header
 from ranks import WarningLog, config
 from workers import SHAPES, SHAPES_BIG, grads_for
 

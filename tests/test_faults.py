@@ -30,9 +30,12 @@ from hypothesis import strategies as st
 
 import fault_workers
 import gradsync
-from gradsync import _jobfiles, _reaping
-from gradsync import _rendezvous as rdzv
-from gradsync._format import (
+from gradsync._job import names as _jobfiles
+from gradsync._job import reaping as _reaping
+from gradsync._job import rendezvous as rdzv
+from gradsync._job.liveness import MemberInfo
+from gradsync._step.engine import StepEngine
+from gradsync._step.header import (
     FIXED_SIZE,
     FLAG_NONFINITE,
     KIND_INPUT,
@@ -41,9 +44,7 @@ from gradsync._format import (
     layout_hash,
     layout_json,
 )
-from gradsync._liveness import MemberInfo
-from gradsync._protocol import StepEngine
-from gradsync._syncdir import OWN_MARK
+from gradsync._store.dirs import OWN_MARK
 from ranks import Outcome, run_ranks
 from workers import SHAPES, SHAPES_BIG, grads_for
 
@@ -902,7 +903,7 @@ def test_a_launcher_says_how_a_rank_waiting_to_join_ended(tmp_path: Path) -> Non
     huge = json.dumps({**note, "member": {**note["member"], "rank": 5}, "at": 10**400})
     _file(rdzv, "ended-5-huge.json", huge.encode())  # valid JSON: no float holds it
     cfg = gradsync.FileGradSyncConfig(6, 0, tmp_path, run_id="r")
-    assert gradsync._rendezvous._unjoined_ends(cfg, [1, 5]).endswith(
+    assert gradsync._job.rendezvous._unjoined_ends(cfg, [1, 5]).endswith(
         f"; rank 5 (pid 4000001 on {socket.gethostname()}) has ended (killed by SIGKILL) "
         "while waiting to join (noted)"
     )
@@ -915,8 +916,8 @@ def test_a_peer_gone_since_the_listing_is_named_by_the_note_it_left(
 ) -> None:
     # Rank 1 closes its session (its note says why) and exits between rank 0's listing
     # and its look at rank 1's process: the note's reason, not just "has exited".
-    from gradsync._peers import PeerFiles  # noqa: PLC0415
-    from gradsync._transport import Transport  # noqa: PLC0415
+    from gradsync._step.peers import PeerFiles  # noqa: PLC0415
+    from gradsync._step.transport import Transport  # noqa: PLC0415
 
     gen_path = tmp_path / "gen-00000000000000a1"
     (gen_path / "s-3").mkdir(parents=True)
@@ -928,9 +929,9 @@ def test_a_peer_gone_since_the_listing_is_named_by_the_note_it_left(
     (gen_path / "left-1").write_text(
         '{"calls": 2, "ended": "closed its gradsync session (raising KeyboardInterrupt)"}'
     )
-    listing = gradsync._peers.list_names
+    listing = gradsync._step.peers.list_names
     monkeypatch.setattr(
-        gradsync._peers,
+        gradsync._step.peers,
         "list_names",
         lambda d, step=None: set() if d == gen_path else listing(d, step=step),
     )

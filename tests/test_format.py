@@ -14,8 +14,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from gradsync import CorruptFileError, _format
-from gradsync._format import (
+from gradsync import CorruptFileError
+from gradsync._step import header as _format
+from gradsync._step.header import (
     _CRC,
     _FIXED,
     FIXED_SIZE,
@@ -35,8 +36,8 @@ from gradsync._format import (
     layout_json,
     longest_nonfinite,
 )
-from gradsync._plan import Plan
-from gradsync._reduce import shard_range
+from gradsync._step.plan import Plan
+from gradsync._step.reduce import shard_range
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PATH = "/sync/gen-1/step-3/in-2"

@@ -20,8 +20,12 @@ import pytest
 
 import gradsync
 import workers
-from gradsync import ConfigError, SyncDirError, _fsio, atomic_write_bytes, wait_for_path
-from gradsync._fsio import (
+from gradsync import ConfigError, SyncDirError, atomic_write_bytes, wait_for_path
+from gradsync._job.liveness import Heartbeat, MemberInfo
+from gradsync._job.rendezvous import Generation, leave
+from gradsync._step.transport import Transport
+from gradsync._store import files as _fsio
+from gradsync._store.files import (
     Backoff,
     list_names,
     place_marker,
@@ -33,9 +37,6 @@ from gradsync._fsio import (
     write_in_place,
     write_note,
 )
-from gradsync._liveness import Heartbeat, MemberInfo
-from gradsync._rendezvous import Generation, leave
-from gradsync._transport import Transport
 from ranks import run_ranks
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -398,7 +399,7 @@ def test_wait_for_path_nan_does_not_hang(tmp_path: Path) -> None:
 
 
 class FakeTime:
-    """Stands in for the ``time`` module inside gradsync._fsio."""
+    """Stands in for the ``time`` module inside gradsync._store.files."""
 
     def __init__(self) -> None:
         self.now = 100.0

@@ -20,8 +20,10 @@ from typing import Any
 
 import pytest
 
-from gradsync import _launch, _transport, _watchdog
-from gradsync._cli import main
+from gradsync._cli import launch as _launch
+from gradsync._cli import watchdog as _watchdog
+from gradsync._cli.main import main
+from gradsync._step import transport as _transport
 
 SCRIPTS = Path(__file__).parent / "scripts"
 LAUNCH = [sys.executable, "-m", "gradsync", "launch"]
@@ -897,12 +899,12 @@ def test_the_watchdog_leaves_for_ranks_without_importing_numpy(tmp_path: Path) -
         "import pathlib, runpy, sys\n"
         f"ns = runpy.run_path({str(Path(_watchdog.__file__))!r}, run_name='watchdog')\n"
         f"ns['_leave_for'](pathlib.Path({str(tmp_path)!r}), {{}})\n"
-        "print(sorted(m for m in ('numpy', 'gradsync._reaping') if m in sys.modules))\n"
+        "print(sorted(m for m in ('numpy', 'gradsync._job.reaping') if m in sys.modules))\n"
     )
     out = subprocess.run(
         [sys.executable, "-I", "-c", code], capture_output=True, text=True, check=False
     )
-    assert out.stdout.strip() == "['gradsync._reaping']", (out.stdout, out.stderr)
+    assert out.stdout.strip() == "['gradsync._job.reaping']", (out.stdout, out.stderr)
 
 
 def test_a_launch_that_ends_normally_leaves_no_watchdog(capsys: pytest.CaptureFixture[str]) -> None:

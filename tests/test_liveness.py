@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import workers
-from gradsync import _liveness
-from gradsync._liveness import MemberInfo, process_state
-from gradsync._reduce import average_host_grads
+from gradsync._job import liveness as _liveness
+from gradsync._job.liveness import MemberInfo, process_state
+from gradsync._step.reduce import average_host_grads
 from ranks import run_ranks
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradsync._parallel import (
+from gradsync._step.parallel import (
     MIN_PIECE_BYTES,
     SMALL_COPY_BYTES,
     Workers,

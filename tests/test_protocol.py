@@ -22,10 +22,10 @@ import pytest
 
 import gradsync
 import workers
-from gradsync._liveness import MemberInfo
-from gradsync._plan import Group, Plan
-from gradsync._protocol import StepEngine, nonfinite_params, validate_grads
-from gradsync._rendezvous import _Leader, _settings
+from gradsync._job.liveness import MemberInfo
+from gradsync._job.rendezvous import _Leader, _settings
+from gradsync._step.engine import StepEngine, nonfinite_params, validate_grads
+from gradsync._step.plan import Group, Plan
 from ranks import Outcome, run_ranks
 
 
@@ -517,7 +517,7 @@ def test_rank_0_reads_each_confirmation_once(
 ) -> None:
     # Rank 0 looks for confirmations until every rank has one; reading the ones it has
     # again on every look cost ~800 file reads to form a 16-rank job.
-    from gradsync import _rendezvous  # noqa: PLC0415
+    from gradsync._job import rendezvous as _rendezvous  # noqa: PLC0415
 
     cfg = gradsync.FileGradSyncConfig(4, 0, tmp_path)
     leader = _Leader(cfg, MemberInfo.for_self(0, "0" * 16))

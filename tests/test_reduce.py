@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import gradsync._reduce as reduce_mod
+import gradsync._step.reduce as reduce_mod
 from gradsync import (
     ConfigError,
     InvalidGradsError,
@@ -21,7 +21,7 @@ from gradsync import (
     average_host_grads,
     shard_indices,
 )
-from gradsync._reduce import (
+from gradsync._step.reduce import (
     ACCUMULATOR,
     SUPPORTED_DTYPES,
     check_dtype,

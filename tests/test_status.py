@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 import gradsync
-import gradsync._liveness
-import gradsync._status
+import gradsync._cli.status
+import gradsync._job.liveness
 import workers
-from gradsync._jobfiles import member_rank
+from gradsync._job.names import member_rank
 from ranks import run_ranks
 
 
@@ -94,7 +94,7 @@ def test_status_while_the_job_removes_what_it_lists(
     for seq in (1, 2, 3):
         (gen / f"s-{seq}").mkdir(parents=True)
     (gen / "s-3" / "in-0").touch()
-    me = gradsync._liveness.MemberInfo.for_self(0, "0123456789abcdef")
+    me = gradsync._job.liveness.MemberInfo.for_self(0, "0123456789abcdef")
     (gen / "roster.json").write_text(json.dumps({"members": [me.to_json()], "run_id": None}))
     real = os.listdir
 
@@ -103,8 +103,8 @@ def test_status_while_the_job_removes_what_it_lists(
             raise FileNotFoundError(2, "No such file or directory", str(path))
         return real(path)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(gradsync._status.os, "listdir", racing)
-    report = gradsync._status.describe(tmp_path, sample_s=0.0)
+    monkeypatch.setattr(gradsync._cli.status.os, "listdir", racing)
+    report = gradsync._cli.status.describe(tmp_path, sample_s=0.0)
     (job,) = report["jobs"]
     assert job["ranks"][0]["last_call"] == 3
 
@@ -115,8 +115,8 @@ def test_status_of_an_unreadable_directory(
     def denied(path: object) -> list[str]:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(gradsync._status.os, "listdir", denied)
-    assert gradsync._status.status_main(tmp_path, as_json=False) == 1
+    monkeypatch.setattr(gradsync._cli.status.os, "listdir", denied)
+    assert gradsync._cli.status.status_main(tmp_path, as_json=False) == 1
     assert capsys.readouterr().err == (
         f"gradsync status: cannot read {tmp_path}: Permission denied\n"
     )
@@ -125,7 +125,7 @@ def test_status_of_an_unreadable_directory(
 def test_status_of_a_job_whose_ranks_all_died(tmp_path: Path) -> None:
     # Every rank published call 2 and died hard: nobody is running or waiting any more.
     assert run_ranks(workers.crash_after_publish, 3, (3, str(tmp_path)), expect=[]) == {}
-    report = gradsync._status.describe(tmp_path, sample_s=0.0)
+    report = gradsync._cli.status.describe(tmp_path, sample_s=0.0)
     (job,) = report["jobs"]
     assert job["state"] == "stopped (every rank is gone: the next job in this directory removes it)"
     assert [r["alive"] for r in job["ranks"]] == [False, False, False]
@@ -137,7 +137,7 @@ def _rendezvous_of_3(sync_dir: Path) -> Path:
     gen = sync_dir / "gen-00000000000000aa"
     gen.mkdir()
     (sync_dir / "rdzv").mkdir()
-    leader = gradsync._liveness.MemberInfo.for_self(0, "00000000000000aa")
+    leader = gradsync._job.liveness.MemberInfo.for_self(0, "00000000000000aa")
     (sync_dir / "rdzv" / "leader-00000000000000aa.json").write_text(
         json.dumps({"member": leader.to_json(), "world_size": 3, "run_id": None})
     )
@@ -147,13 +147,15 @@ def _rendezvous_of_3(sync_dir: Path) -> Path:
 def test_status_names_the_ranks_a_rendezvous_waits_for(tmp_path: Path) -> None:
     # Ranks 0 and 2 of 3 are in (both this live process); rank 1 never came.
     gen = _rendezvous_of_3(tmp_path)
-    joiner = gradsync._liveness.MemberInfo.for_self(2, "00000000000000bb")
+    joiner = gradsync._job.liveness.MemberInfo.for_self(2, "00000000000000bb")
     (gen / "member-2-00000000000000bb.json").write_text(json.dumps({"member": joiner.to_json()}))
-    report = gradsync._status.describe(tmp_path, sample_s=0.0)
+    report = gradsync._cli.status.describe(tmp_path, sample_s=0.0)
     (job,) = report["jobs"]
     assert job["state"] == "rendezvous"
     assert job["waiting"] == {"for": [1], "by": [0, 2], "what": "join"}
-    assert "    ranks [0, 2] are waiting for ranks [1] to join" in gradsync._status._text(report)
+    assert "    ranks [0, 2] are waiting for ranks [1] to join" in gradsync._cli.status._text(
+        report
+    )
 
 
 def test_ranks_waiting_for_a_rank_0_not_started_are_shown(tmp_path: Path) -> None:
@@ -163,7 +165,7 @@ def test_ranks_waiting_for_a_rank_0_not_started_are_shown(tmp_path: Path) -> Non
     rdzv = tmp_path / "rdzv"
     rdzv.mkdir()
     for rank, nonce, run_id in [(2, "a2", "J"), (3, "a3", "J"), (1, "b1", "K")]:
-        me = gradsync._liveness.MemberInfo.for_self(rank, nonce.rjust(16, "0"))
+        me = gradsync._job.liveness.MemberInfo.for_self(rank, nonce.rjust(16, "0"))
         (rdzv / f"join-{rank}-{me.nonce}.json").write_text(
             json.dumps({"member": me.to_json(), "world_size": 4, "run_id": run_id})
         )
@@ -173,7 +175,7 @@ def test_ranks_waiting_for_a_rank_0_not_started_are_shown(tmp_path: Path) -> Non
     assert "  run id 'J': no rendezvous yet\n" in result.stdout
     assert "    ranks [2, 3] are waiting for rank 0 to start the rendezvous" in result.stdout
     assert "'K'" not in result.stdout
-    (run,) = gradsync._status.describe(tmp_path, sample_s=0.0)["joining"]
+    (run,) = gradsync._cli.status.describe(tmp_path, sample_s=0.0)["joining"]
     assert run["waiting"] == {"for": [0], "by": [2, 3], "what": "rank 0"}
     assert [r["alive"] for r in run["ranks"]] == [True, True]
 
@@ -183,15 +185,15 @@ def test_jobs_sharing_a_directory_are_shown_with_their_run_ids(tmp_path: Path) -
     # leader file does); a job without a run id shows none.
     gen = tmp_path / "gen-00000000000000cc"
     gen.mkdir()
-    me = gradsync._liveness.MemberInfo.for_self(0, "00000000000000cc")
+    me = gradsync._job.liveness.MemberInfo.for_self(0, "00000000000000cc")
     (gen / "roster.json").write_text(json.dumps({"members": [me.to_json()], "run_id": "alpha"}))
     _rendezvous_of_3(tmp_path)
     leader = tmp_path / "rdzv" / "leader-00000000000000aa.json"
     leader.write_text(json.dumps({**json.loads(leader.read_text()), "run_id": "beta"}))
     (tmp_path / "gen-00000000000000dd").mkdir()
-    report = gradsync._status.describe(tmp_path, sample_s=0.0)
+    report = gradsync._cli.status.describe(tmp_path, sample_s=0.0)
     assert [job.get("run_id") for job in report["jobs"]] == ["beta", "alpha", None]
-    lines = [ln for ln in gradsync._status._text(report).splitlines() if "generation" in ln]
+    lines = [ln for ln in gradsync._cli.status._text(report).splitlines() if "generation" in ln]
     assert [ln.split(",")[0] for ln in lines] == [
         "  generation 00000000000000aa (run id 'beta'): rendezvous",
         "  generation 00000000000000cc (run id 'alpha'): running",
@@ -212,8 +214,8 @@ def test_one_unreadable_job_is_named_and_the_others_shown(
             raise PermissionError(13, "Permission denied", str(path))
         return real(path)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(gradsync._status.os, "listdir", denied)
-    assert gradsync._status.status_main(tmp_path, as_json=False) == 1
+    monkeypatch.setattr(gradsync._cli.status.os, "listdir", denied)
+    assert gradsync._cli.status.status_main(tmp_path, as_json=False) == 1
     out = capsys.readouterr().out
     assert (
         "  generation 00000000000000aa: unreadable, 0 bytes\n"
@@ -229,8 +231,8 @@ def test_status_of_a_directory_that_cannot_be_looked_up(
     def denied(self: Path) -> bool:
         raise PermissionError(13, "Permission denied", str(self))
 
-    monkeypatch.setattr(gradsync._status.Path, "is_dir", denied)
-    assert gradsync._status.status_main(tmp_path / "inner", as_json=False) == 1
+    monkeypatch.setattr(gradsync._cli.status.Path, "is_dir", denied)
+    assert gradsync._cli.status.status_main(tmp_path / "inner", as_json=False) == 1
     assert capsys.readouterr().err == (
         f"gradsync status: cannot read {tmp_path / 'inner'}: Permission denied\n"
     )
@@ -241,12 +243,12 @@ def test_a_rank_on_another_host_is_never_judged_gone(tmp_path: Path) -> None:
     # up to 1e9 s): a live two-host job used to show as stopped.
     gen = tmp_path / "gen-00000000000000aa"
     gen.mkdir()
-    me = gradsync._liveness.MemberInfo.for_self(0, "00000000000000aa").to_json()
-    far = {**gradsync._liveness.MemberInfo.for_self(1, "00000000000000bb").to_json()}
+    me = gradsync._job.liveness.MemberInfo.for_self(0, "00000000000000aa").to_json()
+    far = {**gradsync._job.liveness.MemberInfo.for_self(1, "00000000000000bb").to_json()}
     far["host_id"] = "elsewhere/boot/pidns"
     (gen / "roster.json").write_text(json.dumps({"members": [me, far], "run_id": None}))
     (gen / "left-0").write_text("{}")
-    report = gradsync._status.describe(tmp_path, sample_s=0.0)
+    report = gradsync._cli.status.describe(tmp_path, sample_s=0.0)
     (job,) = report["jobs"]
     assert job["state"] == "running"
     assert job["ranks"][1]["beating"] is False
@@ -257,8 +259,8 @@ def _two_host_job(sync_dir: Path, interval_s: float, gen_id: str = "000000000000
     (its confirmation says so) and last published in call 4."""
     gen = sync_dir / f"gen-{gen_id}"
     (gen / "s-4").mkdir(parents=True)
-    me = gradsync._liveness.MemberInfo.for_self(0, "00000000000000aa").to_json()
-    far = {**gradsync._liveness.MemberInfo.for_self(1, "00000000000000bb").to_json()}
+    me = gradsync._job.liveness.MemberInfo.for_self(0, "00000000000000aa").to_json()
+    far = {**gradsync._job.liveness.MemberInfo.for_self(1, "00000000000000bb").to_json()}
     far["host_id"] = "elsewhere/boot/pidns"
     (gen / "roster.json").write_text(json.dumps({"members": [me, far], "run_id": None}))
     settings = {"strategy": "sharded", "heartbeat_interval_s": interval_s}
@@ -276,19 +278,19 @@ def test_a_remote_rank_beating_less_often_than_status_can_wait_is_not_called_dea
     # Sampled 1.3 s apart, a rank beating every 5 s was shown NOT BEATING 5 times in 6
     # while it published call after call.
     gen = _two_host_job(tmp_path, interval_s=60.0)
-    monkeypatch.setattr(gradsync._status, "_MAX_SAMPLE_S", 0.3)
+    monkeypatch.setattr(gradsync._cli.status, "_MAX_SAMPLE_S", 0.3)
     later = gen / "s-5"
     publish = threading.Timer(0.1, lambda: later.mkdir() or (later / "in-1").touch())
     if publishes:  # its next call, while status watches
         publish.start()
-    report = gradsync._status.describe(tmp_path, sample_s=0.05)
+    report = gradsync._cli.status.describe(tmp_path, sample_s=0.05)
     (job,) = report["jobs"]
     assert job["heartbeat_interval_s"] == 60.0
     far = job["ranks"][1]
     assert (far["beating"], far["sampled_s"]) == (True if publishes else None, 0.3)
     if publishes:
         publish.join()
-    text = gradsync._status._text(report)
+    text = gradsync._cli.status._text(report)
     life = "beating" if publishes else "no beat seen in 0.3 s (it beats every 60 s)"
     assert f"    rank 1: pid {far['pid']} on {far['host']}, {life}, last published" in text
 
@@ -299,8 +301,8 @@ def test_a_remote_rank_sampled_long_enough_and_silent_is_not_beating(
     # Judged by its own job's interval, even beside a job status cannot wait for.
     _two_host_job(tmp_path, interval_s=0.1)
     _two_host_job(tmp_path, interval_s=60.0, gen_id="00000000000000cc")
-    monkeypatch.setattr(gradsync._status, "_MAX_SAMPLE_S", 0.3)
-    fast, slow = gradsync._status.describe(tmp_path, sample_s=0.2)["jobs"]
+    monkeypatch.setattr(gradsync._cli.status, "_MAX_SAMPLE_S", 0.3)
+    fast, slow = gradsync._cli.status.describe(tmp_path, sample_s=0.2)["jobs"]
     assert (fast["ranks"][1]["beating"], fast["ranks"][1]["sampled_s"]) == (False, 0.3)
     assert (slow["ranks"][1]["beating"], slow["ranks"][1]["sampled_s"]) == (None, 0.3)
 
@@ -310,21 +312,21 @@ def test_a_rank_left_by_its_launcher_is_shown_with_how_it_ended(tmp_path: Path, 
     gen = _two_host_job(tmp_path, interval_s=60.0)
     ended = "was stopped by its launcher (killed by SIGTERM)"
     (gen / "left-1").write_text(note.replace("E", ended))
-    (job,) = gradsync._status.describe(tmp_path, sample_s=0.0)["jobs"]
+    (job,) = gradsync._cli.status.describe(tmp_path, sample_s=0.0)["jobs"]
     far = job["ranks"][1]
     by_launcher = note.endswith('"E"}')
     assert far.get("ended") == (ended if by_launcher else None)
     assert "beating" not in far  # a rank that left is not watched (nor waited for)
     life = ended if by_launcher else "left"
     expected = f"    rank 1: pid {far['pid']} on {far['host']}, {life}, last published call 4 "
-    assert expected in gradsync._status._text({"sync_dir": "", "disk_bytes": 0, "jobs": [job]})
+    assert expected in gradsync._cli.status._text({"sync_dir": "", "disk_bytes": 0, "jobs": [job]})
 
 
 def test_a_failed_rendezvous_with_an_empty_note_is_failed(tmp_path: Path) -> None:
     # On a full disk rank 0's abort note is written empty: it used to count as no note.
     gen = _rendezvous_of_3(tmp_path)
     (gen / "abort.json").write_bytes(b"")
-    report = gradsync._status.describe(tmp_path, sample_s=0.0)
+    report = gradsync._cli.status.describe(tmp_path, sample_s=0.0)
     (job,) = report["jobs"]
     assert job["state"] == "failed"
     assert job["error"] == (
@@ -339,7 +341,7 @@ def test_a_damaged_roster_is_unreadable_not_a_rendezvous(
     gen = _rendezvous_of_3(tmp_path)
     for damage in (b"\x00" * 16, b'{"members": "none"}'):
         (gen / "roster.json").write_bytes(damage)
-        assert gradsync._status.status_main(tmp_path, as_json=False) == 1
+        assert gradsync._cli.status.status_main(tmp_path, as_json=False) == 1
         out = capsys.readouterr().out
         assert (
             f"  generation {gen.name[4:]}: unreadable, 0 bytes\n"
@@ -350,7 +352,7 @@ def test_a_damaged_roster_is_unreadable_not_a_rendezvous(
 def test_an_unreadable_abort_note_is_failed(tmp_path: Path) -> None:
     gen = _rendezvous_of_3(tmp_path)
     (gen / "abort.json").write_bytes(b"\xff\xfe not json")  # status used to crash here
-    (job,) = gradsync._status.describe(tmp_path, sample_s=0.0)["jobs"]
+    (job,) = gradsync._cli.status.describe(tmp_path, sample_s=0.0)["jobs"]
     assert (job["state"], job["error"]) == ("failed", "(its reason is unreadable)")
 
 
@@ -360,7 +362,7 @@ def _running_job_of_3(sync_dir: Path, strategy: str, markers: list[str]) -> None
     gen = sync_dir / "gen-00000000000000aa"
     (gen / "s-1").mkdir(parents=True)
     nonces = ["00000000000000aa", "00000000000000bb", "00000000000000cc"]
-    members = [gradsync._liveness.MemberInfo.for_self(r, n) for r, n in enumerate(nonces)]
+    members = [gradsync._job.liveness.MemberInfo.for_self(r, n) for r, n in enumerate(nonces)]
     (gen / "roster.json").write_text(
         json.dumps({"members": [m.to_json() for m in members], "world_size": 3, "run_id": None})
     )
@@ -397,7 +399,7 @@ def test_status_waits_only_for_ranks_that_publish_a_shard(
     tmp_path: Path, strategy: str, markers: list[str], waiting: dict[str, list[int]] | None
 ) -> None:
     _running_job_of_3(tmp_path, strategy, markers)
-    (job,) = gradsync._status.describe(tmp_path, sample_s=0.0)["jobs"]
+    (job,) = gradsync._cli.status.describe(tmp_path, sample_s=0.0)["jobs"]
     assert job["state"] == "running"
     if waiting is None:
         assert "waiting" not in job
@@ -428,12 +430,12 @@ def test_a_fifo_in_place_of_a_data_file_or_heartbeat_is_no_hang(tmp_path: Path) 
     gen = tmp_path / "gen-00000000000000aa"
     fifo = gen / "d-1.in"
     os.mkfifo(fifo)
-    report = _unblocked(lambda: gradsync._status.describe(tmp_path, sample_s=0.0), fifo)
+    report = _unblocked(lambda: gradsync._cli.status.describe(tmp_path, sample_s=0.0), fifo)
     (job,) = report["jobs"]  # type: ignore[index]
     assert (job["ranks"][1]["last_call"], job["ranks"][1]["last_step"]) == (1, None)
     hb = gen / "hb-00000000000000bb"
     os.mkfifo(hb)
-    assert _unblocked(lambda: gradsync._liveness.read_counter(hb), hb) is None
+    assert _unblocked(lambda: gradsync._job.liveness.read_counter(hb), hb) is None
     # wait_for_path promises an answer within max_wait_s: a FIFO can be opened, at once.
     assert _unblocked(lambda: gradsync.wait_for_path(hb, 0.5), hb) is True
 
@@ -447,7 +449,7 @@ def test_a_generation_name_that_is_a_symbolic_link_is_not_followed(tmp_path: Pat
     sync = tmp_path / "sync"
     sync.mkdir()
     (sync / ("gen-" + "ab" * 8)).symlink_to(elsewhere)
-    report = gradsync._status.describe(sync, sample_s=0.0)
+    report = gradsync._cli.status.describe(sync, sample_s=0.0)
     assert report["jobs"] == []
     assert report["disk_bytes"] == 0
 

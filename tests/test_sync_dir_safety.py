@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import syncdir_workers
-from gradsync._transport import Transport
+from gradsync._step.transport import Transport
 from ranks import Outcome, run_ranks
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradsync import _transport
-from gradsync._format import CRC_BLOCK
-from gradsync._syncdir import GenDir
-from gradsync._transport import ChecksumError, Transport
+from gradsync._step import transport as _transport
+from gradsync._step.header import CRC_BLOCK
+from gradsync._step.transport import ChecksumError, Transport
+from gradsync._store.dirs import GenDir
 
 
 def _write(path: Path, data: bytes) -> None:

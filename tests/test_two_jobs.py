@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import gradsync
-import gradsync._status  # what `gradsync status --json` reports
+import gradsync._cli.status  # what `gradsync status --json` reports
 from ranks import run_ranks
 
 TRIALS = 15  # per case: the old code mixed the jobs in most trials
@@ -61,7 +61,7 @@ def _wait_for_two_ranks_1(sync_dir: Path, run_id: str | None) -> None:
     """Until ``gradsync status`` shows two ranks 1 of ``run_id`` waiting for a rank 0."""
     while True:
         try:
-            joining = gradsync._status.describe(sync_dir, sample_s=0.0)["joining"]
+            joining = gradsync._cli.status.describe(sync_dir, sample_s=0.0)["joining"]
         except FileNotFoundError:
             joining = []
         for run in joining:

@@ -1,4 +1,4 @@
-"""Tests of the wgpu bridge (gradsync._wgpu) on whatever adapter exists, lavapipe in CI."""
+"""Tests of the wgpu bridge (gradsync._gpu.bridge) on whatever adapter exists, lavapipe in CI."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import pytest
 
 import gradsync
 from gradsync import average_host_grads
-from gradsync._adapters import choose_adapter_index, request_device_for_rank, select_adapter
 from gradsync._errors import ConfigError, GradSyncError, InvalidGradsError
-from gradsync._wgpu import WgpuBridge, WgpuBridgeError, resolve_dtypes
+from gradsync._gpu.adapters import choose_adapter_index, request_device_for_rank, select_adapter
+from gradsync._gpu.bridge import WgpuBridge, WgpuBridgeError, resolve_dtypes
 
 wgpu = pytest.importorskip("wgpu")
 
@@ -90,7 +90,7 @@ class _FakeBuf:
 
 
 def test_import_gradsync_does_not_import_wgpu() -> None:
-    code = "import sys, gradsync, gradsync._wgpu; assert 'wgpu' not in sys.modules"
+    code = "import sys, gradsync, gradsync._gpu.bridge; assert 'wgpu' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -309,9 +309,9 @@ def test_upload_pieces_queued_without_waiting(
     # upload buffer: straight into the mapping, or (a wgpu-py without a writable view
     # of it) into the host mirror first.
     if mode != "write_buffer":
-        monkeypatch.setattr(gradsync._wgpu, "DIRECT_MAX_PIECES", 0)
+        monkeypatch.setattr(gradsync._gpu.bridge, "DIRECT_MAX_PIECES", 0)
     if mode == "host-staged":
-        monkeypatch.setattr(gradsync._wgpu_layout, "writable_mapping", lambda buf, nbytes: None)
+        monkeypatch.setattr(gradsync._gpu.layout, "writable_mapping", lambda buf, nbytes: None)
     dts = [np.dtype(np.float32), np.dtype(np.float16)]
     bufs = [_buffer(device, np.zeros(10, np.float32)), _buffer(device, np.zeros(4, np.float16))]
     for k in range(3):
@@ -342,7 +342,7 @@ def test_upload_pieces_queued_without_waiting(
 def test_writable_mapping_is_the_mapped_memory(device: Any) -> None:
     # What the gathered upload relies on: the view writes the buffer's mapped bytes.
     buf = _mapped_for_writing(device, 16)
-    view = gradsync._wgpu_wait.writable_mapping(buf, 16)
+    view = gradsync._gpu.wait.writable_mapping(buf, 16)
     assert view is not None
     assert view.flags.writeable
     assert view.size == 16
@@ -354,7 +354,7 @@ def test_writable_mapping_is_the_mapped_memory(device: Any) -> None:
     enc.copy_buffer_to_buffer(buf, 0, dst, 0, 16)
     device.queue.submit([enc.finish()])
     np.testing.assert_array_equal(_read(device, dst, np.uint8), np.arange(16))
-    assert gradsync._wgpu_wait.writable_mapping(object(), 16) is None  # no such wgpu-py API
+    assert gradsync._gpu.wait.writable_mapping(object(), 16) is None  # no such wgpu-py API
 
 
 class _StrictModes:
@@ -380,7 +380,7 @@ def test_map_for_reading_sees_the_copy_submitted_before(
 ) -> None:
     # The download's map skips wgpu-py's empty submit ("READ_NOSYNC"), or, where
     # wgpu-py refuses that mode, falls back to map_sync for good; waiting either way.
-    monkeypatch.setattr(gradsync._wgpu_wait, "_nosync_reads", True)
+    monkeypatch.setattr(gradsync._gpu.wait, "_nosync_reads", True)
     staging = device.create_buffer(
         size=64, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
     )
@@ -389,13 +389,13 @@ def test_map_for_reading_sees_the_copy_submitted_before(
         enc = device.create_command_encoder()
         enc.copy_buffer_to_buffer(src, 0, staging, 0, 64)
         device.queue.submit([enc.finish()])
-        gradsync._wgpu_wait.map_for_reading(
+        gradsync._gpu.wait.map_for_reading(
             staging if nosync else _StrictModes(staging), device, spin_s
         )
         got = np.frombuffer(staging.read_mapped(0, 64), np.float32).copy()
         staging.unmap()
         np.testing.assert_array_equal(got, np.arange(16, dtype=np.float32) * (k + 1))
-    assert gradsync._wgpu_wait._nosync_reads is nosync
+    assert gradsync._gpu.wait._nosync_reads is nosync
 
 
 class _FakePromise:
@@ -423,14 +423,14 @@ class _FakeDevice:
 
 def test_wait_polls_until_the_promise_resolves() -> None:
     promise = _FakePromise(resolve_after_polls=3)
-    gradsync._wgpu_wait.wait_for(promise, _FakeDevice(promise), 10.0)
+    gradsync._gpu.wait.wait_for(promise, _FakeDevice(promise), 10.0)
     assert (promise.polls, promise.waits) == (3, 1)
 
 
 def test_wait_polls_for_at_most_spin_s_then_blocks() -> None:
     promise = _FakePromise(resolve_after_polls=None)
     t0 = time.perf_counter()
-    gradsync._wgpu_wait.wait_for(promise, _FakeDevice(promise), 0.02)
+    gradsync._gpu.wait.wait_for(promise, _FakeDevice(promise), 0.02)
     assert time.perf_counter() - t0 >= 0.02
     assert promise.polls > 0
     assert promise.waits == 1
@@ -438,13 +438,13 @@ def test_wait_polls_for_at_most_spin_s_then_blocks() -> None:
 
 def test_wait_without_spin_or_poll_api_only_blocks() -> None:
     promise = _FakePromise(resolve_after_polls=1)
-    gradsync._wgpu_wait.wait_for(promise, _FakeDevice(promise), 0.0)
-    gradsync._wgpu_wait.wait_for(promise, object(), 1.0)  # a wgpu-py without device._poll
+    gradsync._gpu.wait.wait_for(promise, _FakeDevice(promise), 0.0)
+    gradsync._gpu.wait.wait_for(promise, object(), 1.0)  # a wgpu-py without device._poll
     assert (promise.polls, promise.waits) == (0, 2)
 
 
 def test_adapter_type_unknown_without_adapter_info() -> None:
-    assert gradsync._wgpu_wait.adapter_type(object()) is None
+    assert gradsync._gpu.wait.adapter_type(object()) is None
 
 
 @pytest.mark.wgpu
@@ -452,7 +452,7 @@ def test_bridge_polls_only_on_gpus(device: Any) -> None:
     # A CPU adapter's "GPU" work runs on the cores a polling wait would take.
     with WgpuBridge(device) as bridge:
         cpu = device.adapter.info["adapter_type"] == "CPU"
-        assert bridge._spin_s == (0.0 if cpu else gradsync._wgpu.SPIN_S)
+        assert bridge._spin_s == (0.0 if cpu else gradsync._gpu.bridge.SPIN_S)
 
 
 @pytest.mark.wgpu
@@ -718,8 +718,8 @@ def test_a_destroyed_empty_buffer_does_not_abort_the_process(tmp_path: Path) -> 
         textwrap.dedent(
             """
             import numpy as np, wgpu
-            from gradsync._adapters import request_device_for_rank
-            from gradsync._wgpu import WgpuBridge
+            from gradsync._gpu.adapters import request_device_for_rank
+            from gradsync._gpu.bridge import WgpuBridge
             device = request_device_for_rank(local_rank=0)
             usage = wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
             full = device.create_buffer_with_data(data=np.ones(4, np.float32), usage=usage)
@@ -1008,13 +1008,13 @@ _WORKER = textwrap.dedent(
     world, rank, sync_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     mode = sys.argv[5]
     if mode == "gathered":  # the mean is gathered on the host, then uploaded mapped
-        gradsync._wgpu.DIRECT_MAX_PIECES = 0
+        gradsync._gpu.bridge.DIRECT_MAX_PIECES = 0
     mapped_uploads = []
-    upload_mapped = gradsync._wgpu.WgpuBridge._upload_mapped
+    upload_mapped = gradsync._gpu.bridge.WgpuBridge._upload_mapped
     def counted(self, *args, **kwargs):
         mapped_uploads.append(kwargs)
         return upload_mapped(self, *args, **kwargs)
-    gradsync._wgpu.WgpuBridge._upload_mapped = counted
+    gradsync._gpu.bridge.WgpuBridge._upload_mapped = counted
     dev = gradsync.request_device_for_rank(local_rank=rank)
     usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
     dtypes = [dt for _, dt in _WGPU_LAYOUT]

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 import gradsync
-from gradsync import _liveness
+from gradsync._job import liveness as _liveness
 from ranks import WarningLog, config
 
 SHAPES: list[tuple[tuple[int, ...], str]] = [
@@ -164,7 +164,7 @@ def with_nan(rank: int, world: int, sync_dir: str, check: bool) -> Any:
 def over_header_limits(rank: int, world: int, sync_dir: str, limit: str) -> Any:
     """A first step within the header's limits, then one past ``limit`` (lowered here:
     the real ones take a million params)."""
-    from gradsync import _protocol  # noqa: PLC0415
+    from gradsync._step import engine as _protocol  # noqa: PLC0415
 
     with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
         gs.average([np.ones(3), np.ones(2)], step=0)
@@ -175,7 +175,7 @@ def over_header_limits(rank: int, world: int, sync_dir: str, limit: str) -> Any:
 def buffers_past_the_header_limit(rank: int, world: int, sync_dir: str) -> Any:
     """``buffers_like`` for a mapped layout of three params under a lowered header
     limit, after a first step; returns the error's type and message."""
-    from gradsync import _protocol  # noqa: PLC0415
+    from gradsync._step import engine as _protocol  # noqa: PLC0415
 
     with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
         gs.average([np.ones(3)], step=0)
@@ -206,7 +206,8 @@ def buffers_with_the_last_params_nonfinite(rank: int, world: int, sync_dir: str)
 def buffers_near_the_header_limit(rank: int, world: int, sync_dir: str) -> Any:
     """``buffers_like`` arrays for 150 params whose header fits the (lowered) limit only
     without a list of non-finite params, averaged twice; returns the results as bytes."""
-    from gradsync import _format, _protocol  # noqa: PLC0415
+    from gradsync._step import engine as _protocol  # noqa: PLC0415
+    from gradsync._step import header as _format  # noqa: PLC0415
 
     layout = tuple(("<f4", (512,)) for _ in range(150))
     fits = len(_format.encode_meta(_format.layout_json(layout)))
@@ -226,7 +227,8 @@ def nonfinite_past_the_header_limit(rank: int, world: int, sync_dir: str) -> Any
     """150 params, every one NaN on the last rank, with check_finite, under a (lowered)
     header limit that their layout fits with 100 bytes to spare: not enough to list
     all 150. Returns the error's type and message."""
-    from gradsync import _format, _protocol  # noqa: PLC0415
+    from gradsync._step import engine as _protocol  # noqa: PLC0415
+    from gradsync._step import header as _format  # noqa: PLC0415
 
     layout = tuple(("<f4", (4,)) for _ in range(150))
     _protocol.MAX_META = len(_format.encode_meta(_format.layout_json(layout))) + 100  # type: ignore[attr-defined]
@@ -417,7 +419,7 @@ def rank_0_interrupted_then_calls_again(rank: int, world: int, sync_dir: str) ->
     later), and calls again at once; its new session may remove the old generation
     before rank 1 reads why it ended. A rank told of a failure calls again once. All
     must get the mean, long before max_wait_s."""
-    from gradsync import _rendezvous  # noqa: PLC0415
+    from gradsync._job import rendezvous as _rendezvous  # noqa: PLC0415
 
     if rank == 2:
         time.sleep(1.0)
@@ -446,7 +448,8 @@ def rank_0_fails_and_its_generation_goes(rank: int, world: int, sync_dir: str) -
     confirmed; rank 1 never sees its abort note, and the generation is removed (as the
     next job's rank 0 would); rank 0 exits 1 s later. Rank 1 must hear that rank 0 is
     gone, not wait out max_wait_s for a new offer."""
-    from gradsync import _reaping, _rendezvous  # noqa: PLC0415
+    from gradsync._job import reaping as _reaping  # noqa: PLC0415
+    from gradsync._job import rendezvous as _rendezvous  # noqa: PLC0415
 
     if rank == 1:
         real_read = _rendezvous.read_small
@@ -493,7 +496,7 @@ def joiner_closed_as_the_roster_appears(rank: int, world: int, sync_dir: str) ->
 def interrupted_while_closing(rank: int, world: int, sync_dir: str) -> Any:
     """Rank 1 is interrupted (KeyboardInterrupt) while its close() stops its threads, and
     lives on: rank 0's next call must learn at once that it left."""
-    from gradsync import _protocol  # noqa: PLC0415
+    from gradsync._step import engine as _protocol  # noqa: PLC0415
 
     gs = gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0))
     gs.average([np.ones(4)], step=0)
@@ -562,7 +565,7 @@ def raises_in_its_with_block(rank: int, world: int, sync_dir: str) -> Any:
 
 def membership_not_written(rank: int, world: int, sync_dir: str) -> Any:
     """Rank 1 is offered a place, then cannot write its membership file (ENOSPC)."""
-    from gradsync import _jobfiles  # noqa: PLC0415
+    from gradsync._job import names as _jobfiles  # noqa: PLC0415
 
     if rank == 1:
         write = _jobfiles.write_atomic
@@ -622,8 +625,8 @@ def marker_creates(rank: int, world: int, sync_dir: str, plans: str) -> Any:
     """Average one call per letter of ``plans`` (s: small, replicated; b: big, sharded);
     report how many markers were created rather than moved, the most step dirs seen,
     each call's result as bytes, and how many plans were built."""
-    from gradsync import _fsio  # noqa: PLC0415
-    from gradsync._plan import Plan  # noqa: PLC0415
+    from gradsync._step.plan import Plan  # noqa: PLC0415
+    from gradsync._store import files as _fsio  # noqa: PLC0415
 
     created: list[str] = []
     original = _fsio.create_marker
@@ -654,7 +657,7 @@ def marker_creates(rank: int, world: int, sync_dir: str, plans: str) -> Any:
 def late_reader_across_plans(rank: int, world: int, sync_dir: str) -> Any:
     """Three calls: big (one file a rank), small (two slots), big. Rank 1 opens its
     peers' files of the small call late, after rank 0 has written its next input."""
-    from gradsync._peers import PeerFiles  # noqa: PLC0415
+    from gradsync._step.peers import PeerFiles  # noqa: PLC0415
 
     if rank == 1:
         original = PeerFiles._open
@@ -681,8 +684,8 @@ def shifting_layouts(
     ``buffers_like`` arrays; the same choices on every rank, from ``seed``), each rank
     pausing at random (0-3 ms) before publishing and before opening a peer's file.
     Returns each call's result as bytes."""
-    from gradsync._peers import PeerFiles  # noqa: PLC0415
-    from gradsync._protocol import StepEngine  # noqa: PLC0415
+    from gradsync._step.engine import StepEngine  # noqa: PLC0415
+    from gradsync._step.peers import PeerFiles  # noqa: PLC0415
 
     shared = np.random.default_rng(seed)
     plans = shared.choice(["small", "big", "shared"], size=calls).tolist()
@@ -1119,8 +1122,8 @@ def stale_view(
     does): a shared filesystem's stale view on rank 1's host, which gradsync takes
     for a shared one (``shared``) or a local one. Rank 0 starts the third call
     ``late_s`` late. Returns each call's result as bytes and the warnings logged."""
-    from gradsync import _protocol  # noqa: PLC0415
-    from gradsync._transport import Transport  # noqa: PLC0415
+    from gradsync._step import engine as _protocol  # noqa: PLC0415
+    from gradsync._step.transport import Transport  # noqa: PLC0415
 
     _protocol.local_filesystem = lambda path: not shared  # type: ignore[assignment]
     if rank == 1:

@@ -6,7 +6,6 @@ once per optimizer step and gets back the same element-wise mean, bit for bit.
 
 from __future__ import annotations
 
-from ._adapters import request_device_for_rank, select_adapter
 from ._api import GradSync, average_grads_file_sync
 from ._config import FileGradSyncConfig
 from ._errors import (
@@ -23,10 +22,11 @@ from ._errors import (
     SyncDirError,
     WgpuBridgeError,
 )
-from ._fsio import atomic_write_bytes, wait_for_path
-from ._reduce import average_host_grads, shard_indices
+from ._gpu.adapters import request_device_for_rank, select_adapter
+from ._gpu.bridge import WgpuBridge
 from ._stats import StepStats
-from ._wgpu import WgpuBridge
+from ._step.reduce import average_host_grads, shard_indices
+from ._store.files import atomic_write_bytes, wait_for_path
 
 __version__ = "0.1.0"
 

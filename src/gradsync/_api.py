@@ -18,19 +18,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ._buffers import SharedBuffers
 from ._config import FileGradSyncConfig
 from ._errors import ConfigError, GradSyncError, InvalidGradsError, clip, name_the_step
-from ._format import Layout
-from ._peers import nonfinite_error
-from ._protocol import Deliver, StepEngine, nonfinite_params, validate_grads
-from ._reduce import check_dtype
-from ._rendezvous import Generation, leave, rendezvous
+from ._job.rendezvous import Generation, leave, rendezvous
 from ._stats import StepStats
+from ._step.buffers import SharedBuffers
+from ._step.engine import Deliver, StepEngine, nonfinite_params, validate_grads
+from ._step.header import Layout
+from ._step.peers import nonfinite_error
+from ._step.reduce import check_dtype
 from ._testing import fixed_wait
 
 if TYPE_CHECKING:
-    from ._wgpu import WgpuBridge
+    from ._gpu.bridge import WgpuBridge
 
 __all__ = ["GradSync", "average_grads_file_sync"]
 
@@ -351,7 +351,7 @@ class GradSync:
         self, buffers: Sequence[Any], device: Any, dtype: Any, step: int
     ) -> StepStats:
         # Imported here: importing gradsync or averaging numpy arrays never loads wgpu.
-        from ._wgpu import WgpuBridge, import_wgpu  # noqa: PLC0415
+        from ._gpu.bridge import WgpuBridge, import_wgpu  # noqa: PLC0415
 
         with self._before_step():
             # As validate_grads would at the step: checked first, because one rank has no

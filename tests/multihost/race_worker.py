@@ -19,7 +19,8 @@ import time
 import numpy as np
 
 import gradsync
-from gradsync import _peers, _protocol
+from gradsync._step import engine as _protocol
+from gradsync._step import peers as _peers
 
 cfg = gradsync.FileGradSyncConfig.from_env()
 engine = _protocol.StepEngine

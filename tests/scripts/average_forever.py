@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 import gradsync
-from gradsync import _liveness
+from gradsync._job import liveness as _liveness
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out_dir")

@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from ._format import CRC_BLOCK
-from ._fsio import open_own, open_regular, read_exact_into, write_in_place
+from gradsync._store.files import open_own, open_regular, read_exact_into, write_in_place
+
+from .header import CRC_BLOCK
 
 __all__ = ["ChecksumError", "DataReader", "Transport", "filesystem_type", "local_filesystem"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import GradSyncError, WgpuBridgeError
+from gradsync._errors import GradSyncError, WgpuBridgeError
 
 __all__ = [
     "SPIN_S",

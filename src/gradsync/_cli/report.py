@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from ._errors import clip
+from gradsync._errors import clip
 
 __all__ = ["Tail", "announce", "describe", "failure_summary", "signal_name", "stopped_by_launcher"]
 
@@ -26,8 +26,8 @@ _AFTER_TRACEBACK_S = 2.0
 _GRADSYNC_ERROR_LIMIT = 4000
 _OTHER_ERROR_LIMIT = 200
 _GRADSYNC_ERROR = re.compile(r"gradsync(\.\w+)*\.\w+: ")
-# A traceback frame of gradsync's own modules (`.../gradsync/_protocol.py`).
-_GRADSYNC_FRAME = re.compile(r'File ".*[/\\]gradsync[/\\]_\w+\.py", line \d+')
+# A traceback frame of gradsync's own modules (`.../gradsync/_step/engine.py`).
+_GRADSYNC_FRAME = re.compile(r'File ".*[/\\]gradsync[/\\]_\w+([/\\]\w+)?\.py", line \d+')
 
 
 def describe(returncode: int) -> str:

@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import ConfigError, InvalidGradsError, WgpuBridgeError
-from ._overlap import overlap_message, repeated
-from ._parallel import Workers
-from ._reduce import SUPPORTED_DTYPES
-from ._wgpu_checks import (
+from gradsync._errors import ConfigError, InvalidGradsError, WgpuBridgeError
+from gradsync._step.overlap import overlap_message, repeated
+from gradsync._step.parallel import Workers
+from gradsync._step.reduce import SUPPORTED_DTYPES
+
+from .checks import (
     COPY_BUFFER_ALIGNMENT,
     COPY_DST,
     COPY_SRC,
@@ -42,8 +43,8 @@ from ._wgpu_checks import (
     resolve_dtypes,
     upload_sources,
 )
-from ._wgpu_layout import StagingLayout, write_staging
-from ._wgpu_wait import (
+from .layout import StagingLayout, write_staging
+from .wait import (
     SPIN_S,
     adapter_type,
     import_wgpu,

@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._parallel import Workers
-from ._wgpu_checks import round_up
-from ._wgpu_wait import writable_mapping
+from gradsync._step.parallel import Workers
+
+from .checks import round_up
+from .wait import writable_mapping
 
 __all__ = ["StagingChunk", "StagingLayout", "write_staging"]
 

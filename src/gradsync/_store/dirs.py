@@ -19,8 +19,9 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ._errors import SyncDirError
-from ._fsio import DIR_MODE, FILE_MODE
+from gradsync._errors import SyncDirError
+
+from .files import DIR_MODE, FILE_MODE
 
 __all__ = [
     "OWN_MARK",

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import ConfigError, InvalidGradsError, MismatchError
+from gradsync._errors import ConfigError, InvalidGradsError, MismatchError
 
 __all__ = [
     "ACCUMULATOR",

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._format import Layout
-from ._plan import Plan
+from .header import Layout
+from .plan import Plan
 
 __all__ = ["SharedBuffers"]
 

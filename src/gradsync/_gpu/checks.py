@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InvalidGradsError
-from ._reduce import SUPPORTED_DTYPES
-from ._wgpu_wait import import_wgpu
+from gradsync._errors import InvalidGradsError
+from gradsync._step.reduce import SUPPORTED_DTYPES
+
+from .wait import import_wgpu
 
 if TYPE_CHECKING:
     import wgpu

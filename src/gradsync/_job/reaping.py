@@ -21,8 +21,12 @@ import threading
 import time
 from pathlib import Path
 
-from ._fsio import list_names, write_atomic, write_note
-from ._jobfiles import (
+from gradsync._store.dirs import dir_below, is_own_dir, remove_own_dir
+from gradsync._store.files import list_names, write_atomic, write_note
+
+from .leaderlock import remove_free_locks
+from .liveness import HeartbeatWatch, MemberInfo, read_counter
+from .names import (
     ENDED,
     GEN_PREFIX,
     RDZV,
@@ -37,9 +41,6 @@ from ._jobfiles import (
     noted_at,
     offer_name,
 )
-from ._leaderlock import remove_free_locks
-from ._liveness import HeartbeatWatch, MemberInfo, read_counter
-from ._syncdir import dir_below, is_own_dir, remove_own_dir
 
 __all__ = [
     "leave_for_ended",

@@ -12,8 +12,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ConfigError, WgpuBridgeError
-from ._wgpu_wait import import_wgpu, wgpu_errors
+from gradsync._errors import ConfigError, WgpuBridgeError
+
+from .wait import import_wgpu, wgpu_errors
 
 if TYPE_CHECKING:
     import wgpu

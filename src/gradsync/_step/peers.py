@@ -25,8 +25,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from ._config import FileGradSyncConfig
-from ._errors import (
+from gradsync._config import FileGradSyncConfig
+from gradsync._errors import (
     CorruptFileError,
     GradSyncError,
     MismatchError,
@@ -39,7 +39,13 @@ from ._errors import (
     note_reason,
     parse_note,
 )
-from ._format import (
+from gradsync._job.liveness import HeartbeatWatch, exact_process_checks
+from gradsync._job.names import how_it_ended, left_name
+from gradsync._job.rendezvous import Generation, calls_finished
+from gradsync._store.dirs import refuse_link
+from gradsync._store.files import Backoff, NotAFileError, list_names, read_small, translate_oserror
+
+from .header import (
     FLAG_CHECKSUMS,
     FLAG_NONFINITE,
     KIND_INPUT,
@@ -50,13 +56,8 @@ from ._format import (
     decode_header,
     header_length,
 )
-from ._fsio import Backoff, NotAFileError, list_names, read_small, translate_oserror
-from ._jobfiles import how_it_ended, left_name
-from ._liveness import HeartbeatWatch, exact_process_checks
-from ._plan import Plan
-from ._rendezvous import Generation, calls_finished
-from ._syncdir import refuse_link
-from ._transport import ChecksumError, DataReader, Transport
+from .plan import Plan
+from .transport import ChecksumError, DataReader, Transport
 
 __all__ = ["Peer", "PeerFiles", "check_inputs", "check_length", "nonfinite_error", "reading"]
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._config import FileGradSyncConfig
-from ._errors import (
+from gradsync._config import FileGradSyncConfig
+from gradsync._errors import (
     GradSyncError,
     MismatchError,
     PeerAbortedError,
@@ -46,7 +46,8 @@ from ._errors import (
     note_reason,
     parse_note,
 )
-from ._fsio import (
+from gradsync._store.dirs import dir_below, is_own_dir, make_own_dir, open_below, remove_own_dir
+from gradsync._store.files import (
     DIR_MODE,
     Backoff,
     list_names,
@@ -54,7 +55,18 @@ from ._fsio import (
     translate_oserror,
     warn_if_open,
 )
-from ._jobfiles import (
+from gradsync._store.makedir import make_sync_dir
+
+from .leaderlock import (
+    LeaderLock,
+    check_claims,
+    hold_join,
+    offered_by_another,
+    release_join,
+    take_leader_lock,
+)
+from .liveness import Heartbeat, HeartbeatWatch, MemberInfo
+from .names import (
     ABORT,
     ENDED,
     GAVE_UP,
@@ -79,18 +91,7 @@ from ._jobfiles import (
     write_json,
     write_note,
 )
-from ._leaderlock import (
-    LeaderLock,
-    check_claims,
-    hold_join,
-    offered_by_another,
-    release_join,
-    take_leader_lock,
-)
-from ._liveness import Heartbeat, HeartbeatWatch, MemberInfo
-from ._makedir import make_sync_dir
-from ._reaping import reap_stale_generations, remove_dead_joins
-from ._syncdir import dir_below, is_own_dir, make_own_dir, open_below, remove_own_dir
+from .reaping import reap_stale_generations, remove_dead_joins
 
 __all__ = ["Generation", "calls_finished", "leave", "rendezvous"]
 

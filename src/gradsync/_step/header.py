@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import CorruptFileError
+from gradsync._errors import CorruptFileError
 
 __all__ = [
     "HEADER_READ_BYTES",

@@ -1,6 +1,6 @@
 """The launcher's watchdog: stops the ranks of a launcher that died without stopping them.
 
-Ranks run in sessions of their own (``_launch``), so a launcher killed by SIGKILL (or
+Ranks run in sessions of their own (``launch``), so a launcher killed by SIGKILL (or
 the OOM killer) leaves them running: quiet ones until they finish, holding their GPU.
 ``gradsync launch`` starts this script first, in a session of its own too, and tells it
 through its stdin which process groups it started (``add PGID RANK``), which are gone
@@ -9,7 +9,7 @@ means the launcher is gone: every group gets SIGTERM, then SIGKILL after the gra
 period, as the launcher itself would have done, and once they are gone it leaves their
 jobs in the sync directory for them, as the launcher would have too.
 
-Run as a script (``python -I _watchdog.py LAUNCHER_PID GRACE_PERIOD_S [SYNC_DIR [own]]``),
+Run as a script (``python -I watchdog.py LAUNCHER_PID GRACE_PERIOD_S [SYNC_DIR [own]]``),
 standard library only until then: it starts in a few milliseconds, importing neither
 gradsync nor numpy while the launcher lives.
 """
@@ -208,10 +208,10 @@ def _leave_for(sync_dir: Path, ranks: dict[int, str]) -> None:
     # PYTHONPATH (environment modules), ``python -I`` cannot see it. _reaping needs
     # the standard library only.
     package = types.ModuleType("gradsync")
-    package.__path__ = [str(Path(__file__).resolve().parent)]
+    package.__path__ = [str(Path(__file__).resolve().parent.parent)]
     sys.modules.setdefault("gradsync", package)
     try:
-        from gradsync._reaping import leave_for_ended  # noqa: PLC0415
+        from gradsync._job.reaping import leave_for_ended  # noqa: PLC0415
     except Exception as exc:  # the ranks are stopped: only the note is lost
         with contextlib.suppress(OSError):
             print(f"gradsync launch: watchdog: cannot import gradsync: {exc}", file=sys.stderr)

@@ -38,16 +38,26 @@ from typing import Any
 
 import numpy as np
 
-from ._buffers import SharedBuffers
-from ._config import FileGradSyncConfig
-from ._errors import (
+from gradsync._config import FileGradSyncConfig
+from gradsync._errors import (
     GradSyncError,
     InvalidGradsError,
     SyncDirError,
     error_note,
 )
-from ._faults import fault_point
-from ._format import (
+from gradsync._faults import fault_point
+from gradsync._job.liveness import Heartbeat
+from gradsync._job.rendezvous import Generation
+from gradsync._stats import StepStats
+from gradsync._store.dirs import GenDir
+from gradsync._store.files import (
+    place_marker,
+    translate_oserror,
+    write_note,
+)
+
+from .buffers import SharedBuffers
+from .header import (
     FLAG_CHECKSUMS,
     FLAG_NONFINITE,
     HEADER_READ_BYTES,
@@ -64,22 +74,13 @@ from ._format import (
     header_length,
     longest_nonfinite,
 )
-from ._fsio import (
-    place_marker,
-    translate_oserror,
-    write_note,
-)
-from ._liveness import Heartbeat
-from ._overlap import overlap_message, overlapping
-from ._parallel import SMALL_COPY_BYTES, Workers, auto_threads, split_range
-from ._peers import Peer, PeerFiles, check_inputs, check_length, reading
-from ._plan import Group, Plan
-from ._reduce import ACCUMULATOR, CHUNK_ELEMS, Fetch, check_dtype, mean_into
-from ._rendezvous import Generation
-from ._stale import StaleWatch
-from ._stats import StepStats
-from ._syncdir import GenDir
-from ._transport import ChecksumError, Transport, local_filesystem
+from .overlap import overlap_message, overlapping
+from .parallel import SMALL_COPY_BYTES, Workers, auto_threads, split_range
+from .peers import Peer, PeerFiles, check_inputs, check_length, reading
+from .plan import Group, Plan
+from .reduce import ACCUMULATOR, CHUNK_ELEMS, Fetch, check_dtype, mean_into
+from .stale import StaleWatch
+from .transport import ChecksumError, Transport, local_filesystem
 
 __all__ = ["Deliver", "Piece", "StepEngine", "data_name", "nonfinite_params", "validate_grads"]
 
@@ -607,7 +608,7 @@ class StepEngine:
         Plain arrays where that cannot work: a file that is not mapped (another
         host's filesystem), or a plan where readers of one call may still read
         when the next begins (small payloads, strategy "root"). With ``watch``, a
-        later step given them unwritten since the last one fails (``_stale.py``).
+        later step given them unwritten since the last one fails (``_step/stale.py``).
 
         Raises:
             SyncDirError: the file could not be created or sized.

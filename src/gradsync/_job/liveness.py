@@ -27,8 +27,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ._fsio import open_own, open_regular
-from ._syncdir import open_below
+from gradsync._store.dirs import open_below
+from gradsync._store.files import open_own, open_regular
 
 __all__ = [
     "Heartbeat",

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._format import Layout, layout_json, layout_text_hash
-from ._reduce import shard_range
+from .header import Layout, layout_json, layout_text_hash
+from .reduce import shard_range
 
 __all__ = ["Group", "Plan", "Segment"]
 

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from ._errors import ConfigError
-from ._launch import launch
+from gradsync._errors import ConfigError
+
+from .launch import launch
 
 __all__ = ["main"]
 
@@ -172,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if ns.command == "status":
         # Imported here: the status command is optional and written separately.
-        from ._status import status_main  # noqa: PLC0415
+        from .status import status_main  # noqa: PLC0415
 
         code: int = status_main(ns.dir, as_json=ns.json)
         return code

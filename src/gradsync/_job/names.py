@@ -12,11 +12,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ._errors import SyncDirError
-from ._fsio import read_small, translate_oserror, write_atomic
-from ._fsio import write_note as _write_note
-from ._liveness import MemberInfo
-from ._syncdir import job_dir
+from gradsync._errors import SyncDirError
+from gradsync._store.dirs import job_dir
+from gradsync._store.files import read_small, translate_oserror, write_atomic
+from gradsync._store.files import write_note as _write_note
+
+from .liveness import MemberInfo
 
 __all__ = [
     "ABORT",
@@ -203,7 +204,7 @@ def write_json(path: Path, data: dict[str, Any], what: str) -> None:
 
 
 def write_note(path: Path, data: bytes, *, dir_fd: int | None = None) -> None:
-    """:func:`gradsync._fsio.write_note` of a job's file, through ``dir_fd`` (its
+    """:func:`gradsync._store.files.write_note` of a job's file, through ``dir_fd`` (its
     directory) or else its directory opened without following links. Raises OSError."""
     if dir_fd is not None:
         _write_note(path, data, dir_fd=dir_fd)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._errors import InvalidGradsError
+from gradsync._errors import InvalidGradsError
 
 __all__ = ["StaleWatch"]
 

@@ -7,8 +7,9 @@ import errno
 import os
 from pathlib import Path
 
-from ._errors import SyncDirError
-from ._fsio import DIR_MODE
+from gradsync._errors import SyncDirError
+
+from .files import DIR_MODE
 
 __all__ = ["make_sync_dir"]
 

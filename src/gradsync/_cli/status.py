@@ -11,11 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._defaultdir import default_places, own_default_dirs
-from ._errors import CorruptFileError, note_reason, parse_note
-from ._format import HEADER_READ_BYTES, decode_header, header_length
-from ._fsio import open_regular, read_small
-from ._jobfiles import (
+from gradsync._errors import CorruptFileError, note_reason, parse_note
+from gradsync._job.liveness import HeartbeatWatch, MemberInfo, read_counter
+from gradsync._job.names import (
     ABORT,
     GEN_PREFIX,
     RDZV,
@@ -29,8 +27,11 @@ from ._jobfiles import (
     member_rank,
     offer_name,
 )
-from ._liveness import HeartbeatWatch, MemberInfo, read_counter
-from ._protocol import data_name
+from gradsync._step.engine import data_name
+from gradsync._step.header import HEADER_READ_BYTES, decode_header, header_length
+from gradsync._store.files import open_regular, read_small
+
+from .defaultdir import default_places, own_default_dirs
 
 __all__ = ["describe", "status_main"]
 

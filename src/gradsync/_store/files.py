@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from ._errors import SyncDirError
+from gradsync._errors import SyncDirError
 
 _log = logging.getLogger("gradsync")
 
@@ -481,7 +481,7 @@ def wait_for_path(path: str | os.PathLike[str], max_wait_s: float) -> bool:
     """
     # The config's own check: any number it takes for max_wait_s (numpy's too), or 0.
     # Imported here: the watchdog imports this module and must not load numpy.
-    from ._config import check_seconds  # noqa: PLC0415
+    from gradsync._config import check_seconds  # noqa: PLC0415
 
     max_wait_s = check_seconds("max_wait_s", max_wait_s, zero_ok=True)
     target = os.fspath(path)

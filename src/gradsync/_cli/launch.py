@@ -26,16 +26,17 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from ._config import check_int, check_run_id, check_seconds
-from ._defaultdir import DEFAULT_PREFIX, default_base
-from ._errors import ConfigError, SyncDirError
-from ._makedir import make_sync_dir
-from ._reaping import leave_for_ended, remove_dead_jobs
-from ._report import Tail, announce, failure_summary, stopped_by_launcher
-from ._report import describe as _describe
-from ._report import signal_name as _signal_name
-from ._transport import filesystem_type, local_filesystem
-from ._watchdog import group_alive
+from gradsync._config import check_int, check_run_id, check_seconds
+from gradsync._errors import ConfigError, SyncDirError
+from gradsync._job.reaping import leave_for_ended, remove_dead_jobs
+from gradsync._step.transport import filesystem_type, local_filesystem
+from gradsync._store.makedir import make_sync_dir
+
+from .defaultdir import DEFAULT_PREFIX, default_base
+from .report import Tail, announce, failure_summary, stopped_by_launcher
+from .report import describe as _describe
+from .report import signal_name as _signal_name
+from .watchdog import group_alive
 
 __all__ = ["launch"]
 
@@ -477,8 +478,8 @@ class _Job:
         self._watchdog: subprocess.Popen[bytes] | None = None
 
     def _start_watchdog(self) -> None:
-        """Start the process that stops the ranks if this launcher dies (``_watchdog``)."""
-        script = Path(__file__).with_name("_watchdog.py")
+        """Start the process that stops the ranks if this launcher dies (``watchdog.py``)."""
+        script = Path(__file__).with_name("watchdog.py")
         try:
             self._watchdog = subprocess.Popen(
                 [

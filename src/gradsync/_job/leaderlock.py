@@ -27,9 +27,18 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._errors import RendezvousError
-from ._fsio import Backoff, list_names, open_own, remove_tree, translate_oserror, write_note
-from ._jobfiles import (
+from gradsync._errors import RendezvousError
+from gradsync._store.files import (
+    Backoff,
+    list_names,
+    open_own,
+    remove_tree,
+    translate_oserror,
+    write_note,
+)
+
+from .liveness import HeartbeatWatch, MemberInfo
+from .names import (
     GEN_PREFIX,
     LOCK_PREFIX,
     RDZV,
@@ -44,10 +53,9 @@ from ._jobfiles import (
     offer_name,
     rival_name,
 )
-from ._liveness import HeartbeatWatch, MemberInfo
 
 if TYPE_CHECKING:  # the launcher's watchdog imports this module without numpy
-    from ._config import FileGradSyncConfig
+    from gradsync._config import FileGradSyncConfig
 
 __all__ = [
     "LeaderLock",

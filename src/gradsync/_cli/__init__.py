@@ -1,0 +1,1 @@
+"""The command line: gradsync launch and gradsync status."""

@@ -1,0 +1,1 @@
+"""GPU buffers through wgpu: the bridge between device and host memory."""

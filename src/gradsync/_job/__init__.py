@@ -1,0 +1,1 @@
+"""A job's life in the sync directory: rendezvous, liveness, notes, removal."""

@@ -1,0 +1,1 @@
+"""One averaging step: publish, reduce a shard, gather the mean."""

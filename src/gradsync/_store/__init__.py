@@ -1,0 +1,1 @@
+"""The sync directory's storage: files and directories, reached without following links."""
