@@ -43,7 +43,7 @@ from gradsync._format import (
 )
 from gradsync._liveness import MemberInfo
 from gradsync._protocol import StepEngine
-from gradsync._syncdir import OWN_MARK
+from gradsync._syncdir import OWN_MARK, GenDir
 from ranks import Outcome, run_ranks
 from workers import SHAPES, SHAPES_BIG, grads_for
 
@@ -928,15 +928,20 @@ def test_a_peer_gone_since_the_listing_is_named_by_the_note_it_left(
     (gen_path / "left-1").write_text(
         '{"calls": 2, "ended": "closed its gradsync session (raising KeyboardInterrupt)"}'
     )
-    listing = gradsync._peers.list_names
+    listing = gradsync._peers.names_below
     monkeypatch.setattr(
         gradsync._peers,
-        "list_names",
+        "names_below",
         lambda d, step=None: set() if d == gen_path else listing(d, step=step),
     )
     cfg = gradsync.FileGradSyncConfig(2, 0, tmp_path)
     peers = PeerFiles(
-        cfg, gen, Transport(mapped=False, head_bytes=64), lambda r, k: tmp_path, lambda r, s: []
+        cfg,
+        gen,
+        Transport(mapped=False, head_bytes=64),
+        lambda r, k: tmp_path,
+        lambda r, s: [],
+        GenDir(gen_path),
     )
     with pytest.raises(gradsync.PeerLostError) as info:
         peers._check_alive([1], 3, 3, gen_path / "s-3", "its gradients", 0.5)

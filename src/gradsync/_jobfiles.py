@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import SyncDirError
-from ._fsio import read_small, translate_oserror, write_atomic
+from ._fsio import translate_oserror, write_atomic
 from ._fsio import write_note as _write_note
 from ._liveness import MemberInfo
 from ._syncdir import job_dir
+from ._syncread import read_below
 
 __all__ = [
     "ABORT",
@@ -63,9 +64,12 @@ def leader_file(sync_dir: Path, gen_id: str) -> Path:
 def leader_gone(gen_path: Path) -> bool:
     """Whether the leader file of the generation at ``gen_path`` is gone: whoever removes
     a generation unlinks it first. False where that cannot be told (``Path.exists``
-    raises for a stale handle or a denied lookup)."""
+    raises for a stale handle or a denied lookup). No link is followed: one there is not
+    gone."""
+    leader = leader_file(gen_path.parent, gen_path.name[len(GEN_PREFIX) :])
     try:
-        os.stat(leader_file(gen_path.parent, gen_path.name[len(GEN_PREFIX) :]))
+        with job_dir(leader) as fd:
+            os.stat(leader.name, dir_fd=fd, follow_symlinks=False)
     except FileNotFoundError:
         return True
     except OSError:
@@ -139,10 +143,12 @@ def dump(data: dict[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-def load(path: Path) -> dict[str, Any] | None:
-    """A JSON object from ``path``; None if missing or not one (torn writes never happen)."""
+def load(path: Path, *, dir_fd: int | None = None) -> dict[str, Any] | None:
+    """A JSON object from the job's file ``path``; None if missing or not one (torn writes
+    never happen), or if a link is in its place or its directory's: never followed.
+    ``dir_fd``: its directory, held open (else opened below the sync dir)."""
     try:
-        raw = read_small(path)
+        raw = read_below(path, dir_fd=dir_fd)
     except OSError:
         return None
     return None if raw is None else parse(raw)
