@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +166,7 @@ class PeerFiles:
         self._input_names = input_names  # (rank, call) -> every name its input may have
         self._dirs = dirs  # the generation's directory and this rank's step dirs, held open
         self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
+        self._next_link_check = 0.0
 
     def wait_for(
         self,
@@ -183,6 +185,11 @@ class PeerFiles:
             error a peer gave up with (PeerAbortedError, or a job-wide one it shared).
         """
         kind = KIND_INPUT if prefix == "in" else KIND_OUTPUT
+        now = time.monotonic()
+        if now >= self._next_link_check:
+            # Its descriptors never see a link put in the generation's place: its name does.
+            self._next_link_check = now + _LIVENESS_EVERY_S
+            refuse_link(self.gen.path, step=step)
         what = "its gradients" if prefix == "in" else "its shard of the mean"
         missing = [q for q in ranks if q not in found]
         # Marker there, file not yet shown to this host: what it showed, and since when.
