@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import syncdir_workers
@@ -228,6 +229,29 @@ def test_a_reader_follows_only_a_ranks_link_to_its_shared_arrays(
                 transport.open(gen / f"d-{rank}.in")
             assert info.value.errno == errno.ELOOP
             assert str(gen / f"d-{rank}.in") in str(info.value)
+    finally:
+        transport.close()
+        os.close(fd)
+
+
+def test_a_rank_reads_its_own_written_file_again_through_no_link(tmp_path: Path) -> None:
+    # Not mapped, a rank reads its own file again by name: a link put there meanwhile
+    # was followed, and another file's bytes taken for its own.
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (tmp_path / "outside").write_bytes(b"S" * 40)
+    fd = os.open(gen, os.O_RDONLY | os.O_DIRECTORY)
+    transport = Transport(mapped=False, head_bytes=8, dir_fd=fd)
+    try:
+        transport.write(gen / "d-0.in", [b"H" * 40], None, lambda pairs: None)
+        (gen / "d-0.in").unlink()
+        (gen / "d-0.in").symlink_to(tmp_path / "outside")
+        reader = transport.open(gen / "d-0.in")
+        out = np.zeros(8, np.uint8)
+        with pytest.raises(OSError, match=r"is a symbolic link to .*: refused") as info:
+            reader.read_into(8, out)
+        assert info.value.errno == errno.ELOOP
+        reader.close()
     finally:
         transport.close()
         os.close(fd)

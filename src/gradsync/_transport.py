@@ -184,7 +184,13 @@ class DataReader:
 
     def _file(self) -> int:
         if self._fd is None:
-            self._fd, _ = open_regular(self.path, dir_fd=self._dir_fd)
+            try:
+                self._fd, _ = open_regular(self.path, dir_fd=self._dir_fd, follow=False)
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                target = shared_target(self.path, self._dir_fd)
+                self._fd, _ = open_regular(target, dir_fd=self._dir_fd, follow=False)
         return self._fd
 
     def close(self) -> None:
