@@ -348,8 +348,7 @@ class GenDir:
 
 def refuse_link(path: Path, *, step: int | None = None) -> None:
     """Raise SyncDirError (ELOOP) naming ``path`` if it is a symbolic link: one put where
-    gradsync's own directory was, which its descriptors never follow but its listings
-    by path would."""
+    gradsync's own directory was after it opened it, which its descriptors never see."""
     try:
         is_link = stat.S_ISLNK(os.lstat(path).st_mode)
     except OSError:
