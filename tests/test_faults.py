@@ -787,6 +787,7 @@ def test_fuzz_roster_readers_raise_only_gradsync_errors(roster: Any) -> None:
         sync = Path(d)
         gen = sync / "gen-0123456789abcdef"
         gen.mkdir()
+        (gen / OWN_MARK).touch()  # gradsync made it: its roster is read
         _file(gen, "roster.json", json.dumps(roster).encode())
         cfg = gradsync.FileGradSyncConfig(2, 1, sync, max_wait_s=1.0)
         me = MemberInfo.for_self(1, "0000000000000000")
@@ -1006,6 +1007,7 @@ def test_garbled_roster_entries_are_not_crashes(
     _need_roster_readers()
     gen = tmp_path / "gen-0123456789abcdef"
     gen.mkdir()
+    (gen / OWN_MARK).touch()  # gradsync made it: its roster is read
     _file(gen, "roster.json", content)
     cfg = gradsync.FileGradSyncConfig(2, 1, tmp_path, max_wait_s=1.0)
     me = MemberInfo.for_self(1, "0000000000000000")

@@ -349,18 +349,26 @@ def _own_generation(sync_dir: Path, gen_id: str) -> Path:
     return gen
 
 
-def test_a_link_planted_as_a_roster_is_never_read(tmp_path: Path) -> None:
-    # Read through the link, a roster nobody wrote, naming this live process as rank 1
-    # of the same run, made rank 1 refuse to start: "already held".
+@pytest.mark.parametrize("planted", ["link", "unmarked"])
+def test_a_roster_planted_as_a_link_or_in_a_users_directory_is_never_read(
+    tmp_path: Path, planted: str
+) -> None:
+    # Read through the link, or in a user's gen-* directory, a roster nobody wrote,
+    # naming this live process as rank 1 of the same run, made rank 1 refuse to start.
     sync = tmp_path / "sync"
     gen = _own_generation(sync, "00000000000000aa")
+    if planted == "unmarked":
+        (gen / OWN_MARK).unlink()
     (sync / "rdzv").mkdir()
     members = [MemberInfo.for_self(r, f"00000000000000{r}{r}").to_json() for r in (0, 1)]
     leader = {"member": members[0], "run_id": "another", "gen": "00000000000000aa"}
     (sync / "rdzv" / "leader-00000000000000aa.json").write_text(json.dumps(leader))
     roster = tmp_path / "roster.json"
     roster.write_text(json.dumps({"members": members, "world_size": 2, "run_id": None}))
-    (gen / "roster.json").symlink_to(roster)
+    if planted == "link":
+        (gen / "roster.json").symlink_to(roster)
+    else:
+        roster.rename(gen / "roster.json")
     # Rank 0 late: rank 1 looks at the jobs in the directory before any offer.
     kw = {"delays": {0: 0.5}}
     results = run_ranks(syncdir_workers.steps_then_linger, 2, (2, str(sync), 1, 0.0, kw))

@@ -720,8 +720,8 @@ def _check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWa
     check a duplicate rank would wait out ``max_wait_s`` for an offer.
     """
     for name in list_names(cfg.sync_dir):
-        if not name.startswith(GEN_PREFIX):
-            continue
+        if not name.startswith(GEN_PREFIX) or not is_own_dir(cfg.sync_dir, name):
+            continue  # a user's gen-samples/ is never read
         gen_path = cfg.sync_dir / name
         roster = load(gen_path / ROSTER)
         if roster is None or roster.get("run_id") != cfg.run_id:
@@ -751,7 +751,7 @@ def _left(sync_dir: Path, leader_data: dict[str, Any]) -> bool:
     makes its directory before this file, and the last rank to leave removes the file
     first.)"""
     gen = sync_dir / f"{GEN_PREFIX}{leader_data.get('gen')}"
-    return file_below(gen / left_name(0)) or not is_own_dir(sync_dir, gen.name)
+    return not is_own_dir(sync_dir, gen.name) or file_below(gen / left_name(0))
 
 
 def _held_here(rank: int, path: Path) -> RendezvousError:
