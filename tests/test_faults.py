@@ -44,7 +44,7 @@ from gradsync._step.header import (
     layout_hash,
     layout_json,
 )
-from gradsync._store.dirs import OWN_MARK
+from gradsync._store.dirs import OWN_MARK, GenDir
 from ranks import Outcome, run_ranks
 from workers import SHAPES, SHAPES_BIG, grads_for
 
@@ -788,6 +788,7 @@ def test_fuzz_roster_readers_raise_only_gradsync_errors(roster: Any) -> None:
         sync = Path(d)
         gen = sync / "gen-0123456789abcdef"
         gen.mkdir()
+        (gen / OWN_MARK).touch()  # gradsync made it: its roster is read
         _file(gen, "roster.json", json.dumps(roster).encode())
         cfg = gradsync.FileGradSyncConfig(2, 1, sync, max_wait_s=1.0)
         me = MemberInfo.for_self(1, "0000000000000000")
@@ -929,15 +930,20 @@ def test_a_peer_gone_since_the_listing_is_named_by_the_note_it_left(
     (gen_path / "left-1").write_text(
         '{"calls": 2, "ended": "closed its gradsync session (raising KeyboardInterrupt)"}'
     )
-    listing = gradsync._step.peers.list_names
+    listing = gradsync._step.peers.names_below
     monkeypatch.setattr(
         gradsync._step.peers,
-        "list_names",
+        "names_below",
         lambda d, step=None: set() if d == gen_path else listing(d, step=step),
     )
     cfg = gradsync.FileGradSyncConfig(2, 0, tmp_path)
     peers = PeerFiles(
-        cfg, gen, Transport(mapped=False, head_bytes=64), lambda r, k: tmp_path, lambda r, s: []
+        cfg,
+        gen,
+        Transport(mapped=False, head_bytes=64),
+        lambda r, k: tmp_path,
+        lambda r, s: [],
+        GenDir(gen_path),
     )
     with pytest.raises(gradsync.PeerLostError) as info:
         peers._check_alive([1], 3, 3, gen_path / "s-3", "its gradients", 0.5)
@@ -1002,6 +1008,7 @@ def test_garbled_roster_entries_are_not_crashes(
     _need_roster_readers()
     gen = tmp_path / "gen-0123456789abcdef"
     gen.mkdir()
+    (gen / OWN_MARK).touch()  # gradsync made it: its roster is read
     _file(gen, "roster.json", content)
     cfg = gradsync.FileGradSyncConfig(2, 1, tmp_path, max_wait_s=1.0)
     me = MemberInfo.for_self(1, "0000000000000000")
@@ -1076,7 +1083,9 @@ def test_a_step_directory_that_cannot_be_listed_is_a_sync_dir_error(
     listdir = os.listdir
 
     def failing(path: Any) -> list[str]:
-        if os.path.basename(path).startswith("s-"):
+        # Listed through its descriptor: its path from /proc.
+        shown = os.readlink(f"/proc/self/fd/{path}") if isinstance(path, int) else path
+        if os.path.basename(shown).startswith("s-"):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return listdir(path)
 

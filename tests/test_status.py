@@ -19,7 +19,20 @@ import gradsync._cli.status
 import gradsync._job.liveness
 import workers
 from gradsync._job.names import member_rank
+from gradsync._store.dirs import OWN_MARK
 from ranks import run_ranks
+
+
+def _own(gen: Path) -> Path:
+    """Make the generation directory ``gen`` as gradsync does: with its mark."""
+    gen.mkdir(parents=True, exist_ok=True)
+    (gen / OWN_MARK).touch()
+    return gen
+
+
+def _listed(path: object) -> str:
+    """What ``os.listdir`` was given: a path, or a descriptor (its path, from /proc)."""
+    return os.readlink(f"/proc/self/fd/{path}") if isinstance(path, int) else str(path)
 
 
 def _status(sync_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -92,14 +105,14 @@ def test_status_while_the_job_removes_what_it_lists(
     # between status's listing of a directory and its look inside.
     gen = tmp_path / "gen-0123456789abcdef"
     for seq in (1, 2, 3):
-        (gen / f"s-{seq}").mkdir(parents=True)
+        (_own(gen) / f"s-{seq}").mkdir(parents=True)
     (gen / "s-3" / "in-0").touch()
     me = gradsync._job.liveness.MemberInfo.for_self(0, "0123456789abcdef")
     (gen / "roster.json").write_text(json.dumps({"members": [me.to_json()], "run_id": None}))
     real = os.listdir
 
     def racing(path: object) -> list[str]:
-        if str(path).endswith(("s-1", "s-2")):
+        if _listed(path).endswith(("s-1", "s-2")):
             raise FileNotFoundError(2, "No such file or directory", str(path))
         return real(path)  # type: ignore[arg-type]
 
@@ -134,8 +147,7 @@ def test_status_of_a_job_whose_ranks_all_died(tmp_path: Path) -> None:
 
 def _rendezvous_of_3(sync_dir: Path) -> Path:
     """A job of 3 in its rendezvous, whose rank 0 is this live process: its directory."""
-    gen = sync_dir / "gen-00000000000000aa"
-    gen.mkdir()
+    gen = _own(sync_dir / "gen-00000000000000aa")
     (sync_dir / "rdzv").mkdir()
     leader = gradsync._job.liveness.MemberInfo.for_self(0, "00000000000000aa")
     (sync_dir / "rdzv" / "leader-00000000000000aa.json").write_text(
@@ -183,14 +195,13 @@ def test_ranks_waiting_for_a_rank_0_not_started_are_shown(tmp_path: Path) -> Non
 def test_jobs_sharing_a_directory_are_shown_with_their_run_ids(tmp_path: Path) -> None:
     # A running job (its roster names its run id) beside one in its rendezvous (its
     # leader file does); a job without a run id shows none.
-    gen = tmp_path / "gen-00000000000000cc"
-    gen.mkdir()
+    gen = _own(tmp_path / "gen-00000000000000cc")
     me = gradsync._job.liveness.MemberInfo.for_self(0, "00000000000000cc")
     (gen / "roster.json").write_text(json.dumps({"members": [me.to_json()], "run_id": "alpha"}))
     _rendezvous_of_3(tmp_path)
     leader = tmp_path / "rdzv" / "leader-00000000000000aa.json"
     leader.write_text(json.dumps({**json.loads(leader.read_text()), "run_id": "beta"}))
-    (tmp_path / "gen-00000000000000dd").mkdir()
+    _own(tmp_path / "gen-00000000000000dd")
     report = gradsync._cli.status.describe(tmp_path, sample_s=0.0)
     assert [job.get("run_id") for job in report["jobs"]] == ["beta", "alpha", None]
     lines = [ln for ln in gradsync._cli.status._text(report).splitlines() if "generation" in ln]
@@ -205,13 +216,13 @@ def test_one_unreadable_job_is_named_and_the_others_shown(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     for name in ("gen-00000000000000aa", "gen-00000000000000bb"):
-        (tmp_path / name).mkdir()
+        _own(tmp_path / name)
     locked = tmp_path / "gen-00000000000000aa"
     real = os.listdir
 
     def denied(path: object) -> list[str]:
-        if str(path) == str(locked):
-            raise PermissionError(13, "Permission denied", str(path))
+        if _listed(path) == str(locked):
+            raise PermissionError(13, "Permission denied", str(locked))
         return real(path)  # type: ignore[arg-type]
 
     monkeypatch.setattr(gradsync._cli.status.os, "listdir", denied)
@@ -241,8 +252,7 @@ def test_status_of_a_directory_that_cannot_be_looked_up(
 def test_a_rank_on_another_host_is_never_judged_gone(tmp_path: Path) -> None:
     # Its heartbeat may beat less often than status samples it (heartbeat_interval_s
     # up to 1e9 s): a live two-host job used to show as stopped.
-    gen = tmp_path / "gen-00000000000000aa"
-    gen.mkdir()
+    gen = _own(tmp_path / "gen-00000000000000aa")
     me = gradsync._job.liveness.MemberInfo.for_self(0, "00000000000000aa").to_json()
     far = {**gradsync._job.liveness.MemberInfo.for_self(1, "00000000000000bb").to_json()}
     far["host_id"] = "elsewhere/boot/pidns"
@@ -258,7 +268,7 @@ def _two_host_job(sync_dir: Path, interval_s: float, gen_id: str = "000000000000
     """A running job of two ranks, rank 1 on another host, beating every ``interval_s``
     (its confirmation says so) and last published in call 4."""
     gen = sync_dir / f"gen-{gen_id}"
-    (gen / "s-4").mkdir(parents=True)
+    (_own(gen) / "s-4").mkdir(parents=True)
     me = gradsync._job.liveness.MemberInfo.for_self(0, "00000000000000aa").to_json()
     far = {**gradsync._job.liveness.MemberInfo.for_self(1, "00000000000000bb").to_json()}
     far["host_id"] = "elsewhere/boot/pidns"
@@ -360,7 +370,7 @@ def _running_job_of_3(sync_dir: Path, strategy: str, markers: list[str]) -> None
     """A formed job of 3 (every rank this live process) whose latest call, 1, holds
     ``markers``; its ranks > 0 confirmed with ``strategy``."""
     gen = sync_dir / "gen-00000000000000aa"
-    (gen / "s-1").mkdir(parents=True)
+    (_own(gen) / "s-1").mkdir(parents=True)
     nonces = ["00000000000000aa", "00000000000000bb", "00000000000000cc"]
     members = [gradsync._job.liveness.MemberInfo.for_self(r, n) for r, n in enumerate(nonces)]
     (gen / "roster.json").write_text(

@@ -7,17 +7,24 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import struct
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 import syncdir_workers
+from gradsync._job.liveness import MemberInfo
 from gradsync._step.transport import Transport
+from gradsync._store.dirs import OWN_MARK
 from ranks import Outcome, run_ranks
 
 
@@ -227,6 +234,29 @@ def test_a_reader_follows_only_a_ranks_link_to_its_shared_arrays(
         os.close(fd)
 
 
+def test_a_rank_reads_its_own_written_file_again_through_no_link(tmp_path: Path) -> None:
+    # Not mapped, a rank reads its own file again by name: a link put there meanwhile
+    # was followed, and another file's bytes taken for its own.
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (tmp_path / "outside").write_bytes(b"S" * 40)
+    fd = os.open(gen, os.O_RDONLY | os.O_DIRECTORY)
+    transport = Transport(mapped=False, head_bytes=8, dir_fd=fd)
+    try:
+        transport.write(gen / "d-0.in", [b"H" * 40], None, lambda pairs: None)
+        (gen / "d-0.in").unlink()
+        (gen / "d-0.in").symlink_to(tmp_path / "outside")
+        reader = transport.open(gen / "d-0.in")
+        out = np.zeros(8, np.uint8)
+        with pytest.raises(OSError, match=r"is a symbolic link to .*: refused") as info:
+            reader.read_into(8, out)
+        assert info.value.errno == errno.ELOOP
+        reader.close()
+    finally:
+        transport.close()
+        os.close(fd)
+
+
 def test_a_link_put_in_place_of_rdzv_mid_run_is_never_followed(tmp_path: Path) -> None:
     # The last rank to leave unlinks its job's leader file in rdzv/: through the link,
     # a file of that name in its target.
@@ -256,3 +286,128 @@ def test_a_link_put_in_place_of_rdzv_mid_run_is_never_followed(tmp_path: Path) -
     assert not job.is_alive()
     assert all(r.ok for r in results.values()), [r.message for r in results.values()]
     assert _snapshot(canary) == before
+
+
+def _wait_until(what: Callable[[], bool], job: threading.Thread, results: object) -> None:
+    deadline = time.monotonic() + 60
+    while not what() and job.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert what(), results
+
+
+def test_a_link_put_in_place_of_a_step_dir_a_rank_waits_in_is_never_read(
+    tmp_path: Path,
+) -> None:
+    # Listed by its path, the link's target was read: a peer's abort note planted there
+    # made rank 0 fail with the planted reason, blaming rank 1.
+    sync = tmp_path / "sync"
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "abort-1").write_text(json.dumps({"type": "RuntimeError", "message": "PLANTED"}))
+    ready = tmp_path / "ready"
+    results: dict[int, Outcome] = {}
+    job = threading.Thread(
+        target=lambda: results.update(
+            run_ranks(syncdir_workers.rank_1_late_for_call_4, 2, (2, str(sync), str(ready)))
+        )
+    )
+    job.start()
+    try:
+        _wait_until(ready.exists, job, results)
+        (gen,) = sync.glob("gen-*")
+        step_dir = gen / "s-4"
+        _wait_until((step_dir / "in-0").exists, job, results)  # rank 0 waits in it
+        step_dir.rename(gen / "moved")
+        step_dir.symlink_to(planted)
+    finally:
+        job.join(90)
+    assert not job.is_alive()
+    assert "PLANTED" not in results[0].message
+    _link_error(results[0], step_dir)
+    assert sorted(os.listdir(planted)) == ["abort-1"]
+
+
+def test_a_link_planted_as_a_join_file_is_never_read(tmp_path: Path) -> None:
+    # Read through the link, a join of this run that nobody made was answered.
+    sync = tmp_path / "sync"
+    (sync / "rdzv").mkdir(parents=True)
+    nonce = "00000000000000ee"
+    join = tmp_path / "join.json"
+    ghost = MemberInfo.for_self(1, nonce).to_json()
+    join.write_text(json.dumps({"member": ghost, "run_id": None, "world_size": 2}))
+    (sync / "rdzv" / f"join-1-{nonce}.json").symlink_to(join)
+    results = run_ranks(syncdir_workers.steps_then_linger, 2, (2, str(sync), 1, 0.0, {}))
+    assert all(r.ok for r in results.values()), [r.message for r in results.values()]
+    assert not (sync / "rdzv" / f"offer-{nonce}.json").exists()
+
+
+def _own_generation(sync_dir: Path, gen_id: str) -> Path:
+    """An empty generation directory, marked as gradsync marks its own."""
+    gen = sync_dir / f"gen-{gen_id}"
+    gen.mkdir(parents=True)
+    (gen / OWN_MARK).touch()
+    return gen
+
+
+@pytest.mark.parametrize("planted", ["link", "unmarked"])
+def test_a_roster_planted_as_a_link_or_in_a_users_directory_is_never_read(
+    tmp_path: Path, planted: str
+) -> None:
+    # Read through the link, or in a user's gen-* directory, a roster nobody wrote,
+    # naming this live process as rank 1 of the same run, made rank 1 refuse to start.
+    sync = tmp_path / "sync"
+    gen = _own_generation(sync, "00000000000000aa")
+    if planted == "unmarked":
+        (gen / OWN_MARK).unlink()
+    (sync / "rdzv").mkdir()
+    members = [MemberInfo.for_self(r, f"00000000000000{r}{r}").to_json() for r in (0, 1)]
+    leader = {"member": members[0], "run_id": "another", "gen": "00000000000000aa"}
+    (sync / "rdzv" / "leader-00000000000000aa.json").write_text(json.dumps(leader))
+    roster = tmp_path / "roster.json"
+    roster.write_text(json.dumps({"members": members, "world_size": 2, "run_id": None}))
+    if planted == "link":
+        (gen / "roster.json").symlink_to(roster)
+    else:
+        roster.rename(gen / "roster.json")
+    # Rank 0 late: rank 1 looks at the jobs in the directory before any offer.
+    kw = {"delays": {0: 0.5}}
+    results = run_ranks(syncdir_workers.steps_then_linger, 2, (2, str(sync), 1, 0.0, kw))
+    assert all(r.ok for r in results.values()), [r.message for r in results.values()]
+
+
+def _status_json(sync_dir: Path) -> dict[str, Any]:
+    result = subprocess.run(
+        [sys.executable, "-m", "gradsync", "status", str(sync_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    report: dict[str, Any] = json.loads(result.stdout)
+    return report
+
+
+def test_status_reads_no_heartbeat_through_a_link(tmp_path: Path) -> None:
+    # A rank on another host is judged by its heartbeat: one read through a link
+    # showed the target's counter.
+    sync = tmp_path / "sync"
+    gen = _own_generation(sync, "00000000000000aa")
+    me = MemberInfo.for_self(0, "00000000000000aa").to_json()
+    far = {**MemberInfo.for_self(1, "00000000000000bb").to_json(), "host_id": "elsewhere/b/p"}
+    (gen / "roster.json").write_text(json.dumps({"members": [me, far], "run_id": None}))
+    counter = tmp_path / "counter"
+    counter.write_bytes(struct.pack("<Q", 4242))
+    (gen / "hb-00000000000000bb").symlink_to(counter)
+    (job,) = _status_json(sync)["jobs"]
+    assert job["state"] == "running"
+    assert job["ranks"][1]["heartbeat"] is None
+
+
+def test_status_shows_no_job_for_a_users_gen_directory(tmp_path: Path) -> None:
+    # A user's gen-samples/ was listed as a job in its rendezvous.
+    sync = tmp_path / "sync"
+    (sync / "gen-samples" / "epoch1").mkdir(parents=True)
+    (sync / "gen-samples" / "epoch1" / "0.png").write_bytes(b"\x89PNG")
+    (sync / "gen-0123456789abcdef").mkdir()
+    report = _status_json(sync)
+    assert report["jobs"] == []

@@ -426,12 +426,12 @@ def rank_0_interrupted_then_calls_again(rank: int, world: int, sync_dir: str) ->
     if rank == 1:
         # Rank 1 is slow to look: it never sees rank 0's abort note before the note's
         # generation is removed (a race that a real rank loses now and then).
-        real_read = _rendezvous.read_small
+        real_read = _rendezvous.read_below
 
         def unseen_abort(path: Path, limit: int = 1 << 20) -> bytes | None:
             return None if path.name == _rendezvous.ABORT else real_read(path, limit)
 
-        _rendezvous.read_small = unseen_abort  # type: ignore[assignment]
+        _rendezvous.read_below = unseen_abort  # type: ignore[assignment]
     if rank == 0:
         _on_first(sync_dir, "gen-*/member-1-*.json", lambda: os.kill(os.getpid(), signal.SIGINT))
     cfg = config(rank, world, sync_dir, max_wait_s=20.0)
@@ -452,12 +452,12 @@ def rank_0_fails_and_its_generation_goes(rank: int, world: int, sync_dir: str) -
     from gradsync._job import rendezvous as _rendezvous  # noqa: PLC0415
 
     if rank == 1:
-        real_read = _rendezvous.read_small
+        real_read = _rendezvous.read_below
 
         def unseen_abort(path: Path, limit: int = 1 << 20) -> bytes | None:
             return None if path.name == _rendezvous.ABORT else real_read(path, limit)
 
-        _rendezvous.read_small = unseen_abort  # type: ignore[assignment]
+        _rendezvous.read_below = unseen_abort  # type: ignore[assignment]
         with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:
             gs.average([np.ones(4)], step=0)
         return None

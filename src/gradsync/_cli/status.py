@@ -29,7 +29,10 @@ from gradsync._job.names import (
 )
 from gradsync._step.engine import data_name
 from gradsync._step.header import HEADER_READ_BYTES, decode_header, header_length
-from gradsync._store.files import open_regular, read_small
+from gradsync._step.transport import shared_target
+from gradsync._store.dirs import dir_below, is_own_dir
+from gradsync._store.files import open_regular
+from gradsync._store.read import file_below, read_below
 
 from .defaultdir import default_places, own_default_dirs
 
@@ -41,27 +44,33 @@ _SAMPLE_S = 1.3
 _MAX_SAMPLE_S = 5.0
 
 
-def _disk_bytes(path: Path) -> int:
+def _disk_bytes(path: Path, *below: str) -> int:
+    """The bytes of the files in ``path/below...``, walked by descriptors: no link followed."""
     total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, name)).st_size
+    with contextlib.suppress(OSError), dir_below(path, *below) as top:
+        for _root, _dirs, files, fd in os.fwalk(dir_fd=top):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.stat(name, dir_fd=fd, follow_symlinks=False).st_size
     return total
 
 
-def _names(folder: Path) -> list[str]:
-    """The entries of ``folder``; none if it is gone: a running job removes its old
-    step directories, and a finished one its whole directory, while this looks."""
+def _names(sync_dir: Path, *below: str) -> list[str]:
+    """The entries of ``sync_dir/below...``, each opened without following a link; none
+    if it is gone: a running job removes its old step directories, and a finished one
+    its whole directory, while this looks."""
     try:
-        return os.listdir(folder)
+        with dir_below(sync_dir, *below) as fd:
+            return os.listdir(fd)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    # Other errors (EACCES) are the caller's: that job is reported unreadable.
+    # Other errors (EACCES, a link: ELOOP) are the caller's: that job is reported unreadable.
 
 
 def _steps(gen: Path) -> list[int]:
-    return sorted(int(n[2:]) for n in _names(gen) if n.startswith("s-") and n[2:].isdigit())
+    return sorted(
+        int(n[2:]) for n in _names(gen.parent, gen.name) if n.startswith("s-") and n[2:].isdigit()
+    )
 
 
 def _user_step(gen: Path, rank: int, call: int) -> int | None:
@@ -74,7 +83,7 @@ def _user_step(gen: Path, rank: int, call: int) -> int | None:
         path = gen / data_name(rank, "in", slot)
         try:
             # Never a plain open: a FIFO in the file's place would block it forever.
-            with os.fdopen(open_regular(path)[0], "rb") as f:
+            with os.fdopen(_open_data(gen, path), "rb") as f:
                 head = f.read(HEADER_READ_BYTES)
                 if header_length(head) > len(head):
                     head += f.read(header_length(head) - len(head))
@@ -86,10 +95,22 @@ def _user_step(gen: Path, rank: int, call: int) -> int | None:
     return None
 
 
+def _open_data(gen: Path, path: Path) -> int:
+    """A descriptor of a rank's data file ``path``, through the generation's: no link
+    followed but ``d-<rank>.in``'s to its shared arrays beside it."""
+    with dir_below(gen.parent, gen.name) as fd:
+        try:
+            return open_regular(path, dir_fd=fd, follow=False)[0]
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            return open_regular(shared_target(path, fd), dir_fd=fd, follow=False)[0]
+
+
 def _setting(gen: Path, key: str) -> object:
     """One of the job's settings, from those its ranks > 0 confirmed with (rank 0
     admitted them only if they matched its own); None if no member file says."""
-    for name in sorted(_names(gen)):
+    for name in sorted(_names(gen.parent, gen.name)):
         if member_rank(name) is not None:
             data = load(gen / name)
             settings = data.get("settings") if data is not None else None
@@ -100,7 +121,7 @@ def _setting(gen: Path, key: str) -> object:
 
 def _step_names(gen: Path) -> dict[int, set[str]]:
     """The names in each step directory of ``gen`` still on disk, by call."""
-    return {seq: set(_names(gen / f"s-{seq}")) for seq in _steps(gen)}
+    return {seq: set(_names(gen.parent, gen.name, f"s-{seq}")) for seq in _steps(gen)}
 
 
 def _last_calls(names: dict[int, set[str]]) -> dict[int, int]:
@@ -117,7 +138,7 @@ def _last_calls(names: dict[int, set[str]]) -> dict[int, int]:
 def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
     roster = load(gen / ROSTER)
     if roster is None or not isinstance(roster.get("members"), list):
-        if os.path.lexists(gen / ROSTER):
+        if ROSTER in _names(gen.parent, gen.name):
             # Written whole by one rename, so never seen half-written: damaged, not a
             # rendezvous still in progress (which has no roster yet).
             raise OSError(errno.EINVAL, "not a roster gradsync wrote", str(gen / ROSTER))
@@ -134,7 +155,7 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
         info["run_id"] = roster.get("run_id")
     else:
         info["state"] = "rendezvous"
-        for name in sorted(_names(gen)):
+        for name in sorted(_names(gen.parent, gen.name)):
             if member_rank(name) is not None:
                 member = member_of(load(gen / name))
                 if member is not None:
@@ -152,7 +173,7 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
             if missing:
                 info["waiting"] = {"for": missing, "by": joined, "what": "join"}
     try:
-        abort = read_small(gen / ABORT)
+        abort = read_below(gen / ABORT)
     except OSError:
         abort = None
     if abort is not None:  # empty where the disk was full
@@ -169,7 +190,7 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
             "host": m.hostname,
             "pid": m.pid,
             "same_host": m.same_host,
-            "left": (gen / left_name(m.rank)).exists(),
+            "left": file_below(gen / left_name(m.rank)),
         }
         ended = how_it_ended(gen, m.rank) if entry["left"] else None
         if ended is not None:
@@ -214,7 +235,7 @@ def _generation(gen: Path, watch: HeartbeatWatch) -> dict[str, Any]:
                     "what": "shards of the mean",
                     "call": seq,
                 }
-    info["disk_bytes"] = _disk_bytes(gen)
+    info["disk_bytes"] = _disk_bytes(gen.parent, gen.name)
     return info
 
 
@@ -257,7 +278,7 @@ def _joins_without_rank_0(sync_dir: Path, jobs: list[dict[str, Any]]) -> list[di
     rendezvous in progress has. One entry per run id."""
     admitting = {job.get("run_id") for job in jobs if job["state"] == "rendezvous"}
     rdzv = sync_dir / RDZV
-    names = set(_names(rdzv))
+    names = set(_names(sync_dir, RDZV))
     runs: dict[str | None, dict[str, Any]] = {}
     for name in sorted(names):
         nonce = join_nonce(name)
@@ -300,9 +321,9 @@ def describe(sync_dir: Path, *, sample_s: float = _SAMPLE_S) -> dict[str, Any]:
     jobs = []
     for gen in gens:
         try:
-            # A link is nothing gradsync made: following it would describe (and walk,
-            # to count bytes) whatever someone who can write here pointed it at.
-            if gen.is_dir() and not gen.is_symlink():
+            # Only what gradsync made (a user's gen-samples/ is no job), never through a
+            # link: it would describe (and walk) whatever someone pointed it at.
+            if is_own_dir(sync_dir, gen.name, strict=True):
                 jobs.append(_generation(gen, watch))
         except OSError as exc:  # one unreadable job does not hide the others
             jobs.append(_unreadable(gen, exc))

@@ -27,7 +27,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from gradsync._store.dirs import open_below
+from gradsync._store.dirs import job_dir, open_below
 from gradsync._store.files import open_own, open_regular
 
 __all__ = [
@@ -228,9 +228,11 @@ class Heartbeat:
 
 def read_counter(path: Path) -> int | None:
     """A heartbeat's counter; None if it cannot be read (missing, not a regular file:
-    a FIFO in its place must not block every rank that watches it)."""
+    a FIFO in its place must not block every rank that watches it, a link in its place
+    or its directory's, never followed)."""
     try:
-        fd, _ = open_regular(path)
+        with job_dir(path) as dir_fd:
+            fd, _ = open_regular(path, dir_fd=dir_fd, follow=False)
     except OSError:
         return None
     try:

@@ -14,8 +14,9 @@ from typing import Any
 
 from gradsync._errors import SyncDirError
 from gradsync._store.dirs import job_dir
-from gradsync._store.files import read_small, translate_oserror, write_atomic
+from gradsync._store.files import translate_oserror, write_atomic
 from gradsync._store.files import write_note as _write_note
+from gradsync._store.read import read_below
 
 from .liveness import MemberInfo
 
@@ -71,9 +72,12 @@ def leader_file(sync_dir: Path, gen_id: str) -> Path:
 def leader_gone(gen_path: Path) -> bool:
     """Whether the leader file of the generation at ``gen_path`` is gone: whoever removes
     a generation unlinks it first. False where that cannot be told (``Path.exists``
-    raises for a stale handle or a denied lookup)."""
+    raises for a stale handle or a denied lookup). No link is followed: one there is not
+    gone."""
+    leader = leader_file(gen_path.parent, gen_path.name[len(GEN_PREFIX) :])
     try:
-        os.stat(leader_file(gen_path.parent, gen_path.name[len(GEN_PREFIX) :]))
+        with job_dir(leader) as fd:
+            os.stat(leader.name, dir_fd=fd, follow_symlinks=False)
     except FileNotFoundError:
         return True
     except OSError:
@@ -161,10 +165,12 @@ def dump(data: dict[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-def load(path: Path) -> dict[str, Any] | None:
-    """A JSON object from ``path``; None if missing or not one (torn writes never happen)."""
+def load(path: Path, *, dir_fd: int | None = None) -> dict[str, Any] | None:
+    """A JSON object from the job's file ``path``; None if missing or not one (torn writes
+    never happen), or if a link is in its place or its directory's: never followed.
+    ``dir_fd``: its directory, held open (else opened below the sync dir)."""
     try:
-        raw = read_small(path)
+        raw = read_below(path, dir_fd=dir_fd)
     except OSError:
         return None
     return None if raw is None else parse(raw)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from gradsync._store.dirs import dir_below, is_own_dir, remove_own_dir
 from gradsync._store.files import list_names, write_atomic, write_note
+from gradsync._store.read import file_below, names_below
 
 from .leaderlock import remove_free_locks
 from .liveness import HeartbeatWatch, MemberInfo, read_counter
@@ -62,7 +63,7 @@ _ENDED_KEEP_S = 24 * 3600.0
 def remove_dead_joins(rdzv: Path) -> None:
     """Remove the join files of dead processes of this host, offers without a join,
     notes of ended joins older than a day, and rank 0 locks nobody holds."""
-    names = list_names(rdzv)
+    names = names_below(rdzv)
     gone: list[str] = []
     for name in names:
         if name.startswith(ENDED):
@@ -143,7 +144,7 @@ def _note_unjoined(rdzv: Path, rank: int, pid: int, how: str) -> None:
     admitted it), ``ended-<rank>-<nonce>.json`` says how it ended: a rank 0 waiting for
     that rank says so in its warnings and its timeout, where else it could only ask
     whether the rank runs at all."""
-    for name in list_names(rdzv):
+    for name in names_below(rdzv):
         nonce = join_nonce(name)
         if nonce is None or not name.startswith(f"join-{rank}-"):
             continue
@@ -160,7 +161,7 @@ def _note_unjoined(rdzv: Path, rank: int, pid: int, how: str) -> None:
 
 
 def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
-    rostered = (gen_path / ROSTER).exists()
+    rostered = file_below(gen_path / ROSTER)
     members = members_of(gen_path) or []  # before the roster, just rank 0
     ended = [m for m in members if m.rank == rank and m.pid == pid and m.same_host]
     # The pid was reaped before this runs: by now it may be a live process's, of a
@@ -168,7 +169,7 @@ def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
     if not ended or any(m.local_death() is None for m in ended):
         return
     note = gen_path / left_name(rank)
-    if not note.exists():  # else it closed its session itself (and may have died in it)
+    if not file_below(note):  # else it closed its session itself (and may have died in it)
         with dir_below(gen_path.parent, gen_path.name) as fd:
             write_note(note, dump({"ended": how}), dir_fd=fd)
         if leader_gone(gen_path):
@@ -176,7 +177,7 @@ def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
             # keep the directory, without a leader file to say whose it is.
             remove_own_dir(gen_path.parent, gen_path.name)
             return
-    if rostered and all((gen_path / left_name(m.rank)).exists() for m in members):
+    if rostered and all(file_below(gen_path / left_name(m.rank)) for m in members):
         _remove(gen_path)
 
 
@@ -184,7 +185,7 @@ def _gone(gen_path: Path, member: MemberInfo) -> bool | None:
     """Whether ``member`` of the generation at ``gen_path`` is gone: it left, or its
     process on this host has ended (True), or lives (False); None for a member on
     another host that has not left: only its heartbeat can tell."""
-    if (gen_path / left_name(member.rank)).exists():
+    if file_below(gen_path / left_name(member.rank)):
         return True
     if member.same_host:
         return member.local_death() is not None

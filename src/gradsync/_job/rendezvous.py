@@ -51,11 +51,11 @@ from gradsync._store.files import (
     DIR_MODE,
     Backoff,
     list_names,
-    read_small,
     translate_oserror,
     warn_if_open,
 )
 from gradsync._store.makedir import make_sync_dir
+from gradsync._store.read import file_below, names_below, read_below
 
 from .leaderlock import (
     LeaderLock,
@@ -322,14 +322,14 @@ class _Leader:
         # that _collect had not seen; it looks for the roster after its note (and
         # leaves the job if it is in it), this looks for notes after the roster: one
         # of the two sees the other.
-        for name in list_names(self.gen_path):
+        for name in names_below(self.gen_path):
             if name.startswith(GAVE_UP):
                 self._raise_gave_up(self.gen_path / name)
         self._tidy()
         return Generation(self.gen_path, self.me.nonce, members, 0)
 
     def _offer(self) -> None:
-        for name in list_names(self.rdzv):
+        for name in names_below(self.rdzv):
             nonce = join_nonce(name)
             if nonce is None or nonce in self.offered:
                 continue
@@ -348,7 +348,7 @@ class _Leader:
         # A confirmation does not change once written: read each only once (at 16 ranks
         # rank 0 opened ~800 files to form a job, each a round trip on a shared FS).
         seen = {member_name(m.rank, m.nonce) for m in self.confirmed.values()}
-        for name in list_names(self.gen_path):
+        for name in names_below(self.gen_path):
             if name.startswith(GAVE_UP):
                 self._raise_gave_up(self.gen_path / name)
             if name.startswith(RIVAL):
@@ -393,7 +393,7 @@ class _Leader:
     def _raise_gave_up(self, path: Path) -> None:
         """Raise what a rank that was offered a place reported when it gave up."""
         try:
-            raw = read_small(path)
+            raw = read_below(path)
         except OSError:
             raw = None
         note = parse_note(raw or b"")
@@ -451,7 +451,7 @@ class _Leader:
 
     def _check_rivals(self) -> None:
         """Find other live rank-0s of the same run id; stale ones are removed."""
-        for name in list_names(self.rdzv):
+        for name in names_below(self.rdzv):
             if not name.startswith("leader-") or name == self.leader_file.name:
                 continue
             path = self.rdzv / name
@@ -560,7 +560,7 @@ def _join(
                     _check_leader(cfg, *stale, watch)
             if gen_path is not None and leader is not None:
                 try:
-                    abort = read_small(gen_path / ABORT)
+                    abort = read_below(gen_path / ABORT)
                 except OSError:
                     abort = None
                 if abort is not None:  # empty where rank 0's disk was full: still a note
@@ -684,7 +684,7 @@ def _ended_notes(cfg: FileGradSyncConfig) -> list[tuple[Path, dict[str, Any]]]:
     """This run's ``rdzv/ended-*`` notes (``_reaping._note_unjoined``), oldest first."""
     rdzv = cfg.sync_dir / RDZV
     try:
-        names = sorted(n for n in list_names(rdzv) if n.startswith(ENDED))
+        names = sorted(n for n in names_below(rdzv) if n.startswith(ENDED))
     except OSError:
         return []
     notes = []
@@ -718,7 +718,7 @@ def _join_timeout(cfg: FileGradSyncConfig, gen_path: Path | None) -> PeerTimeout
     not joined, where rank 0 has admitted this one (and waits for them), else rank 0."""
     if gen_path is not None:
         try:
-            names = list_names(gen_path)
+            names = names_below(gen_path)
         except OSError:
             names = set()
         joined = {member_rank(n) for n in names}
@@ -756,8 +756,8 @@ def _check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWa
     check a duplicate rank would wait out ``max_wait_s`` for an offer.
     """
     for name in list_names(cfg.sync_dir):
-        if not name.startswith(GEN_PREFIX):
-            continue
+        if not name.startswith(GEN_PREFIX) or not is_own_dir(cfg.sync_dir, name):
+            continue  # a user's gen-samples/ is never read
         gen_path = cfg.sync_dir / name
         roster = load(gen_path / ROSTER)
         if roster is None or roster.get("run_id") != cfg.run_id:
@@ -772,11 +772,11 @@ def _check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWa
             )
         except (KeyError, TypeError, ValueError):
             continue
-        if (gen_path / left_name(cfg.rank)).exists() or (gen_path / left_name(0)).exists():
+        if file_below(gen_path / left_name(cfg.rank)) or file_below(gen_path / left_name(0)):
             continue  # the rank, or the job's rank 0, has left (after a failure, say)
         # The last rank to leave a job unlinks its leader file before the rest: a job
         # without one is being removed (its "left" files may be gone already).
-        registered = leader_file(cfg.sync_dir, name[len(GEN_PREFIX) :]).exists()
+        registered = file_below(leader_file(cfg.sync_dir, name[len(GEN_PREFIX) :]))
         if all(_is_alive(m, gen_path, watch) for m in (leader, holder)) and registered:
             raise _taken(cfg.rank, holder, me, gen_path)
 
@@ -787,7 +787,7 @@ def _left(sync_dir: Path, leader_data: dict[str, Any]) -> bool:
     makes its directory before this file, and the last rank to leave removes the file
     first.)"""
     gen = sync_dir / f"{GEN_PREFIX}{leader_data.get('gen')}"
-    return (gen / left_name(0)).exists() or not is_own_dir(sync_dir, gen.name)
+    return not is_own_dir(sync_dir, gen.name) or file_below(gen / left_name(0))
 
 
 def _held_here(rank: int, path: Path) -> RendezvousError:
@@ -890,7 +890,7 @@ def leave(gen: Generation, calls: int, ended: str | None = None) -> None:
 def calls_finished(gen: Generation, rank: int) -> int | None:
     """How many calls ``rank`` had finished when it left, if it left and said so."""
     try:
-        raw = read_small(gen.left_path(rank))
+        raw = read_below(gen.left_path(rank))
         calls = json.loads(raw)["calls"] if raw is not None else None
     except (OSError, ValueError, TypeError, KeyError, RecursionError):
         return None  # unreadable, or written by a gradsync that did not record it

@@ -257,7 +257,7 @@ class StepEngine:
             mapped=mapped, head_bytes=HEADER_READ_BYTES, shared=not local, dir_fd=self._dir.fd
         )
         self._peers = PeerFiles(
-            cfg, gen, self._transport, self.data_path, self._input_names, closing
+            cfg, gen, self._transport, self.data_path, self._input_names, self._dir, closing
         )
         self._heartbeat = gen.heartbeat or Heartbeat(
             gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s

@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +43,9 @@ from gradsync._errors import (
 from gradsync._job.liveness import HeartbeatWatch, exact_process_checks
 from gradsync._job.names import how_it_ended, left_name
 from gradsync._job.rendezvous import Generation, calls_finished
-from gradsync._store.dirs import refuse_link
-from gradsync._store.files import Backoff, NotAFileError, list_names, read_small, translate_oserror
+from gradsync._store.dirs import GenDir, refuse_link
+from gradsync._store.files import Backoff, NotAFileError, translate_oserror
+from gradsync._store.read import file_below, names_below, read_below
 
 from .header import (
     FLAG_CHECKSUMS,
@@ -152,6 +154,7 @@ class PeerFiles:
         transport: Transport,
         path_of: Callable[[int, str], Path],
         input_names: Callable[[int, int], Sequence[Path]],
+        dirs: GenDir,
         closing: threading.Event | None = None,
     ) -> None:
         self.cfg = cfg
@@ -162,7 +165,9 @@ class PeerFiles:
         self._transport = transport
         self._path_of = path_of  # (rank, "in" or "out") -> its data file for this call
         self._input_names = input_names  # (rank, call) -> every name its input may have
+        self._dirs = dirs  # the generation's directory and this rank's step dirs, held open
         self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
+        self._next_link_check = 0.0
 
     def wait_for(
         self,
@@ -181,6 +186,11 @@ class PeerFiles:
             error a peer gave up with (PeerAbortedError, or a job-wide one it shared).
         """
         kind = KIND_INPUT if prefix == "in" else KIND_OUTPUT
+        now = time.monotonic()
+        if now >= self._next_link_check:
+            # Its descriptors never see a link put in the generation's place: its name does.
+            self._next_link_check = now + _LIVENESS_EVERY_S
+            refuse_link(self.gen.path, step=step)
         what = "its gradients" if prefix == "in" else "its shard of the mean"
         missing = [q for q in ranks if q not in found]
         # Marker there, file not yet shown to this host: what it showed, and since when.
@@ -191,8 +201,8 @@ class PeerFiles:
         next_check = _FIRST_LIVENESS_CHECK_S
         next_warn = self.cfg.warn_after_s
         while missing:
-            looked_up = self._look_up(step_dir, prefix, missing, step) if first_look else None
-            names = looked_up if looked_up is not None else list_names(step_dir, step=step)
+            looked_up = self._look_up(step_dir, prefix, missing, step, seq) if first_look else None
+            names = looked_up if looked_up is not None else self._step_names(step_dir, step, seq)
             for q in [q for q in missing if f"{prefix}-{q}" in names]:
                 try:
                     found[q] = self._open_published(q, prefix, kind, step, seq)
@@ -209,7 +219,7 @@ class PeerFiles:
             # out, found a mismatch) must not leave this rank averaging without it.
             aborted = [q for q in range(self.world) if q != self.rank and f"abort-{q}" in names]
             if aborted:
-                self._raise_abort(step_dir, aborted[0], step)
+                self._raise_abort(step_dir, aborted[0], step, seq)
             if not missing:
                 break
             if self._closing is not None and self._closing.is_set():
@@ -223,9 +233,8 @@ class PeerFiles:
             elapsed = backoff.elapsed_s()
             if elapsed >= next_check:
                 next_check = elapsed + _LIVENESS_EVERY_S
-                for own in (self.gen.path, step_dir):
-                    refuse_link(own, step=step)
-                if not names and not step_dir.is_dir():
+                refuse_link(self.gen.path, step=step)
+                if not self._dirs.has_step(seq, step) and not names:
                     # This rank published into it: only removal explains its absence.
                     raise SyncDirError(
                         f"step {step}: {step_dir} disappeared while waiting for ranks {missing} "
@@ -267,8 +276,20 @@ class PeerFiles:
             backoff.pause()
         return last
 
+    def _step_names(self, step_dir: Path, step: int, seq: int) -> set[str]:
+        """The names in call ``seq``'s step directory, through its descriptor: the one held
+        open, or on a shared filesystem one opened anew (its client may answer a listing
+        of a held one from its cache)."""
+        try:
+            return self._dirs.step_names(seq, fresh=self._transport.shared)
+        except SyncDirError as exc:
+            exc.step = step
+            raise
+        except OSError as exc:
+            raise translate_oserror(exc, "listing", step_dir, step=step) from exc
+
     def _look_up(
-        self, step_dir: Path, prefix: str, missing: Sequence[int], step: int
+        self, step_dir: Path, prefix: str, missing: Sequence[int], step: int, seq: int
     ) -> set[str] | None:
         """The first look's names by ``stat`` where that takes fewer system calls than a
         listing (5: open, fstat, two getdents, close), else None: the missing peers'
@@ -284,14 +305,14 @@ class PeerFiles:
         if len(wanted) >= _LISTING_CALLS:
             return None
         names = {f"{prefix}-{self.rank}"} if self.rank in missing else set()
-        base = os.fspath(step_dir)
+        fd = self._dirs.step_fd(seq)
         for name in wanted:
             try:
-                os.stat(f"{base}/{name}")
+                os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
             except OSError as exc:
-                raise translate_oserror(exc, "looking up", f"{base}/{name}", step=step) from exc
+                raise translate_oserror(exc, "looking up", step_dir / name, step=step) from exc
             names.add(name)
         return names
 
@@ -360,11 +381,11 @@ class PeerFiles:
             raise _unusable(step, rank, path, f"{path} {problem}")
         return Peer(reader, header, path)
 
-    def _raise_abort(self, step_dir: Path, rank: int, step: int) -> None:
+    def _raise_abort(self, step_dir: Path, rank: int, step: int, seq: int) -> None:
         path = step_dir / f"abort-{rank}"
         try:
-            # Bounded, and never waiting on a FIFO: a note is at most a few KiB.
-            raw = read_small(path)
+            # Bounded, and never waiting on a FIFO or through a link: a few KiB at most.
+            raw = read_below(path, dir_fd=self._dirs.step_fd(seq))
         except OSError:
             raw = None
         note = None if raw is None else parse_note(raw)
@@ -391,7 +412,7 @@ class PeerFiles:
         elapsed: float,
     ) -> None:
         """Raise PeerLostError naming every missing rank that is gone for good."""
-        names = list_names(self.gen.path, step=step)
+        names = names_below(self.gen.path, step=step)
         lost: dict[int, str] = {}
         for q in missing:
             member = self.gen.members[q]
@@ -407,7 +428,7 @@ class PeerFiles:
                 else:
                     reason = self._heartbeat_stopped(q)
                 # Gone since the listing: the note it left on its way out says why.
-                left = reason is not None and os.path.exists(self.gen.left_path(q))
+                left = reason is not None and file_below(self.gen.left_path(q))
             if left:
                 finished = calls_finished(self.gen, q)
                 if finished is not None and finished >= seq:
@@ -422,7 +443,7 @@ class PeerFiles:
         # A peer may publish, finish the step and exit between our listing and its
         # liveness check: only a marker still missing now means it never published.
         prefix = "in" if what == "its gradients" else "out"
-        present = list_names(step_dir, step=step)
+        present = self._step_names(step_dir, step, seq)
         lost = {q: r for q, r in lost.items() if f"{prefix}-{q}" not in present}
         if not lost:
             return

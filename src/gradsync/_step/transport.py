@@ -15,6 +15,7 @@ import errno
 import mmap
 import os
 import re
+import stat
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +27,14 @@ from gradsync._store.files import open_own, open_regular, read_exact_into, write
 
 from .header import CRC_BLOCK
 
-__all__ = ["ChecksumError", "DataReader", "Transport", "filesystem_type", "local_filesystem"]
+__all__ = [
+    "ChecksumError",
+    "DataReader",
+    "Transport",
+    "filesystem_type",
+    "local_filesystem",
+    "shared_target",
+]
 
 
 class ChecksumError(Exception):
@@ -177,7 +185,13 @@ class DataReader:
 
     def _file(self) -> int:
         if self._fd is None:
-            self._fd, _ = open_regular(self.path, dir_fd=self._dir_fd)
+            try:
+                self._fd, _ = open_regular(self.path, dir_fd=self._dir_fd, follow=False)
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                target = shared_target(self.path, self._dir_fd)
+                self._fd, _ = open_regular(target, dir_fd=self._dir_fd, follow=False)
         return self._fd
 
     def close(self) -> None:
@@ -303,10 +317,13 @@ class Transport:
             return DataReader(path, written[0], written[1], None, None, dir_fd=self._dir_fd)
         if self.mapped:
             # A kept mapping is reused when the name still leads to the same inode of
-            # the same size: one stat instead of open, fstat and close every step.
-            # Through a link too (d-<rank>.in): it only compares with what a checked
-            # open mapped; a link leading anywhere else never matches and is refused.
-            st = os.stat(self._name(path), dir_fd=self._dir_fd)
+            # the same size: one stat instead of open, fstat and close every step. A
+            # link is looked through only where it is d-<rank>.in's, checked first.
+            st = os.stat(self._name(path), dir_fd=self._dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                st = os.stat(
+                    self._name(self._linked(path)), dir_fd=self._dir_fd, follow_symlinks=False
+                )
             kept = self._maps.get(path)
             if kept is not None and kept[:2] == (st.st_ino, st.st_size):
                 buf = kept[3]
@@ -343,23 +360,8 @@ class Transport:
         return path if self._dir_fd is None else path.name
 
     def _linked(self, path: Path) -> Path:
-        """The file that the symbolic link ``path`` leads to, which must be its rank's
-        shared arrays beside it (``d-<rank>.in`` -> ``d-<rank>-b<n>.in``: what
-        ``buffers_like`` makes); no other link is followed.
-
-        Raises:
-            OSError: ELOOP for a link anywhere else; as the system reported it.
-        """
-        target = os.readlink(self._name(path), dir_fd=self._dir_fd)
-        found = _SHARED_NAME.fullmatch(target)
-        if found is None or path.name != f"d-{found.group(1)}.in":
-            raise OSError(
-                errno.ELOOP,
-                f"{path} is a symbolic link to {target!r}, not to its rank's shared arrays "
-                "beside it (d-<rank>-b<n>.in): refused",
-                str(path),
-            )
-        return path.with_name(target)
+        """:func:`shared_target` of ``path`` in this transport's directory."""
+        return shared_target(path, self._dir_fd)
 
     def forget(self, path: Path) -> None:
         """Drop the mapping kept for ``path`` (it stays valid while views of it live)."""
@@ -374,6 +376,26 @@ class Transport:
         for path in list(self._maps):
             self.forget(path)
         self._written.clear()
+
+
+def shared_target(path: Path, dir_fd: int | None = None) -> Path:
+    """The file that the symbolic link ``path`` (in directory ``dir_fd``) leads to, which
+    must be its rank's shared arrays beside it (``d-<rank>.in`` -> ``d-<rank>-b<n>.in``:
+    what ``buffers_like`` makes); no other link is followed.
+
+    Raises:
+        OSError: ELOOP for a link anywhere else; as the system reported it.
+    """
+    target = os.readlink(path if dir_fd is None else path.name, dir_fd=dir_fd)
+    found = _SHARED_NAME.fullmatch(target)
+    if found is None or path.name != f"d-{found.group(1)}.in":
+        raise OSError(
+            errno.ELOOP,
+            f"{path} is a symbolic link to {target!r}, not to its rank's shared arrays "
+            "beside it (d-<rank>-b<n>.in): refused",
+            str(path),
+        )
+    return path.with_name(target)
 
 
 def _allocate(fd: int, size: int) -> None:

@@ -56,7 +56,7 @@ def _open_sub(parent_fd: int, name: str, shown: Path) -> int:
         return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
         if exc.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(parent_fd, name):
-            raise _link_error(shown) from exc
+            raise _link_error(shown, parent_fd) from exc
         raise
 
 
@@ -67,9 +67,10 @@ def _is_link(parent_fd: int, name: str) -> bool:
         return False
 
 
-def _link_error(shown: Path) -> SyncDirError:
+def _link_error(shown: Path, parent_fd: int | None = None) -> SyncDirError:
     try:
-        target = f" (to {os.readlink(shown)})"
+        link = shown if parent_fd is None else shown.name
+        target = f" (to {os.readlink(link, dir_fd=parent_fd)})"
     except OSError:
         target = ""
     return SyncDirError(
@@ -143,13 +144,25 @@ def make_own_dir(sync_dir: Path, name: str) -> None:
             raise
 
 
-def is_own_dir(sync_dir: Path, name: str) -> bool:
-    """Whether ``sync_dir/name`` is a directory gradsync made (not a link)."""
+def is_own_dir(sync_dir: Path, name: str, *, strict: bool = False) -> bool:
+    """Whether ``sync_dir/name`` is a directory gradsync made (not a link). ``strict``:
+    an error that leaves it untold (EACCES) is raised, not taken for a no."""
     try:
         with dir_below(sync_dir, name) as fd:
-            return _marked(fd)
-    except OSError:
+            if not strict:
+                return _marked(fd)
+            try:
+                return stat.S_ISREG(os.stat(OWN_MARK, dir_fd=fd, follow_symlinks=False).st_mode)
+            except FileNotFoundError:
+                return False
+    except OSError as exc:
+        if strict and not isinstance(exc, SyncDirError) and exc.errno not in _NOT_OWN:
+            raise
         return False
+
+
+# Errors that say a name is no directory of gradsync's: missing, a file, a link.
+_NOT_OWN = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 
 def remove_own_dir(sync_dir: Path, name: str) -> bool:
@@ -254,6 +267,43 @@ class GenDir:
         fd = self._steps[seq] = _open_sub(self.fd, name, self.step_path(seq))
         return fd
 
+    def step_names(self, seq: int, *, fresh: bool = False) -> set[str]:
+        """The names in ``s-<seq>``, listed through its held descriptor or, ``fresh``, one
+        opened anew (a shared filesystem's client may serve a held directory's listing
+        from its cache); empty if it is not there.
+
+        Raises:
+            SyncDirError (ELOOP): a link is there. OSError: as the system reported it.
+        """
+        try:
+            if not fresh:
+                return set(os.listdir(self.step_fd(seq)))
+            fd = _open_sub(self.fd, f"s-{seq}", self.step_path(seq))
+        except FileNotFoundError:
+            return set()
+        try:
+            return set(os.listdir(fd))
+        finally:
+            os.close(fd)
+
+    def has_step(self, seq: int, step: int | None = None) -> bool:
+        """Whether ``s-<seq>`` is still a directory here (True where that cannot be told).
+
+        Raises:
+            SyncDirError (ELOOP): a link is there instead, naming it.
+        """
+        try:
+            st = os.stat(f"s-{seq}", dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        if stat.S_ISLNK(st.st_mode):
+            exc = _link_error(self.step_path(seq), self.fd)
+            exc.step = step
+            raise exc
+        return stat.S_ISDIR(st.st_mode)
+
     def held_step_fd(self, seq: int) -> int | None:
         """The descriptor of ``s-<seq>`` if this rank holds it open, else None."""
         return self._steps.get(seq)
@@ -299,8 +349,7 @@ class GenDir:
 
 def refuse_link(path: Path, *, step: int | None = None) -> None:
     """Raise SyncDirError (ELOOP) naming ``path`` if it is a symbolic link: one put where
-    gradsync's own directory was, which its descriptors never follow but its listings
-    by path would."""
+    gradsync's own directory was after it opened it, which its descriptors never see."""
     try:
         is_link = stat.S_ISLNK(os.lstat(path).st_mode)
     except OSError:

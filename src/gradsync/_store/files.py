@@ -377,15 +377,17 @@ def _checked_regular(fd: int, path: str | os.PathLike[str], *, one_link: bool) -
     return st
 
 
-def read_small(path: Path, limit: int = 1 << 20) -> bytes | None:
-    """Read a whole small file, or return ``None`` if it does not exist.
+def read_small(path: Path, limit: int = 1 << 20, *, dir_fd: int | None = None) -> bytes | None:
+    """Read a whole small file, or return ``None`` if it does not exist. A symbolic link
+    in its place is not followed (ELOOP); with ``dir_fd``, its name is opened relative
+    to that directory.
 
     Raises:
         OSError: it could not be read, is larger than ``limit`` bytes, or is not a
             regular file (a FIFO in its place would otherwise block the open forever).
     """
     try:
-        fd, _ = open_regular(path)
+        fd, _ = open_regular(path, dir_fd=dir_fd, follow=False)
     except FileNotFoundError:
         return None
     try:
