@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI: the test suite against the lowest numpy and wgpu that pyproject.toml allows.
+# CI: the test suite against the lowest numpy, wgpu and filelock that pyproject.toml allows.
 # A fresh machine, as root, after .ci/install-wgpu-deps.sh. Extra arguments go to pytest.
 #
 # The pins below must equal the floors in pyproject.toml's dependencies. numpy 1.24 has
@@ -14,6 +14,7 @@ export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}"
 
 NUMPY_FLOOR=1.24.0
 WGPU_FLOOR=0.27.0
+FILELOCK_FLOOR=3.30.0
 python="${PYTHON:-python3}"
 venv="${FLOOR_VENV:-/tmp/gradsync-floor-venv}"
 
@@ -24,7 +25,8 @@ if ! "$python" -m venv --clear "$venv" 2>/dev/null; then
     apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
     "$python" -m venv --clear "$venv"
 fi
-"$venv/bin/python" -m pip install -q "numpy==$NUMPY_FLOOR" "wgpu==$WGPU_FLOOR" -e '.[test]'
-"$venv/bin/python" -c 'import sys, numpy, wgpu
-print(f"floors: Python {sys.version.split()[0]}, numpy {numpy.__version__}, wgpu {wgpu.__version__}")'
+"$venv/bin/python" -m pip install -q "numpy==$NUMPY_FLOOR" "wgpu==$WGPU_FLOOR" \
+    "filelock==$FILELOCK_FLOOR" -e '.[test]'
+"$venv/bin/python" -c 'import sys, numpy, wgpu, filelock
+print(f"floors: Python {sys.version.split()[0]}, numpy {numpy.__version__}, wgpu {wgpu.__version__}, filelock {filelock.__version__}")'
 "$venv/bin/python" -m pytest "$@"

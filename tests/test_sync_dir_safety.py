@@ -95,6 +95,28 @@ def test_a_link_planted_as_rdzv_is_refused_and_named(tmp_path: Path) -> None:
     assert _snapshot(canary) == before
 
 
+@pytest.mark.parametrize("kind", ["symlink", "hardlink"])
+def test_a_link_planted_as_rank_0s_lock_never_changes_its_target(tmp_path: Path, kind: str) -> None:
+    # filelock 3.x before 3.30 truncated the file a symbolic link at the lock's name led
+    # to; 3.30-3.32 truncate a file hard-linked there once they lock it.
+    sync = tmp_path / "sync"
+    (sync / "rdzv").mkdir(parents=True)
+    canary = _canary(tmp_path / "canary")
+    before = _snapshot(canary)
+    lock = sync / "rdzv" / "lock-0.lock"
+    if kind == "symlink":
+        lock.symlink_to(canary / "d-0.in")
+    else:
+        os.link(canary / "d-0.in", lock)
+    results = run_ranks(
+        syncdir_workers.steps_then_linger, 2, (2, str(sync), 1, 0.0, {"max_wait_s": 2.0})
+    )
+    assert _snapshot(canary) == before
+    assert results[0].error_type == "SyncDirError", results[0]
+    assert str(lock) in results[0].message, results[0].message
+    assert results[0].attrs["errno"] == (errno.ELOOP if kind == "symlink" else errno.EMLINK)
+
+
 def test_a_link_planted_as_a_generation_is_never_followed(tmp_path: Path) -> None:
     # Taken for a dead job's generation, it made rank 0 write its note of heartbeats
     # into the link's target.

@@ -8,10 +8,10 @@ still forming (so a holder that has not written its roster yet aborts), then fai
 naming the holder. A joiner holds a shared ``flock`` on its join file while it waits, so
 that rank 0 can tell a live second claimant of a rank on another host from a dead one.
 
-Written with ``fcntl`` rather than the ``filelock`` package: filelock 3.x (3.12 is the
-oldest gradsync accepts) opens the lock's name through a symbolic link and truncates
-what it leads to; filelock 4 falls back to a marker file where ``flock`` is missing and
-never removes a lock file; gradsync needs none of its waiting.
+Rank 0's lock is filelock's ``UnixFileLock``, tried without waiting and without its
+fallback to a marker file where ``flock`` is missing (rank 0 then warns and goes on);
+its holder removes the file just before letting it go. The joiners' shared locks are
+taken with ``fcntl``: filelock has no shared ``flock``.
 """
 
 from __future__ import annotations
@@ -21,17 +21,19 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from filelock import Timeout, UnixFileLock
+
 from gradsync._errors import RendezvousError
 from gradsync._store.files import (
     Backoff,
     list_names,
-    open_own,
     remove_tree,
     translate_oserror,
     write_note,
@@ -57,6 +59,9 @@ from .names import (
 if TYPE_CHECKING:  # the launcher's watchdog imports this module without numpy
     from gradsync._config import FileGradSyncConfig
 
+if TYPE_CHECKING:  # the launcher's watchdog imports this module without numpy
+    from gradsync._config import FileGradSyncConfig
+
 __all__ = [
     "LeaderLock",
     "check_claims",
@@ -75,55 +80,65 @@ _NOT_THERE = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF, errno.E
 class LeaderLock:
     """Rank 0's hold on its run id in a sync dir (none where ``flock`` is missing)."""
 
-    def __init__(self, fd: int | None, path: Path) -> None:
-        self._fd = fd
+    def __init__(self, lock: UnixFileLock | None, path: Path) -> None:
+        self._lock = lock
         self._path = path
         self._guard = threading.Lock()
 
     def release(self) -> None:
-        """Remove the lock file, then let the lock go (closing the file drops the flock);
-        only the first call acts. Removed while held, so that whoever opened it before
-        finds it held, and whoever locks it after sees that it is no longer the file of
-        its name (:func:`_same_file`)."""
+        """Remove the lock file, then let the lock go; only the first call acts."""
         with self._guard:
-            fd, self._fd = self._fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self._path)
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            lock, self._lock = self._lock, None
+        if lock is not None:
+            _remove_held(lock, self._path)
 
 
-def _same_file(fd: int, path: Path) -> bool:
-    """Whether the file open as ``fd`` is still the one named ``path``."""
+def _new_lock(path: Path) -> UnixFileLock:
+    """filelock's ``flock`` lock on ``path``: never waits, never falls back to a marker
+    file, may be let go by another thread; its mode is left to the umask (another user
+    of the group must open it for writing to lock it)."""
+    return UnixFileLock(path, thread_local=False, blocking=False, fallback_to_soft=False)
+
+
+def _remove_held(lock: UnixFileLock, path: Path) -> None:
+    """Remove the file of ``lock``, held, then let it go."""
+    # Safe while held: filelock drops a lock it wins on an unlinked file (st_nlink == 0).
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    with contextlib.suppress(OSError):
+        lock.release()
+
+
+def _try_lock(lock: UnixFileLock, path: Path) -> bool | None:
+    """True: locked; False: held by another; None: this filesystem has no ``flock``.
+
+    Raises:
+        SyncDirError: the lock file cannot be opened or locked (a link at its name).
+    """
     try:
-        named = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
+        _check_plain(path)
+        for _ in range(2):  # filelock also gives up on a file removed as it was locked
+            with contextlib.suppress(Timeout):
+                lock.acquire(blocking=False)
+                return True
         return False
-    mine = os.fstat(fd)
-    return (mine.st_dev, mine.st_ino) == (named.st_dev, named.st_ino)
-
-
-def _open_lock(path: Path) -> int:
-    """The lock file, opened (created) without following a link; read-only where another
-    user of the group made it (``flock`` needs no write access)."""
-    try:
-        return open_own(path, os.O_RDWR)
-    except PermissionError:
-        return open_own(path, os.O_RDONLY)
-
-
-def _try_flock(fd: int, how: int) -> bool | None:
-    """True: locked; False: held by another; None: this filesystem has no ``flock``."""
-    try:
-        fcntl.flock(fd, how | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in _HELD:
-            return False
+    except NotImplementedError:
+        return None
+    except OSError as exc:  # Timeout, also an OSError, is handled above
         if exc.errno in _NOT_THERE:
             return None
-        raise
-    return True
+        raise translate_oserror(exc, "taking rank 0's lock in", path) from exc
+
+
+def _check_plain(path: Path) -> None:
+    """Raise OSError if ``path`` is a hard link or no regular file (filelock 3.x
+    truncates the file it locks; filelock itself refuses a symbolic link)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISLNK(st.st_mode) and (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1):
+        raise OSError(errno.EMLINK, f"{path} is not a plain file gradsync made", str(path))
 
 
 def take_leader_lock(
@@ -139,55 +154,35 @@ def take_leader_lock(
         SyncDirError: the lock file cannot be opened.
     """
     path = lock_file(cfg.sync_dir, cfg.run_id)
-    while True:
-        fd, got = _lock_once(path)
-        if got is None:
-            _log.warning(
-                "rendezvous: %s has no working flock: rank 0 cannot lock out another job "
-                "with run_id %r there and relies on its slower checks of other rank 0s' files",
-                path.parent,
-                cfg.run_id,
-            )
-            return LeaderLock(None, path)
-        if got:
-            return LeaderLock(fd, path)
-        try:
-            holder, freed = _wait_for_holder(cfg, me, fd)
-        finally:
-            os.close(fd)
+    lock = _new_lock(path)
+    got = _try_lock(lock, path)
+    if got is None:
+        _log.warning(
+            "rendezvous: %s has no working flock: rank 0 cannot lock out another job "
+            "with run_id %r there and relies on its slower checks of other rank 0s' files",
+            path.parent,
+            cfg.run_id,
+        )
+        return LeaderLock(None, path)
+    if not got:
+        holder, freed = _wait_for_holder(cfg, me, lock, path)
         # Never taken once a rank 0 of the run was seen with it: it may have formed with
         # ranks that came for this one, or failed and left them to it. A holder that
         # registered none was tidying (remove_free_locks), or failed before offering.
         if holder is not None or not freed:
+            if freed:
+                _remove_held(lock, path)
             raise rival(holder)
-
-
-def _lock_once(path: Path) -> tuple[int, bool | None]:
-    """The lock file, open, and whether it is now locked (None: no ``flock`` here)."""
-    try:
-        while True:
-            fd = _open_lock(path)
-            try:
-                got = _try_flock(fd, fcntl.LOCK_EX)
-                if not got or _same_file(fd, path):
-                    if got is None:
-                        os.close(fd)
-                    return fd, got
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)  # its holder removed it as it let go: lock the new one
-    except OSError as exc:
-        raise translate_oserror(exc, "taking rank 0's lock in", path) from exc
+    return LeaderLock(lock, path)
 
 
 def _wait_for_holder(
-    cfg: FileGradSyncConfig, me: MemberInfo, fd: int
+    cfg: FileGradSyncConfig, me: MemberInfo, lock: UnixFileLock, path: Path
 ) -> tuple[MemberInfo | None, bool]:
     """Tell every generation of the run still forming that this rank 0 came; the lock's
     holder once it is known to live, else (once the lock is let go, or after
     ``max_wait_s``) the last rank 0 of the run seen, None if none was; and whether the
-    lock was let go."""
+    lock was let go (and is now held by ``lock``)."""
     backoff = Backoff()
     watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
     told: set[str] = set()
@@ -206,7 +201,7 @@ def _wait_for_holder(
             watch.silent_for_s(hb)
             if leader.same_host or watch.moved(hb):
                 return leader, False
-        if _try_flock(fd, fcntl.LOCK_EX):
+        if _try_lock(lock, path):
             return seen, True
         if backoff.elapsed_s() >= cfg.max_wait_s:
             return seen, False
@@ -250,16 +245,10 @@ def remove_free_locks(rdzv: Path, names: Iterable[str]) -> None:
         if not (name.startswith(LOCK_PREFIX) and name.endswith(".lock")):
             continue
         path = rdzv / name
-        fd = _open_existing(path)
-        if fd is None:
-            continue
-        try:
-            if _try_flock(fd, fcntl.LOCK_EX) and _same_file(fd, path):
-                os.unlink(path)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        lock = _new_lock(path)
+        with contextlib.suppress(OSError):  # SyncDirError too
+            if _try_lock(lock, path):
+                _remove_held(lock, path)
 
 
 def _open_existing(path: Path) -> int | None:
@@ -276,6 +265,21 @@ def _open_existing(path: Path) -> int | None:
         return os.open(path, os.O_RDONLY | flags)
     except OSError:
         return None
+
+
+# The joiners' side stays on fcntl: filelock has no shared flock, and its lock would
+# create (3.x: truncate) a join file where only a look at another's is wanted.
+def _try_flock(fd: int, how: int) -> bool | None:
+    """True: locked; False: held by another; None: this filesystem has no ``flock``."""
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in _HELD:
+            return False
+        if exc.errno in _NOT_THERE:
+            return None
+        raise
+    return True
 
 
 def hold_join(path: Path) -> int | None:

@@ -468,7 +468,10 @@ class _Leader:
                     self.rivals.pop(member.nonce, None)
                     continue
                 raise self._rival(member, "is running in")
-            hb = self.cfg.sync_dir / f"{GEN_PREFIX}{data.get('gen')}" / f"hb-{member.nonce}"
+            gen = data.get("gen")
+            if not (isinstance(gen, str) and gen.isascii() and gen.isalnum()):
+                continue  # not a generation gradsync names: nothing to look at outside
+            hb = self.cfg.sync_dir / f"{GEN_PREFIX}{gen}" / f"hb-{member.nonce}"
             silent = self.watch.silent_for_s(hb)
             if self.watch.moved(hb):
                 raise self._rival(member, "is beating in")
