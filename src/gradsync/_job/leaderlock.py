@@ -73,6 +73,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("gradsync")
+_LOCK_MODE = 0o660
 _HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)  # some filesystems say EACCES
 _NOT_THERE = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF, errno.EINVAL)
 
@@ -95,9 +96,11 @@ class LeaderLock:
 
 def _new_lock(path: Path) -> UnixFileLock:
     """filelock's ``flock`` lock on ``path``: never waits, never falls back to a marker
-    file, may be let go by another thread; its mode is left to the umask (another user
-    of the group must open it for writing to lock it)."""
-    return UnixFileLock(path, thread_local=False, blocking=False, fallback_to_soft=False)
+    file, may be let go by another thread; read-write for the group (another user of it
+    must open the file for writing to lock it), nothing for other users."""
+    return UnixFileLock(
+        path, mode=_LOCK_MODE, thread_local=False, blocking=False, fallback_to_soft=False
+    )
 
 
 def _remove_held(lock: UnixFileLock, path: Path) -> None:
