@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from collections.abc import Iterator
@@ -251,10 +252,17 @@ def test_gradsync_status_without_a_dir_shows_the_jobs_of_default_sync_dirs(
         assert said is not None
         assert said[1] == said[3]
         wait_for_files(tmp_path, ["ready-0", "ready-1"], proc)
-        assert main(["status"]) == 0
-        text = capsys.readouterr().out
-        assert main(["status", "--json"]) == 0
-        reports = json.loads(capsys.readouterr().out)
+        # A directory of this user's named the same way, where no ranks met (a venv,
+        # say): not a sync dir, never listed nor walked.
+        other = Path(tempfile.mkdtemp(prefix="gradsync-not-a-job-", dir=Path(said[1]).parent))
+        try:
+            assert main(["status"]) == 0
+            text = capsys.readouterr().out
+            assert main(["status", "--json"]) == 0
+            reports = json.loads(capsys.readouterr().out)
+        finally:
+            other.rmdir()
+        assert str(other) not in text
     shown = re.search(rf"^{re.escape(said[1])}: 1 job\(s\).*?(?=\n\n|\Z)", text, re.M | re.S)
     assert shown is not None, text
     assert f"(run id '{said[2]}'): running" in shown[0]

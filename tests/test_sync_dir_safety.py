@@ -433,3 +433,69 @@ def test_status_shows_no_job_for_a_users_gen_directory(tmp_path: Path) -> None:
     (sync / "gen-0123456789abcdef").mkdir()
     report = _status_json(sync)
     assert report["jobs"] == []
+
+
+_HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+_RANK_0 = """
+import sys
+import numpy as np
+import gradsync
+cfg = gradsync.FileGradSyncConfig(2, 0, sys.argv[1], max_wait_s=2)
+try:
+    gradsync.average_grads_file_sync([np.ones(3)], None, cfg, 0)
+except gradsync.GradSyncError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.parametrize("gen", ["samples", "x/../../outside", "link"])
+def test_a_rank_0_that_finds_the_lock_held_touches_no_generation_but_its_own_kind(
+    tmp_path: Path, gen: str
+) -> None:
+    # A second rank 0 tells every forming job of its run that it came, through their
+    # leader registrations: one naming a user's gen-samples/ had it removed, one naming
+    # a path out of the sync dir had a directory there removed, and one whose
+    # generation a link replaced had the note written through the link.
+    sync = tmp_path / "sync"
+    (sync / "rdzv").mkdir(parents=True)
+    user = _user_gen_dirs(sync)
+    (sync / "gen-x").mkdir()
+    outside = _canary(tmp_path / "outside")
+    before = _snapshot(outside)
+    victim = tmp_path / "victim"  # a directory that looks like a generation still forming
+    victim.mkdir()
+    if gen == "link":
+        (sync / "gen-00000000000000aa").symlink_to(victim)
+        gen = "00000000000000aa"
+    with subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(sync / "rdzv" / "lock-0.lock")],
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as holder:
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline() == "held\n"
+            member = {**MemberInfo.for_self(0, "00000000000000aa").to_json(), "pid": holder.pid}
+            member.pop("start_ticks", None)
+            leader = {"member": member, "world_size": 2, "run_id": None, "gen": gen}
+            (sync / "rdzv" / "leader-00000000000000aa.json").write_text(json.dumps(leader))
+            done = subprocess.run(
+                [sys.executable, "-c", _RANK_0, str(sync)],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            holder.kill()
+    assert "RendezvousError" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert _snapshot(outside) == before
+    assert list(victim.iterdir()) == []
+    assert {n: v for n, v in _snapshot(sync).items() if n in user} == user

@@ -27,7 +27,8 @@ def default_places() -> list[str]:
 
 def own_default_dirs() -> list[Path]:
     """This user's directories named as the launcher names its own, in every place it
-    may make them (a launcher started with another ``TMPDIR`` is not found)."""
+    may make them, in which ranks have met (a launcher started with another ``TMPDIR``
+    is not found)."""
     found = []
     for base in default_places():
         with contextlib.suppress(OSError):
@@ -37,6 +38,12 @@ def own_default_dirs() -> list[Path]:
                 with contextlib.suppress(OSError):
                     # lstat: a link is nothing the launcher made.
                     st = os.lstat(os.path.join(base, name))
-                    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                    # rdzv/: ranks have met there (a venv named gradsync-* has none).
+                    rdzv = os.lstat(os.path.join(base, name, "rdzv"))
+                    if (
+                        stat.S_ISDIR(st.st_mode)
+                        and st.st_uid == os.getuid()
+                        and stat.S_ISDIR(rdzv.st_mode)
+                    ):
                         found.append(Path(base, name))
     return found

@@ -31,13 +31,9 @@ from typing import TYPE_CHECKING
 from filelock import Timeout, UnixFileLock
 
 from gradsync._errors import RendezvousError
-from gradsync._store.files import (
-    Backoff,
-    list_names,
-    remove_tree,
-    translate_oserror,
-    write_note,
-)
+from gradsync._store.dirs import is_own_dir, job_dir, remove_own_dir
+from gradsync._store.files import Backoff, translate_oserror
+from gradsync._store.read import file_below, names_below
 
 from .liveness import HeartbeatWatch, MemberInfo
 from .names import (
@@ -54,6 +50,7 @@ from .names import (
     member_of,
     offer_name,
     rival_name,
+    write_note,
 )
 
 if TYPE_CHECKING:  # the launcher's watchdog imports this module without numpy
@@ -106,8 +103,8 @@ def _new_lock(path: Path) -> UnixFileLock:
 def _remove_held(lock: UnixFileLock, path: Path) -> None:
     """Remove the file of ``lock``, held, then let it go."""
     # Safe while held: filelock drops a lock it wins on an unlinked file (st_nlink == 0).
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+    with contextlib.suppress(OSError), job_dir(path) as dir_fd:
+        os.unlink(path.name, dir_fd=dir_fd)
     with contextlib.suppress(OSError):
         lock.release()
 
@@ -212,12 +209,15 @@ def _wait_for_holder(
 
 
 def _tell(gen_path: Path, me: MemberInfo, run_id: str | None) -> None:
-    """Leave a rival's note in the generation at ``gen_path``."""
+    """Leave a rival's note in the generation at ``gen_path``, if it is gradsync's."""
+    if not is_own_dir(gen_path.parent, gen_path.name):
+        return
     note = dump({"member": me.to_json(), "run_id": run_id})
     with contextlib.suppress(OSError):
         write_note(gen_path / rival_name(me.nonce), note)
     if leader_gone(gen_path):
-        remove_tree(gen_path)  # removed meanwhile: the note must not keep its directory
+        # Removed meanwhile: the note must not keep its directory.
+        remove_own_dir(gen_path.parent, gen_path.name)
 
 
 def _registered(cfg: FileGradSyncConfig) -> list[tuple[Path, MemberInfo, bool]]:
@@ -226,7 +226,7 @@ def _registered(cfg: FileGradSyncConfig) -> list[tuple[Path, MemberInfo, bool]]:
     lock's holder is among them, or has formed)."""
     rdzv = cfg.sync_dir / RDZV
     found = []
-    for name in sorted(list_names(rdzv)):
+    for name in sorted(names_below(rdzv)):
         if not (name.startswith("leader-") and name.endswith(".json")):
             continue
         data = load(rdzv / name)
@@ -235,9 +235,12 @@ def _registered(cfg: FileGradSyncConfig) -> list[tuple[Path, MemberInfo, bool]]:
             continue
         if leader.local_death() is not None:
             continue
-        gen_path = cfg.sync_dir / f"{GEN_PREFIX}{data.get('gen')}"
-        found.append((gen_path, leader, (gen_path / left_name(0)).exists()))
-    return sorted(found, key=lambda g: (g[0] / ROSTER).exists())
+        gen = data.get("gen")
+        if not (isinstance(gen, str) and gen.isascii() and gen.isalnum()):
+            continue  # not a generation gradsync names: nothing to look at outside
+        gen_path = cfg.sync_dir / f"{GEN_PREFIX}{gen}"
+        found.append((gen_path, leader, file_below(gen_path / left_name(0))))
+    return sorted(found, key=lambda g: file_below(g[0] / ROSTER))
 
 
 def remove_free_locks(rdzv: Path, names: Iterable[str]) -> None:
@@ -259,13 +262,11 @@ def _open_existing(path: Path) -> int | None:
     exclusive flock as a write lock); None if it cannot be."""
     flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        return os.open(path, os.O_RDWR | flags)
-    except PermissionError:
-        pass
-    except OSError:
-        return None
-    try:
-        return os.open(path, os.O_RDONLY | flags)
+        with job_dir(path) as dir_fd:
+            try:
+                return os.open(path.name, os.O_RDWR | flags, dir_fd=dir_fd)
+            except PermissionError:
+                return os.open(path.name, os.O_RDONLY | flags, dir_fd=dir_fd)
     except OSError:
         return None
 
@@ -289,7 +290,10 @@ def hold_join(path: Path) -> int | None:
     """Hold a shared ``flock`` on this rank's join file while it waits for a place: the
     sign to rank 0 that it lives. None where it cannot be taken."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with job_dir(path) as dir_fd:
+            fd = os.open(
+                path.name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd
+            )
     except OSError:
         return None
     for _ in range(100):  # a rank 0's look (_join_held) holds it for an instant
@@ -319,7 +323,7 @@ def check_claims(rdzv: Path, run_id: str | None, members: Iterable[MemberInfo]) 
     Raises:
         RendezvousError: naming the rank and both processes.
     """
-    names = list_names(rdzv)
+    names = names_below(rdzv)
     for member in members:
         other = _live_rival_join(rdzv, run_id, member, names)
         if other is not None:
