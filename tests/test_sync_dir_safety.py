@@ -133,6 +133,23 @@ def test_a_link_planted_as_a_generation_is_never_followed(tmp_path: Path) -> Non
     assert (sync / "gen-00000000000000aa").is_symlink()
 
 
+def _job_in_a_thread(
+    worker: Callable[..., Any], args: tuple[Any, ...]
+) -> tuple[threading.Thread, dict[int, Outcome]]:
+    """Two ranks of ``worker`` run in a thread, so the test can act on their files."""
+    results: dict[int, Outcome] = {}
+    job = threading.Thread(target=lambda: results.update(run_ranks(worker, 2, args)))
+    job.start()
+    return job, results
+
+
+def _wait_until(what: Callable[[], bool], job: threading.Thread, results: object) -> None:
+    deadline = time.monotonic() + 60
+    while not what() and job.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert what(), results
+
+
 @pytest.mark.parametrize("what", ["generation", "step"])
 def test_a_link_put_in_place_of_a_jobs_directory_mid_run_is_never_followed(
     tmp_path: Path, what: str
@@ -143,18 +160,11 @@ def test_a_link_put_in_place_of_a_jobs_directory_mid_run_is_never_followed(
     canary = _canary(tmp_path / "canary")
     before = _snapshot(canary)
     ready = tmp_path / "ready"
-    results: dict[int, Outcome] = {}
-    job = threading.Thread(
-        target=lambda: results.update(
-            run_ranks(syncdir_workers.steps_until_it_fails, 2, (2, str(sync), str(ready)))
-        )
+    job, results = _job_in_a_thread(
+        syncdir_workers.steps_until_it_fails, (2, str(sync), str(ready))
     )
-    job.start()
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists() and job.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert ready.exists(), results
+        _wait_until(ready.exists, job, results)
         (gen,) = sync.glob("gen-*")
         if what == "generation":
             gen.rename(sync / "moved")
@@ -285,18 +295,11 @@ def test_a_link_put_in_place_of_rdzv_mid_run_is_never_followed(tmp_path: Path) -
     sync = tmp_path / "sync"
     canary = _canary(tmp_path / "canary")
     ready, go = tmp_path / "ready", tmp_path / "go"
-    results: dict[int, Outcome] = {}
-    job = threading.Thread(
-        target=lambda: results.update(
-            run_ranks(syncdir_workers.steps_around_a_pause, 2, (2, str(sync), str(ready), str(go)))
-        )
+    job, results = _job_in_a_thread(
+        syncdir_workers.steps_around_a_pause, (2, str(sync), str(ready), str(go))
     )
-    job.start()
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists() and job.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert ready.exists(), results
+        _wait_until(ready.exists, job, results)
         (gen,) = sync.glob("gen-*")
         (canary / f"leader-{gen.name[4:]}.json").write_text("precious")
         before = _snapshot(canary)
@@ -310,13 +313,6 @@ def test_a_link_put_in_place_of_rdzv_mid_run_is_never_followed(tmp_path: Path) -
     assert _snapshot(canary) == before
 
 
-def _wait_until(what: Callable[[], bool], job: threading.Thread, results: object) -> None:
-    deadline = time.monotonic() + 60
-    while not what() and job.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert what(), results
-
-
 def test_a_link_put_in_place_of_a_step_dir_a_rank_waits_in_is_never_read(
     tmp_path: Path,
 ) -> None:
@@ -327,13 +323,9 @@ def test_a_link_put_in_place_of_a_step_dir_a_rank_waits_in_is_never_read(
     planted.mkdir()
     (planted / "abort-1").write_text(json.dumps({"type": "RuntimeError", "message": "PLANTED"}))
     ready = tmp_path / "ready"
-    results: dict[int, Outcome] = {}
-    job = threading.Thread(
-        target=lambda: results.update(
-            run_ranks(syncdir_workers.rank_1_late_for_call_4, 2, (2, str(sync), str(ready)))
-        )
+    job, results = _job_in_a_thread(
+        syncdir_workers.rank_1_late_for_call_4, (2, str(sync), str(ready))
     )
-    job.start()
     try:
         _wait_until(ready.exists, job, results)
         (gen,) = sync.glob("gen-*")
