@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # the launcher's watchdog imports this module without numpy
 __all__ = [
     "LeaderLock",
     "check_claims",
+    "claimed_twice",
     "hold_join",
     "offered_by_another",
     "release_join",
@@ -327,12 +328,17 @@ def check_claims(rdzv: Path, run_id: str | None, members: Iterable[MemberInfo]) 
     for member in members:
         other = _live_rival_join(rdzv, run_id, member, names)
         if other is not None:
-            raise RendezvousError(
-                f"rendezvous: two processes claim rank {member.rank}: {member.describe()} "
-                f"and {other.describe()} in {rdzv.parent}",
-                ranks=[member.rank],
-                path=rdzv.parent,
-            )
+            raise claimed_twice(member, other, rdzv.parent)
+
+
+def claimed_twice(first: MemberInfo, second: MemberInfo, sync_dir: Path) -> RendezvousError:
+    """The error of two live processes claiming one rank."""
+    return RendezvousError(
+        f"rendezvous: two processes claim rank {first.rank}: {first.describe()} and "
+        f"{second.describe()} in {sync_dir}",
+        ranks=[first.rank],
+        path=sync_dir,
+    )
 
 
 def _live_rival_join(

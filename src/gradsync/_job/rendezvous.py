@@ -60,6 +60,7 @@ from gradsync._store.read import file_below, names_below, read_below
 from .leaderlock import (
     LeaderLock,
     check_claims,
+    claimed_twice,
     hold_join,
     offered_by_another,
     release_join,
@@ -382,12 +383,7 @@ class _Leader:
                     path=cfg.sync_dir,
                 )
             if known is not None:
-                raise RendezvousError(
-                    f"rendezvous: two processes claim rank {member.rank}: "
-                    f"{known.describe()} and {member.describe()} in {cfg.sync_dir}",
-                    ranks=[member.rank],
-                    path=cfg.sync_dir,
-                )
+                raise claimed_twice(known, member, cfg.sync_dir)
             self.confirmed[member.rank] = member
 
     def _raise_gave_up(self, path: Path) -> None:
