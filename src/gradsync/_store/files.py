@@ -12,7 +12,6 @@ import errno
 import logging
 import os
 import secrets
-import shutil
 import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +34,6 @@ __all__ = [
     "place_marker",
     "read_exact_into",
     "read_small",
-    "remove_tree",
     "translate_oserror",
     "wait_for_path",
     "warn_if_open",
@@ -70,18 +68,6 @@ def warn_if_open(directory: Path) -> None:
             stat.S_IMODE(st.st_mode),
             st.st_uid,
         )
-
-
-def remove_tree(path: Path) -> None:
-    """Remove ``path`` and all it holds, as far as it goes; never raises.
-
-    Ranks may remove the same tree at once. ``shutil.rmtree(ignore_errors=True)``
-    does not ignore every error that causes: on a FUSE filesystem (JuiceFS), Python
-    3.11's rmtree can raise FileNotFoundError from an ``fstat`` of a directory that
-    another host removed meanwhile (seen in a rank's ``close()``).
-    """
-    with contextlib.suppress(OSError):
-        shutil.rmtree(path, ignore_errors=True)
 
 
 _READS = frozenset({"listing", "looking up", "opening", "reading"})
