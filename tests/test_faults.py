@@ -30,10 +30,11 @@ from hypothesis import strategies as st
 
 import fault_workers
 import gradsync
-from gradsync._job import names as _jobfiles
+from gradsync._job import notes as _jobfiles
 from gradsync._job import reaping as _reaping
 from gradsync._job import rendezvous as rdzv
 from gradsync._job.liveness import MemberInfo
+from gradsync._names import GAVE_UP, GEN_PREFIX, ROSTER
 from gradsync._step.engine import StepEngine
 from gradsync._step.header import (
     FIXED_SIZE,
@@ -1351,13 +1352,13 @@ def test_a_gave_up_note_racing_the_removal_of_its_generation_leaves_nothing(
     original = rdzv.write_note
 
     def write_note(path: Path, data: bytes, **kw: Any) -> None:
-        if not path.name.startswith(_jobfiles.GAVE_UP):
+        if not path.name.startswith(GAVE_UP):
             original(path, data, **kw)
             return
         # A remover (the next rank 0's reaper) has unlinked the leader file and listed
         # the directory, and removes what it listed; this note comes in between.
         gen = path.parent
-        _jobfiles.leader_file(sync, gen.name[len(_jobfiles.GEN_PREFIX) :]).unlink()
+        _jobfiles.leader_file(sync, gen.name[len(GEN_PREFIX) :]).unlink()
         _remove_but(gen, lambda: original(path, data, **kw))
 
     monkeypatch.setattr(rdzv, "write_note", write_note)
@@ -1405,16 +1406,16 @@ def test_a_joiner_that_gives_up_as_rank_0_writes_the_roster_leaves_the_job(
         return found
 
     def confirm(path: Path, data: dict[str, Any], what: str) -> None:
-        if path.name == _jobfiles.ROSTER:
+        if path.name == ROSTER:
             assert checked.wait(10.0)
         write_json(path, data, what)
         if path.name.startswith("member-1-"):
             closing.set()  # closed from another thread just after confirming
-        if path.name == _jobfiles.ROSTER:
+        if path.name == ROSTER:
             rostered.set()
 
     def note(path: Path, data: bytes, **kw: Any) -> None:
-        if path.name.startswith(_jobfiles.GAVE_UP):
+        if path.name.startswith(GAVE_UP):
             assert rostered.wait(10.0)  # rank 0 wrote the roster before it saw the note
         write_note(path, data, **kw)
 
@@ -1536,7 +1537,7 @@ def test_a_confirmation_racing_the_removal_of_its_generation_is_waited_past(
         # this confirmation comes in between.
         leaders[0].join()
         gen = path.parent
-        _jobfiles.leader_file(sync, gen.name[len(_jobfiles.GEN_PREFIX) :]).unlink()
+        _jobfiles.leader_file(sync, gen.name[len(GEN_PREFIX) :]).unlink()
         _remove_but(gen, lambda: write_json(path, data, what))
         leaders.append(threading.Thread(target=_rank_0_of_2, args=(sync, 6.0, outcomes)))
         leaders[-1].start()
@@ -1552,7 +1553,7 @@ def test_a_gave_up_joiner_that_cannot_look_up_the_leader_file_keeps_its_error(
     that fails otherwise than "not found" (a stale NFS handle) raised that OSError out of
     its except clause, instead of the rendezvous's own error, and left its join and
     offer files behind; nor may it take the generation for removed."""
-    gen = tmp_path / f"{_jobfiles.GEN_PREFIX}abc"
+    gen = tmp_path / f"{GEN_PREFIX}abc"
     gen.mkdir()
     leader = _jobfiles.leader_file(tmp_path, "abc")
     leader.parent.mkdir()

@@ -18,7 +18,7 @@ import gradsync
 import gradsync._cli.status
 import gradsync._job.liveness
 import workers
-from gradsync._job.names import member_rank
+from gradsync._names import member_rank
 from gradsync._store.dirs import OWN_MARK
 from ranks import run_ranks
 

@@ -565,7 +565,7 @@ def raises_in_its_with_block(rank: int, world: int, sync_dir: str) -> Any:
 
 def membership_not_written(rank: int, world: int, sync_dir: str) -> Any:
     """Rank 1 is offered a place, then cannot write its membership file (ENOSPC)."""
-    from gradsync._job import names as _jobfiles  # noqa: PLC0415
+    from gradsync._job import notes as _jobfiles  # noqa: PLC0415
 
     if rank == 1:
         write = _jobfiles.write_atomic

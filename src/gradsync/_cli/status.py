@@ -13,17 +13,14 @@ from typing import Any
 
 from gradsync._errors import CorruptFileError, note_reason, parse_note
 from gradsync._job.liveness import HeartbeatWatch, MemberInfo, read_counter
-from gradsync._job.names import (
+from gradsync._job.notes import how_it_ended, leader_file, load, member_of
+from gradsync._names import (
     ABORT,
     GEN_PREFIX,
     RDZV,
     ROSTER,
-    how_it_ended,
     join_nonce,
-    leader_file,
     left_name,
-    load,
-    member_of,
     member_rank,
     offer_name,
 )

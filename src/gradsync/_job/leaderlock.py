@@ -31,27 +31,22 @@ from typing import TYPE_CHECKING
 from filelock import Timeout, UnixFileLock
 
 from gradsync._errors import RendezvousError
+from gradsync._names import (
+    GEN_PREFIX,
+    LOCK_PREFIX,
+    RDZV,
+    ROSTER,
+    join_nonce,
+    left_name,
+    offer_name,
+    rival_name,
+)
 from gradsync._store.dirs import is_own_dir, job_dir, remove_own_dir
 from gradsync._store.files import Backoff, translate_oserror
 from gradsync._store.read import file_below, names_below
 
 from .liveness import HeartbeatWatch, MemberInfo
-from .names import (
-    GEN_PREFIX,
-    LOCK_PREFIX,
-    RDZV,
-    ROSTER,
-    dump,
-    join_nonce,
-    leader_gone,
-    left_name,
-    load,
-    lock_file,
-    member_of,
-    offer_name,
-    rival_name,
-    write_note,
-)
+from .notes import dump, leader_gone, load, lock_file, member_of, write_note
 
 if TYPE_CHECKING:  # the launcher's watchdog imports this module without numpy
     from gradsync._config import FileGradSyncConfig

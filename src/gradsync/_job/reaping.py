@@ -21,27 +21,14 @@ import threading
 import time
 from pathlib import Path
 
+from gradsync._names import ENDED, GEN_PREFIX, RDZV, ROSTER, join_nonce, left_name, offer_name
 from gradsync._store.dirs import dir_below, is_own_dir, remove_own_dir
 from gradsync._store.files import list_names, write_atomic, write_note
 from gradsync._store.read import file_below, names_below
 
 from .leaderlock import remove_free_locks
 from .liveness import HeartbeatWatch, MemberInfo, read_counter
-from .names import (
-    ENDED,
-    GEN_PREFIX,
-    RDZV,
-    ROSTER,
-    dump,
-    join_nonce,
-    leader_file,
-    leader_gone,
-    left_name,
-    load,
-    member_of,
-    noted_at,
-    offer_name,
-)
+from .notes import dump, leader_file, leader_gone, load, member_of, noted_at
 
 __all__ = [
     "leave_for_ended",

@@ -46,6 +46,21 @@ from gradsync._errors import (
     note_reason,
     parse_note,
 )
+from gradsync._names import (
+    ABORT,
+    ENDED,
+    GAVE_UP,
+    GEN_PREFIX,
+    RDZV,
+    RIVAL,
+    ROSTER,
+    join_name,
+    join_nonce,
+    left_name,
+    member_name,
+    member_rank,
+    offer_name,
+)
 from gradsync._store.dirs import dir_below, is_own_dir, make_own_dir, open_below, remove_own_dir
 from gradsync._store.files import (
     DIR_MODE,
@@ -67,27 +82,14 @@ from .leaderlock import (
     take_leader_lock,
 )
 from .liveness import Heartbeat, HeartbeatWatch, MemberInfo
-from .names import (
-    ABORT,
-    ENDED,
-    GAVE_UP,
-    GEN_PREFIX,
-    RDZV,
-    RIVAL,
-    ROSTER,
+from .notes import (
     dump,
     how_it_ended,
-    join_name,
-    join_nonce,
     leader_file,
     leader_gone,
-    left_name,
     load,
-    member_name,
     member_of,
-    member_rank,
     noted_at,
-    offer_name,
     unlink,
     write_json,
     write_note,

@@ -41,8 +41,9 @@ from gradsync._errors import (
     parse_note,
 )
 from gradsync._job.liveness import HeartbeatWatch, exact_process_checks
-from gradsync._job.names import how_it_ended, left_name
+from gradsync._job.notes import how_it_ended
 from gradsync._job.rendezvous import Generation, calls_finished
+from gradsync._names import left_name
 from gradsync._store.dirs import GenDir, refuse_link
 from gradsync._store.files import Backoff, NotAFileError, translate_oserror
 from gradsync._store.read import file_below, names_below, read_below

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from gradsync._errors import SyncDirError
+from gradsync._names import OWN_MARK
 
 from .files import DIR_MODE, FILE_MODE
 
@@ -37,8 +38,6 @@ __all__ = [
 
 _log = logging.getLogger("gradsync")
 
-# The empty file in every directory gradsync makes below the sync dir: proof that it did.
-OWN_MARK = ".gradsync-own"
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 

@@ -1,8 +1,5 @@
-"""The names of a job's files in the sync directory, and the small JSON files among them.
-
-Read by the rendezvous, by whoever removes dead runs' files, and by ``gradsync
-status``: one place says where each file lives and what an unreadable one counts as.
-"""
+"""The small JSON files of a job in the sync dir: where they are, how they are read
+and written, and what an unreadable one counts as. Their names: :mod:`gradsync._names`."""
 
 from __future__ import annotations
 
@@ -13,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync._errors import SyncDirError
+from gradsync._names import RDZV, gen_id_of, leader_name, left_name, lock_name
 from gradsync._store.dirs import job_dir
 from gradsync._store.files import translate_oserror, write_atomic
 from gradsync._store.files import write_note as _write_note
@@ -21,52 +19,24 @@ from gradsync._store.read import read_below
 from .liveness import MemberInfo
 
 __all__ = [
-    "ABORT",
-    "ENDED",
-    "GAVE_UP",
-    "GEN_PREFIX",
-    "LOCK_PREFIX",
-    "RDZV",
-    "RIVAL",
-    "ROSTER",
     "dump",
     "how_it_ended",
-    "join_name",
-    "join_nonce",
     "leader_file",
     "leader_gone",
-    "left_name",
     "load",
     "lock_file",
-    "member_name",
     "member_of",
-    "member_rank",
     "noted_at",
-    "offer_name",
     "parse",
-    "rival_name",
     "unlink",
     "write_json",
     "write_note",
 ]
 
-RDZV = "rdzv"
-GEN_PREFIX = "gen-"
-ROSTER = "roster.json"
-ABORT = "abort.json"
-# gave-up-<rank>-<nonce>.json: a rank that was offered a place, then failed, says why.
-GAVE_UP = "gave-up-"
-# rdzv/ended-<rank>-<nonce>.json: the launcher of a rank whose process ended while it
-# waited to join (join-<rank>-<nonce>.json) says how, for a rank 0 waiting for it.
-ENDED = "ended-"
-LOCK_PREFIX = "lock-0"
-# gen-<id>/rival-0-<nonce>.json: a second rank 0 of the run came while the job formed.
-RIVAL = "rival-0-"
-
 
 def leader_file(sync_dir: Path, gen_id: str) -> Path:
     """Rank 0's registration for generation ``gen_id``: it stays until the job is removed."""
-    return sync_dir / RDZV / f"leader-{gen_id}.json"
+    return sync_dir / RDZV / leader_name(gen_id)
 
 
 def leader_gone(gen_path: Path) -> bool:
@@ -74,7 +44,7 @@ def leader_gone(gen_path: Path) -> bool:
     a generation unlinks it first. False where that cannot be told (``Path.exists``
     raises for a stale handle or a denied lookup). No link is followed: one there is not
     gone."""
-    leader = leader_file(gen_path.parent, gen_path.name[len(GEN_PREFIX) :])
+    leader = leader_file(gen_path.parent, gen_id_of(gen_path.name) or "")
     try:
         with job_dir(leader) as fd:
             os.stat(leader.name, dir_fd=fd, follow_symlinks=False)
@@ -89,50 +59,7 @@ def lock_file(sync_dir: Path, run_id: str | None) -> Path:
     """The file whose flock the one rank 0 of run ``run_id`` holds for its job's life.
     Only its holder removes it, as it lets go: a process that opened it before would
     otherwise lock a gone file while a later one locked a new one, both "the" lock."""
-    name = LOCK_PREFIX if run_id is None else f"{LOCK_PREFIX}-{run_id}"
-    return sync_dir / RDZV / f"{name}.lock"
-
-
-def rival_name(nonce: str) -> str:
-    """The name, in a forming generation's directory, of the note that a rank 0 with
-    ``nonce`` came for the same run id while that job's rank 0 held the lock."""
-    return f"{RIVAL}{nonce}.json"
-
-
-def join_name(rank: int, nonce: str) -> str:
-    """The name, in ``rdzv/``, of the join file rank ``rank`` registers with ``nonce``."""
-    return f"join-{rank}-{nonce}.json"
-
-
-def join_nonce(name: str) -> str | None:
-    """The nonce of a join file's ``name``; None if ``name`` is not a join file's."""
-    if not (name.startswith("join-") and name.endswith(".json")):
-        return None
-    return name[: -len(".json")].rsplit("-", 1)[-1]
-
-
-def member_name(rank: int, nonce: str) -> str:
-    """The name, in a generation's directory, of rank ``rank``'s confirmation of its place
-    (its process's ``nonce``)."""
-    return f"member-{rank}-{nonce}.json"
-
-
-def member_rank(name: str) -> int | None:
-    """The rank of a confirmation's ``name`` (:func:`member_name`); None if ``name`` is
-    not one's."""
-    if not (name.startswith("member-") and name.endswith(".json")):
-        return None
-    rank = name.split("-")[1]
-    return int(rank) if rank.isascii() and rank.isdigit() else None
-
-
-def left_name(rank: int) -> str:
-    """The name, in a generation's directory, of the note that rank ``rank`` has left the
-    job: written by the rank as its session closes (``{"calls": N}``, the calls it
-    finished, with ``"ended": "closed its gradsync session (raising ValueError: ...)"``
-    when an exception closed it), or by its launcher once its process ended without
-    closing it (``{"ended": "was stopped by its launcher (killed by SIGTERM)"}``)."""
-    return f"left-{rank}"
+    return sync_dir / RDZV / lock_name(run_id)
 
 
 def how_it_ended(gen_path: Path, rank: int) -> str | None:
@@ -142,11 +69,6 @@ def how_it_ended(gen_path: Path, rank: int) -> str | None:
     note = load(gen_path / left_name(rank))
     ended = None if note is None else note.get("ended")
     return ended if isinstance(ended, str) and ended else None
-
-
-def offer_name(nonce: str) -> str:
-    """The name, in ``rdzv/``, of rank 0's answer to the join with ``nonce``."""
-    return f"offer-{nonce}.json"
 
 
 def noted_at(note: dict[str, Any]) -> float | None:
