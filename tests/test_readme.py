@@ -1,4 +1,4 @@
-"""The README's example and commands, run as written."""
+"""The README's and docs/'s examples and commands, run as written; their links lead somewhere."""
 
 from __future__ import annotations
 
@@ -12,6 +12,33 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = {path.name: path.read_text() for path in sorted((ROOT / "docs").glob("*.md"))}
+_PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+_HEADING = re.compile(r"^#+ (.*)$", re.M)
+
+
+def _readme_example() -> str:
+    """The ten-line example at the top of the README."""
+    code = _PYTHON_BLOCK.search(README)
+    assert code is not None
+    return code.group(1)
+
+
+def _torch_recipes() -> list[str]:
+    """The README's ``p.grad.numpy()`` recipe, then docs/pytorch.md's ``buffers_like`` one."""
+    views = [b for b in _PYTHON_BLOCK.findall(README) if "p.grad.numpy()" in b]
+    buffers = [b for b in _PYTHON_BLOCK.findall(DOCS["pytorch.md"]) if "buffers_like" in b]
+    assert len(views) == 1, "the README no longer shows the p.grad.numpy() recipe"
+    assert len(buffers) == 1, "docs/pytorch.md no longer shows the buffers_like recipe"
+    return [views[0], buffers[0]]
+
+
+def _buffers_example() -> str:
+    """docs/api.md's numpy ``buffers_like`` example."""
+    section = DOCS["api.md"].split("## Gradients that need no copy", 1)[1]
+    code = _PYTHON_BLOCK.search(section)
+    assert code is not None
+    return code.group(1)
 
 
 def _launch(args: list[str], cwd: Path, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
@@ -25,19 +52,17 @@ def _launch(args: list[str], cwd: Path, timeout_s: float = 120) -> subprocess.Co
     )
 
 
-def _run_first_python_block(text: str, tmp_path: Path) -> str:
-    """Run the first python block of ``text`` on 2 ranks; its output, rank-prefixed."""
-    code = re.search(r"```python\n(.*?)```", text, re.S)
-    assert code is not None
+def _run_on_two_ranks(code: str, tmp_path: Path) -> str:
+    """Run ``code`` on 2 ranks; its output, rank-prefixed."""
     script = tmp_path / "example.py"
-    script.write_text(code.group(1))
+    script.write_text(code)
     result = _launch(["--nproc", "2", str(script)], tmp_path)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
 
 def test_readme_example_runs_on_two_ranks_and_agrees(tmp_path: Path) -> None:
-    out = _run_first_python_block(README, tmp_path)
+    out = _run_on_two_ranks(_readme_example(), tmp_path)
     lines = dict(re.findall(r"^\[rank (\d)\] rank \d: w = (.*)$", out, re.M))
     assert set(lines) == {"0", "1"}, out
     assert lines["0"] == lines["1"]
@@ -45,14 +70,12 @@ def test_readme_example_runs_on_two_ranks_and_agrees(tmp_path: Path) -> None:
     assert w == pytest.approx([1.0, -2.0, 0.5], abs=1e-3)
 
 
-def test_readme_torch_examples_run_on_two_ranks_and_agree(tmp_path: Path) -> None:
+def test_torch_recipes_run_on_two_ranks_and_agree(tmp_path: Path) -> None:
     # The views of p.grad (function form) and the buffers_like recipe: one model on
     # both ranks, and the same one from both recipes.
     pytest.importorskip("torch")
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "import torch" in b]
-    assert len(blocks) == 2, "the README no longer shows both torch recipes"
-    weights = []
-    for i, block in enumerate(blocks):
+    weights: list[str] = []
+    for i, block in enumerate(_torch_recipes()):
         script = tmp_path / f"torch_{i}.py"
         script.write_text(block)
         result = _launch(["--nproc", "2", str(script)], tmp_path)
@@ -99,9 +122,7 @@ def test_the_two_node_commands_run_as_written(tmp_path: Path) -> None:
 def test_readme_example_runs_alone_as_the_readme_says(tmp_path: Path) -> None:
     command = re.search(r"`(GRADSYNC_WORLD_SIZE=1 GRADSYNC_RANK=0) python example\.py`", README)
     assert command is not None, "the README no longer says how to run the example alone"
-    code = re.search(r"```python\n(.*?)```", README, re.S)
-    assert code is not None
-    (tmp_path / "example.py").write_text(code.group(1))
+    (tmp_path / "example.py").write_text(_readme_example())
     env = {k: v for k, v in os.environ.items() if "WORLD_SIZE" not in k and "RANK" not in k}
     env.pop("GRADSYNC_SYNC_DIR", None)
     env.update(item.split("=") for item in command.group(1).split())
@@ -118,8 +139,8 @@ def test_readme_example_runs_alone_as_the_readme_says(tmp_path: Path) -> None:
     assert result.stdout == "rank 0: w = [ 1.  -2.   0.5]\n"
 
 
-def test_readme_buffers_example_runs_on_two_ranks(tmp_path: Path) -> None:
-    out = _run_first_python_block(README.split("### Gradients that need no copy", 1)[1], tmp_path)
+def test_docs_buffers_example_runs_on_two_ranks(tmp_path: Path) -> None:
+    out = _run_on_two_ranks(_buffers_example(), tmp_path)
     found = sorted(re.findall(r"^\[rank \d\] (rank \d: .*)$", out, re.M))
     assert found == ["rank 0: 9.5", "rank 1: 9.5"], out
 
@@ -150,7 +171,7 @@ def test_every_test_the_readme_names_exists() -> None:
     # The guarantees point at the tests that hold them up; a renamed test must not
     # leave the README or docs/ pointing at nothing. ``::name`` continues the last named
     # file of the same document.
-    docs = [README, *(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))]
+    docs = [README, *DOCS.values()]
     refs = [
         (doc_index, file, name)
         for doc_index, text in enumerate(docs)
@@ -170,3 +191,36 @@ def test_every_test_the_readme_names_exists() -> None:
         if not re.search(rf"^def {name}\(", path.read_text(), re.M):
             missing.append(f"{current}::{name}")
     assert missing == []
+
+
+def test_every_python_block_of_the_readme_and_docs_is_run_by_these_tests() -> None:
+    # A python block is a promise that it runs; snippets that cannot run alone are text.
+    blocks = {b for text in [README, *DOCS.values()] for b in _PYTHON_BLOCK.findall(text)}
+    assert blocks == {_readme_example(), *_torch_recipes(), _buffers_example()}
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_of_the_readme_and_docs_leads_to_a_file_and_heading() -> None:
+    pages = {ROOT / "README.md": README}
+    pages.update((ROOT / "docs" / name, text) for name, text in DOCS.items())
+    broken = []
+    for page, text in pages.items():
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            if not path.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor not in ["", *map(_anchor, _HEADING.findall(path.read_text()))]:
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_the_readme_links_every_docs_page() -> None:
+    linked = set(re.findall(r"\]\(docs/([\w.-]+\.md)", README))
+    assert linked == set(DOCS)
