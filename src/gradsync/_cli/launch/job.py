@@ -17,10 +17,10 @@ from pathlib import Path
 from gradsync._cli.watchdog import group_alive
 from gradsync._job.reaping import leave_for_ended
 
-from .guard import ABANDON_S, WatchdogLink
 from .output import Output, pump
 from .report import Tail, describe, signal_name, stopped_by_launcher
 from .signals import SignalCatcher
+from .watchdoglink import ABANDON_S, WatchdogLink
 
 __all__ = ["Job", "Rank"]
 
@@ -228,7 +228,7 @@ def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     # - ranks never touch the terminal (stdin is /dev/null), so they cannot be
     #   stopped by SIGTTIN.
     # The cost: a launcher killed by SIGKILL cannot stop the ranks; its watchdog,
-    # told of every rank's group, does (guard.py).
+    # told of every rank's group, does (watchdoglink.py).
     return subprocess.Popen(
         argv,
         env=env,

@@ -8,9 +8,9 @@ import logging
 import signal
 import time
 
-from .guard import ABANDON_S
 from .job import Job, Rank
 from .report import describe, failure_summary, signal_name
+from .watchdoglink import ABANDON_S
 
 __all__ = ["run", "supervise"]
 
