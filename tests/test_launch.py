@@ -651,29 +651,34 @@ def test_missing_script_in_rank_is_a_rank_failure(tmp_path: Path) -> None:
 
 
 def test_the_group_of_a_rank_long_gone_is_never_signalled(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Rank 1 exits at once and its group empties: its pid is free, and once the pids wrap
     # around (32768 of them on many hosts) it may lead an unrelated group, such as a rank
-    # of another launcher. When rank 0 then fails, the launcher must not signal that pid.
+    # of another launcher. When rank 0 then fails, the launcher must not signal that pid;
+    # the group of rank 0, where a process it started lives on, it does signal.
     script = tmp_path / "early.py"
     script.write_text(
-        "import os, sys, time\n"
+        "import os, subprocess, sys, time\n"
         "if os.environ['RANK'] == '1':\n"
         "    print('PID', os.getpid(), flush=True)\n"
         "    sys.exit(0)\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         "time.sleep(1.0)\n"
         "sys.exit(3)\n"
     )
     sent: list[tuple[int, int]] = []
-    real_killpg = os.killpg
 
     def killpg(pgid: int, signum: int) -> None:
         sent.append((pgid, signum))
-        real_killpg(pgid, signum)
+        os.killpg(pgid, signum)
 
-    monkeypatch.setattr(os, "killpg", killpg)
-    assert main(["launch", "--nproc", "2", "--grace-period-s", "0.5", str(script)]) == 3
+    job = Job(SignalCatcher(), 0.5, tmp_path, own_dir=False, killpg=killpg)
+    envs = rank_envs(
+        nproc=2, nnodes=1, node_rank=0, sync_dir=tmp_path, run_id="gone", max_wait_s=None
+    )
+    assert run_job(job, [sys.executable, str(script)], envs) == 3
+    assert (job.ranks[0].pid, signal.SIGTERM) in sent
     out = capsys.readouterr().out
     pid = int(out.split("[rank 1] PID ")[1].split()[0])
     assert [s for p, s in sent if p == pid and s != 0] == []

@@ -69,8 +69,9 @@ def _reap(info: Rank) -> int:
 class Job:
     """The ranks of one node: starts them, signals them, leaves for those that end.
 
-    ``leave`` (``leave_for_ended``'s arguments) and ``reap`` (waits for a rank's process
-    and returns its exit status) are seams: tests record the notes, or delay the news.
+    Seams, for tests to record or delay what they do: ``leave`` (takes
+    ``leave_for_ended``'s arguments), ``reap`` (waits for a rank's process and returns
+    its exit status) and ``killpg`` (signals a process group, as :func:`os.killpg`).
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class Job:
         own_dir: bool,
         leave: Callable[[Path, int, int, str], object] = leave_for_ended,
         reap: Callable[[Rank], int] = _reap,
+        killpg: Callable[[int, int], None] = os.killpg,
     ) -> None:
         self.signals = signals
         self.grace_period_s = grace_period_s
@@ -90,6 +92,7 @@ class Job:
         self._sync_dir = sync_dir
         self._leave = leave
         self._reap = reap
+        self._killpg = killpg
         self._leaving: list[threading.Thread] = []  # threads of leave_for
         self._exits: queue.Queue[tuple[Rank, int]] = queue.Queue()
         self._watchdog = WatchdogLink(grace_period_s, sync_dir, own_dir=own_dir)
@@ -165,7 +168,15 @@ class Job:
         self.note_gone_groups()
         for info in self.ranks:
             if not info.group_gone:
-                _killpg(info.proc.pid, signum)
+                self._signal_group(info.proc.pid, signum)
+
+    def _signal_group(self, pgid: int, signum: int) -> None:
+        try:
+            self._killpg(pgid, signum)
+        except ProcessLookupError:
+            pass
+        except PermissionError as exc:
+            logger.debug("cannot send %s to process group %d: %s", signal_name(signum), pgid, exc)
 
     def _stop_now(self) -> None:
         """SIGKILL every rank started so far and reap them (used when starting fails)."""
@@ -237,12 +248,3 @@ def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
-
-
-def _killpg(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except ProcessLookupError:
-        pass
-    except PermissionError as exc:
-        logger.debug("cannot send %s to process group %d: %s", signal_name(signum), pgid, exc)
