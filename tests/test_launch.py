@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import select
@@ -21,8 +22,11 @@ from typing import Any
 
 import pytest
 
-from gradsync._cli import launch as _launch
 from gradsync._cli import watchdog as _watchdog
+from gradsync._cli.launch.args import rank_envs
+from gradsync._cli.launch.job import Job, Rank
+from gradsync._cli.launch.signals import SignalCatcher
+from gradsync._cli.launch.supervise import run as run_job
 from gradsync._cli.main import main
 from gradsync._step import transport as _transport
 
@@ -380,19 +384,15 @@ def test_a_rank_that_ended_while_waiting_to_join_is_named_by_the_rank_0_waiting_
     assert re.search(timeout + said + "\n", rank_0.stderr), rank_0.stderr
 
 
-def test_how_a_rank_ended_is_noted_unless_it_exited_0(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_how_a_rank_ended_is_noted_unless_it_exited_0(tmp_path: Path) -> None:
     # Exit code 0 is no note: peers still in its last call may not see yet what it
     # published there (a shared filesystem's listing lags); its heartbeat tells.
     noted: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(_launch, "leave_for_ended", lambda *args: noted.append(args))
-    job = _launch._Job(_launch._SignalCatcher(), 1.0, tmp_path, own_dir=False)
+    job = Job(SignalCatcher(), 1.0, tmp_path, own_dir=False, leave=lambda *a: noted.append(a))
     proc: Any = types.SimpleNamespace(pid=42)
     for code, stopped in [(0, False), (0, True), (-15, True), (-9, True), (-15, False), (1, True)]:
-        job._leave_for(_launch._Rank(3, 0, proc, returncode=code, stopped=stopped))
-    for thread in job._leaving:
-        thread.join(timeout=TIMEOUT_S)
+        job.leave_for(Rank(3, 0, proc, returncode=code, stopped=stopped))
+    job.wait_for_helpers()
     assert [how for *_, how in noted] == [
         "was stopped by its launcher (killed by SIGTERM)",
         "was stopped by its launcher (killed by SIGKILL)",
@@ -651,29 +651,34 @@ def test_missing_script_in_rank_is_a_rank_failure(tmp_path: Path) -> None:
 
 
 def test_the_group_of_a_rank_long_gone_is_never_signalled(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Rank 1 exits at once and its group empties: its pid is free, and once the pids wrap
     # around (32768 of them on many hosts) it may lead an unrelated group, such as a rank
-    # of another launcher. When rank 0 then fails, the launcher must not signal that pid.
+    # of another launcher. When rank 0 then fails, the launcher must not signal that pid;
+    # the group of rank 0, where a process it started lives on, it does signal.
     script = tmp_path / "early.py"
     script.write_text(
-        "import os, sys, time\n"
+        "import os, subprocess, sys, time\n"
         "if os.environ['RANK'] == '1':\n"
         "    print('PID', os.getpid(), flush=True)\n"
         "    sys.exit(0)\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         "time.sleep(1.0)\n"
         "sys.exit(3)\n"
     )
     sent: list[tuple[int, int]] = []
-    real_killpg = os.killpg
 
     def killpg(pgid: int, signum: int) -> None:
         sent.append((pgid, signum))
-        real_killpg(pgid, signum)
+        os.killpg(pgid, signum)
 
-    monkeypatch.setattr(os, "killpg", killpg)
-    assert main(["launch", "--nproc", "2", "--grace-period-s", "0.5", str(script)]) == 3
+    job = Job(SignalCatcher(), 0.5, tmp_path, own_dir=False, killpg=killpg)
+    envs = rank_envs(
+        nproc=2, nnodes=1, node_rank=0, sync_dir=tmp_path, run_id="gone", max_wait_s=None
+    )
+    assert run_job(job, [sys.executable, str(script)], envs) == 3
+    assert (job.ranks[0].pid, signal.SIGTERM) in sent
     out = capsys.readouterr().out
     pid = int(out.split("[rank 1] PID ")[1].split()[0])
     assert [s for p, s in sent if p == pid and s != 0] == []
@@ -682,7 +687,7 @@ def test_the_group_of_a_rank_long_gone_is_never_signalled(
 @pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "not-yet-reaped"])
 def test_a_rank_that_failed_on_its_own_as_stopping_began_is_not_called_stopped(
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
     capsys: pytest.CaptureFixture[str],
     reaped: bool,
 ) -> None:
@@ -698,19 +703,23 @@ def test_a_rank_that_failed_on_its_own_as_stopping_began_is_not_called_stopped(
         "time.sleep(0.5)\n"
         "sys.exit(3)\n"
     )
-    real_wait = _launch._Job._wait
 
-    def late_news_of_rank_1(self: Any, index: int, proc: subprocess.Popen[bytes]) -> None:
-        if index == 1:
+    def late_news_of_rank_1(info: Rank) -> int:
+        if info.local_rank == 1:
             if reaped:
-                proc.wait()
+                info.proc.wait()
             time.sleep(1.5)
-        real_wait(self, index, proc)
+        return info.proc.wait()
 
-    monkeypatch.setattr(_launch._Job, "_wait", late_news_of_rank_1)
-    assert main(["launch", "--nproc", "2", "--grace-period-s", "5", str(script)]) == 3
+    job = Job(SignalCatcher(), 5.0, tmp_path, own_dir=False, reap=late_news_of_rank_1)
+    envs = rank_envs(
+        nproc=2, nnodes=1, node_rank=0, sync_dir=tmp_path, run_id="late", max_wait_s=None
+    )
+    with caplog.at_level(logging.WARNING, logger="gradsync.launch"):
+        assert run_job(job, [sys.executable, str(script)], envs) == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "rank 0 failed (exit code 3); no other rank is still running" in warnings
     err = capsys.readouterr().err
-    assert "WARNING: rank 0 failed (exit code 3); no other rank is still running\n" in err
     assert "gradsync launch: rank 0 failed first: exit code 3" in err
     assert "gradsync launch: other ranks: rank 1: exit code 4\n" in err
 
@@ -920,7 +929,7 @@ def test_a_launch_that_ends_normally_leaves_no_watchdog(capsys: pytest.CaptureFi
     # not linger (or stop the next job's ranks) until this process exits.
     assert main(["launch", "--nproc", "1", str(SCRIPTS / "print_env.py")]) == 0
     assert unannounced(capsys.readouterr().err) == ""
-    ours = f"_watchdog.py\0{os.getpid()}\0".encode()
+    ours = f"{_watchdog.__file__}\0{os.getpid()}\0".encode()
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         with contextlib.suppress(OSError):
             assert ours not in cmdline.read_bytes(), cmdline

@@ -98,9 +98,7 @@ def test_status_of_a_missing_directory(tmp_path: Path) -> None:
     assert result.stderr == f"gradsync status: {tmp_path / 'nope'} is not a directory\n"
 
 
-def test_status_while_the_job_removes_what_it_lists(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_status_while_the_job_removes_what_it_lists(tmp_path: Path) -> None:
     # A running job removes its old step directories (and, at its end, everything)
     # between status's listing of a directory and its look inside.
     gen = tmp_path / "gen-0123456789abcdef"
@@ -116,20 +114,18 @@ def test_status_while_the_job_removes_what_it_lists(
             raise FileNotFoundError(2, "No such file or directory", str(path))
         return real(path)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(gradsync._cli.status.os, "listdir", racing)
-    report = gradsync._cli.status.describe(tmp_path, sample_s=0.0)
+    report = gradsync._cli.status.describe(tmp_path, sample_s=0.0, listdir=racing)
     (job,) = report["jobs"]
     assert job["ranks"][0]["last_call"] == 3
 
 
 def test_status_of_an_unreadable_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     def denied(path: object) -> list[str]:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(gradsync._cli.status.os, "listdir", denied)
-    assert gradsync._cli.status.status_main(tmp_path, as_json=False) == 1
+    assert gradsync._cli.status.status_main(tmp_path, as_json=False, listdir=denied) == 1
     assert capsys.readouterr().err == (
         f"gradsync status: cannot read {tmp_path}: Permission denied\n"
     )
@@ -165,7 +161,7 @@ def test_status_names_the_ranks_a_rendezvous_waits_for(tmp_path: Path) -> None:
     (job,) = report["jobs"]
     assert job["state"] == "rendezvous"
     assert job["waiting"] == {"for": [1], "by": [0, 2], "what": "join"}
-    assert "    ranks [0, 2] are waiting for ranks [1] to join" in gradsync._cli.status._text(
+    assert "    ranks [0, 2] are waiting for ranks [1] to join" in gradsync._cli.status.render(
         report
     )
 
@@ -204,7 +200,7 @@ def test_jobs_sharing_a_directory_are_shown_with_their_run_ids(tmp_path: Path) -
     _own(tmp_path / "gen-00000000000000dd")
     report = gradsync._cli.status.describe(tmp_path, sample_s=0.0)
     assert [job.get("run_id") for job in report["jobs"]] == ["beta", "alpha", None]
-    lines = [ln for ln in gradsync._cli.status._text(report).splitlines() if "generation" in ln]
+    lines = [ln for ln in gradsync._cli.status.render(report).splitlines() if "generation" in ln]
     assert [ln.split(",")[0] for ln in lines] == [
         "  generation 00000000000000aa (run id 'beta'): rendezvous",
         "  generation 00000000000000cc (run id 'alpha'): running",
@@ -213,7 +209,7 @@ def test_jobs_sharing_a_directory_are_shown_with_their_run_ids(tmp_path: Path) -
 
 
 def test_one_unreadable_job_is_named_and_the_others_shown(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     for name in ("gen-00000000000000aa", "gen-00000000000000bb"):
         _own(tmp_path / name)
@@ -225,8 +221,7 @@ def test_one_unreadable_job_is_named_and_the_others_shown(
             raise PermissionError(13, "Permission denied", str(locked))
         return real(path)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(gradsync._cli.status.os, "listdir", denied)
-    assert gradsync._cli.status.status_main(tmp_path, as_json=False) == 1
+    assert gradsync._cli.status.status_main(tmp_path, as_json=False, listdir=denied) == 1
     out = capsys.readouterr().out
     assert (
         "  generation 00000000000000aa: unreadable, 0 bytes\n"
@@ -236,14 +231,15 @@ def test_one_unreadable_job_is_named_and_the_others_shown(
 
 
 def test_status_of_a_directory_that_cannot_be_looked_up(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Python 3.11's is_dir() raises EACCES where a parent may not be searched.
-    def denied(self: Path) -> bool:
-        raise PermissionError(13, "Permission denied", str(self))
+    # Where a parent may not be searched, looking the directory up fails with EACCES:
+    # that is no missing directory.
+    def denied(path: object) -> list[str]:
+        raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(gradsync._cli.status.Path, "is_dir", denied)
-    assert gradsync._cli.status.status_main(tmp_path / "inner", as_json=False) == 1
+    inner = tmp_path / "inner"
+    assert gradsync._cli.status.status_main(inner, as_json=False, listdir=denied) == 1
     assert capsys.readouterr().err == (
         f"gradsync status: cannot read {tmp_path / 'inner'}: Permission denied\n"
     )
@@ -283,36 +279,33 @@ def _two_host_job(sync_dir: Path, interval_s: float, gen_id: str = "000000000000
 
 @pytest.mark.parametrize("publishes", [False, True], ids=["quiet", "publishing"])
 def test_a_remote_rank_beating_less_often_than_status_can_wait_is_not_called_dead(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, publishes: bool
+    tmp_path: Path, publishes: bool
 ) -> None:
     # Sampled 1.3 s apart, a rank beating every 5 s was shown NOT BEATING 5 times in 6
     # while it published call after call.
     gen = _two_host_job(tmp_path, interval_s=60.0)
-    monkeypatch.setattr(gradsync._cli.status, "_MAX_SAMPLE_S", 0.3)
     later = gen / "s-5"
     publish = threading.Timer(0.1, lambda: later.mkdir() or (later / "in-1").touch())
     if publishes:  # its next call, while status watches
         publish.start()
-    report = gradsync._cli.status.describe(tmp_path, sample_s=0.05)
+    report = gradsync._cli.status.describe(tmp_path, sample_s=0.05, max_sample_s=0.3)
     (job,) = report["jobs"]
     assert job["heartbeat_interval_s"] == 60.0
     far = job["ranks"][1]
     assert (far["beating"], far["sampled_s"]) == (True if publishes else None, 0.3)
     if publishes:
         publish.join()
-    text = gradsync._cli.status._text(report)
+    text = gradsync._cli.status.render(report)
     life = "beating" if publishes else "no beat seen in 0.3 s (it beats every 60 s)"
     assert f"    rank 1: pid {far['pid']} on {far['host']}, {life}, last published" in text
 
 
-def test_a_remote_rank_sampled_long_enough_and_silent_is_not_beating(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_remote_rank_sampled_long_enough_and_silent_is_not_beating(tmp_path: Path) -> None:
     # Judged by its own job's interval, even beside a job status cannot wait for.
     _two_host_job(tmp_path, interval_s=0.1)
     _two_host_job(tmp_path, interval_s=60.0, gen_id="00000000000000cc")
-    monkeypatch.setattr(gradsync._cli.status, "_MAX_SAMPLE_S", 0.3)
-    fast, slow = gradsync._cli.status.describe(tmp_path, sample_s=0.2)["jobs"]
+    report = gradsync._cli.status.describe(tmp_path, sample_s=0.2, max_sample_s=0.3)
+    fast, slow = report["jobs"]
     assert (fast["ranks"][1]["beating"], fast["ranks"][1]["sampled_s"]) == (False, 0.3)
     assert (slow["ranks"][1]["beating"], slow["ranks"][1]["sampled_s"]) == (None, 0.3)
 
@@ -329,7 +322,7 @@ def test_a_rank_left_by_its_launcher_is_shown_with_how_it_ended(tmp_path: Path, 
     assert "beating" not in far  # a rank that left is not watched (nor waited for)
     life = ended if by_launcher else "left"
     expected = f"    rank 1: pid {far['pid']} on {far['host']}, {life}, last published call 4 "
-    assert expected in gradsync._cli.status._text({"sync_dir": "", "disk_bytes": 0, "jobs": [job]})
+    assert expected in gradsync._cli.status.render({"sync_dir": "", "disk_bytes": 0, "jobs": [job]})
 
 
 def test_a_failed_rendezvous_with_an_empty_note_is_failed(tmp_path: Path) -> None:

@@ -25,6 +25,8 @@ _RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _MAX_WAIT_SECONDS = 1e9  # about 31 years
 # Below these a heartbeat thread or a warning loop only burns CPU and fills logs.
 _FLOOR_S = {"heartbeat_interval_s": 0.01, "heartbeat_timeout_s": 0.1, "warn_after_s": 0.1}
+# Threads wait this long at a time; past ~9.2e9 s such a wait overflows.
+_CEILING_S = {"heartbeat_interval_s": _MAX_WAIT_SECONDS, "heartbeat_timeout_s": _MAX_WAIT_SECONDS}
 _INT_RE = re.compile(r"[+-]?[0-9]+")
 
 
@@ -136,31 +138,11 @@ class FileGradSyncConfig:
                 f"rank must satisfy 0 <= rank < world_size, got rank={self.rank!r} "
                 f"with world_size={self.world_size!r}"
             )
-        if not isinstance(self.sync_dir, (str, os.PathLike)) or not os.fspath(self.sync_dir):
-            raise ConfigError(f"sync_dir must be a non-empty path, got {self.sync_dir!r}")
-        if "\0" in str(os.fspath(self.sync_dir)):
-            raise ConfigError(f"sync_dir must not contain a NUL byte, got {self.sync_dir!r}")
-        # Every later use must name the same directory: a relative path resolved at
-        # each use would follow an os.chdir and split the job. Not normalised (".."
-        # after a symbolic link means what the kernel says).
-        where = Path(os.path.expanduser(os.fspath(self.sync_dir)))
-        if not where.is_absolute():
-            try:
-                where = Path(os.getcwd(), where)
-            except OSError as exc:
-                raise ConfigError(
-                    f"sync_dir {self.sync_dir!r} is relative, and the current directory it "
-                    f"would be taken from is unusable: {exc.strerror or exc}"
-                ) from exc
-        self._set("sync_dir", where)
+        check_path("sync_dir", self.sync_dir)
+        self._set("sync_dir", _absolute(self.sync_dir))
         for name in ("max_wait_s", "heartbeat_interval_s", "heartbeat_timeout_s", "warn_after_s"):
-            self._set(name, check_seconds(name, getattr(self, name), floor=_FLOOR_S.get(name, 0)))
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s"):
-            # Threads wait this long at a time; past ~9.2e9 s such a wait overflows.
-            if getattr(self, name) > _MAX_WAIT_SECONDS:
-                raise ConfigError(
-                    f"{name} must be at most {_MAX_WAIT_SECONDS:.0e} s, got {getattr(self, name)!r}"
-                )
+            floor, ceiling = _FLOOR_S.get(name, 0), _CEILING_S.get(name)
+            self._set(name, check_seconds(name, getattr(self, name), floor=floor, ceiling=ceiling))
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
             raise ConfigError(
                 "heartbeat_timeout_s must be at least twice heartbeat_interval_s, got "
@@ -174,11 +156,10 @@ class FileGradSyncConfig:
         if self.use_mmap is not None:
             self._set("use_mmap", _check_bool("use_mmap", self.use_mmap, " or None"))
         if self.threads is not None:
-            self._set("threads", check_int("threads", self.threads, minimum=1))
-            if self.threads > _MAX_THREADS:
-                raise ConfigError(
-                    f"threads must be <= {_MAX_THREADS} or None, got {self.threads!r}"
-                )
+            threads = check_int(
+                "threads", self.threads, minimum=1, maximum=_MAX_THREADS, alt=" or None"
+            )
+            self._set("threads", threads)
         if self.run_id is not None:
             check_run_id("run_id", self.run_id, " or None")
 
@@ -208,44 +189,7 @@ class FileGradSyncConfig:
             ConfigError: naming the variable that is missing or bad, and its value.
             TypeError: an override that is not a field (as for any unknown keyword).
         """
-        source = os.environ if env is None else env
-        values: dict[str, object] = {}
-        used: list[str] = []
-        for key, names in (
-            ("world_size", ("GRADSYNC_WORLD_SIZE", "WORLD_SIZE")),
-            ("rank", ("GRADSYNC_RANK", "RANK")),
-        ):
-            if key in overrides:
-                continue
-            name, raw = _first(source, names)
-            values[key] = _parse_int(name, raw)
-            used.append(f"{name}={raw!r}")
-        if "sync_dir" in overrides:
-            pass
-        elif values.get("world_size", overrides.get("world_size")) == 1 and not source.get(
-            "GRADSYNC_SYNC_DIR"
-        ):
-            # One rank never touches the directory: running a script alone needs no setup.
-            values["sync_dir"] = Path(tempfile.gettempdir()) / "gradsync-single-rank"
-        else:
-            name, raw = _first(source, ("GRADSYNC_SYNC_DIR",))
-            if not raw.strip():
-                raise ConfigError(f"environment variable {name} is empty")
-            if raw != raw.strip():
-                raise ConfigError(
-                    f"environment variable {name} starts or ends with whitespace, got {raw!r}"
-                )
-            # A quoted "~/dir" reaches us unexpanded; no directory is named "~" on purpose.
-            values["sync_dir"] = os.path.expanduser(raw)
-        for key, name, parse in _OPTIONAL_VARS:
-            if name in source and key not in overrides:
-                values[key] = parse(name, source[name])
-                used.append(f"{name}={source[name]!r}")
-        for name in ("GRADSYNC_RUN_ID", "TORCHELASTIC_RUN_ID"):
-            if source.get(name):
-                values["run_id"] = source[name]
-                used.append(f"{name}={source[name]!r}")
-                break
+        values, used = _from_environment(os.environ if env is None else env, overrides)
         values.update(overrides)
         try:
             return cls(**values)  # type: ignore[arg-type]
@@ -266,13 +210,43 @@ class FileGradSyncConfig:
 FileGradSyncConfig.__init__.__annotations__["sync_dir"] = "str | os.PathLike[str]"
 
 
-def check_int(name: str, value: object, *, minimum: int) -> int:
-    """``value`` as an int (numpy integers too, not bools), or raise ConfigError."""
+def check_int(
+    name: str, value: object, *, minimum: int, maximum: int | None = None, alt: str = ""
+) -> int:
+    """``value`` as an int (numpy integers too, not bools) in ``[minimum, maximum]``, or
+    raise ConfigError naming ``name`` (and ``alt``, what else it may be, past ``maximum``)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise ConfigError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
+    if maximum is not None and int(value) > maximum:
+        raise ConfigError(f"{name} must be <= {maximum}{alt}, got {value!r}")
     return int(value)
+
+
+def check_path(name: str, value: object) -> None:
+    """Raise ConfigError naming ``name`` unless ``value`` is a non-empty path without NUL."""
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise ConfigError(f"{name} must be a non-empty path, got {value!r}")
+    if "\0" in str(os.fspath(value)):
+        raise ConfigError(f"{name} must not contain a NUL byte, got {value!r}")
+
+
+def _absolute(sync_dir: str | os.PathLike[str]) -> Path:
+    """``sync_dir`` with ``~`` expanded, taken from the current directory if relative."""
+    # Every later use must name the same directory: a relative path resolved at each
+    # use would follow an os.chdir and split the job. Not normalised (".." after a
+    # symbolic link means what the kernel says).
+    where = Path(os.path.expanduser(os.fspath(sync_dir)))
+    if where.is_absolute():
+        return where
+    try:
+        return Path(os.getcwd(), where)
+    except OSError as exc:
+        raise ConfigError(
+            f"sync_dir {sync_dir!r} is relative, and the current directory it "
+            f"would be taken from is unusable: {exc.strerror or exc}"
+        ) from exc
 
 
 def check_run_id(name: str, value: object, alternative: str = "") -> str:
@@ -291,9 +265,16 @@ def _check_bool(name: str, value: object, alternative: str = "") -> bool:
     return bool(value)
 
 
-def check_seconds(name: str, value: object, *, zero_ok: bool = False, floor: float = 0) -> float:
+def check_seconds(
+    name: str,
+    value: object,
+    *,
+    zero_ok: bool = False,
+    floor: float = 0,
+    ceiling: float | None = None,
+) -> float:
     """``value`` as a float of seconds (numpy floats too), finite, > 0 (>= 0 if
-    ``zero_ok``) and >= ``floor``, or raise ConfigError naming ``name``."""
+    ``zero_ok``), >= ``floor`` and <= ``ceiling``, or raise ConfigError naming ``name``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
     try:
@@ -305,7 +286,58 @@ def check_seconds(name: str, value: object, *, zero_ok: bool = False, floor: flo
         raise ConfigError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
     if seconds < floor:
         raise ConfigError(f"{name} must be at least {floor:g} s, got {value!r}")
+    if ceiling is not None and seconds > ceiling:
+        raise ConfigError(f"{name} must be at most {ceiling:.0e} s, got {seconds!r}")
     return seconds
+
+
+def _from_environment(
+    source: Mapping[str, str], overrides: Mapping[str, object]
+) -> tuple[dict[str, object], list[str]]:
+    """The fields ``source`` sets, but those in ``overrides``, and the ``NAME='value'``
+    of each variable read (for the error message)."""
+    values: dict[str, object] = {}
+    used: list[str] = []
+    for key, names in (
+        ("world_size", ("GRADSYNC_WORLD_SIZE", "WORLD_SIZE")),
+        ("rank", ("GRADSYNC_RANK", "RANK")),
+    ):
+        if key in overrides:
+            continue
+        name, raw = _first(source, names)
+        values[key] = _parse_int(name, raw)
+        used.append(f"{name}={raw!r}")
+    if "sync_dir" in overrides:
+        pass
+    elif values.get("world_size", overrides.get("world_size")) == 1 and not source.get(
+        "GRADSYNC_SYNC_DIR"
+    ):
+        # One rank never touches the directory: running a script alone needs no setup.
+        values["sync_dir"] = Path(tempfile.gettempdir()) / "gradsync-single-rank"
+    else:
+        values["sync_dir"] = _sync_dir_var(source)
+    for key, name, parse in _OPTIONAL_VARS:
+        if name in source and key not in overrides:
+            values[key] = parse(name, source[name])
+            used.append(f"{name}={source[name]!r}")
+    for name in ("GRADSYNC_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        if source.get(name):
+            values["run_id"] = source[name]
+            used.append(f"{name}={source[name]!r}")
+            break
+    return values, used
+
+
+def _sync_dir_var(source: Mapping[str, str]) -> str:
+    name, raw = _first(source, ("GRADSYNC_SYNC_DIR",))
+    if not raw.strip():
+        raise ConfigError(f"environment variable {name} is empty")
+    if raw != raw.strip():
+        raise ConfigError(
+            f"environment variable {name} starts or ends with whitespace, got {raw!r}"
+        )
+    # A quoted "~/dir" reaches us unexpanded; no directory is named "~" on purpose.
+    return os.path.expanduser(raw)
 
 
 def _first(source: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str]:

@@ -8,6 +8,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from gradsync._names import RDZV
+
 __all__ = ["DEFAULT_PREFIX", "default_base", "default_places", "own_default_dirs"]
 
 DEFAULT_PREFIX = "gradsync-"  # then the run id, "-" and mkdtemp's random part
@@ -39,7 +41,7 @@ def own_default_dirs() -> list[Path]:
                     # lstat: a link is nothing the launcher made.
                     st = os.lstat(os.path.join(base, name))
                     # rdzv/: ranks have met there (a venv named gradsync-* has none).
-                    rdzv = os.lstat(os.path.join(base, name, "rdzv"))
+                    rdzv = os.lstat(os.path.join(base, name, RDZV))
                     if (
                         stat.S_ISDIR(st.st_mode)
                         and st.st_uid == os.getuid()

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import TypeAlias
 
 from gradsync._errors import ConfigError
 
 from .launch import launch
 
 __all__ = ["main"]
+
+_Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 _LAUNCH_DESCRIPTION = """\
 Start N ranks of `python SCRIPT ARGS` on this node, in the spirit of torchrun.
@@ -38,7 +42,12 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    launch = _add_launch(commands)
+    _add_status(commands)
+    return parser, launch
 
+
+def _add_launch(commands: _Commands) -> argparse.ArgumentParser:
     launch = commands.add_parser(
         "launch",
         help="start the ranks of a job on this node",
@@ -96,7 +105,10 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     launch.add_argument(
         "args", nargs="*", default=[], metavar="ARGS", help="arguments passed to SCRIPT"
     )
+    return launch
 
+
+def _add_status(commands: _Commands) -> None:
     status = commands.add_parser(
         "status",
         help="show the state of a sync directory",
@@ -112,7 +124,6 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "without --sync-dir, in /dev/shm or the temp dir)",
     )
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
-    return parser, launch
 
 
 def _version() -> str:
@@ -177,16 +188,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         code: int = status_main(ns.dir, as_json=ns.json)
         return code
+    with _log_to_stderr(ns.verbose):
+        return _launch(ns, script_argv, launch_parser)
 
-    level = (
-        logging.WARNING if ns.verbose == 0 else logging.INFO if ns.verbose == 1 else logging.DEBUG
-    )
+
+@contextlib.contextmanager
+def _log_to_stderr(verbose: int) -> Iterator[None]:
+    """Show gradsync's log on stderr for the launch: warnings, or more with ``-v``/``-vv``."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("gradsync launch: %(levelname)s: %(message)s"))
     log = logging.getLogger("gradsync")
     previous_level = log.level
     log.addHandler(handler)
     log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(previous_level)
+
+
+def _launch(ns: argparse.Namespace, script_argv: list[str], parser: argparse.ArgumentParser) -> int:
+    """Run ``gradsync launch``: its exit code, 2 for invalid arguments, 1 if it could not start."""
     try:
         return launch(
             script_argv,
@@ -200,12 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             module=ns.module,
         )
     except ConfigError as exc:
-        launch_parser.print_usage(sys.stderr)
-        print(f"{launch_parser.prog}: error: {exc}", file=sys.stderr)
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"{launch_parser.prog}: error: cannot start the ranks: {exc}", file=sys.stderr)
+        print(f"{parser.prog}: error: cannot start the ranks: {exc}", file=sys.stderr)
         return 1
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(previous_level)

@@ -27,7 +27,7 @@ _GRADSYNC_ERROR_LIMIT = 4000
 _OTHER_ERROR_LIMIT = 200
 _GRADSYNC_ERROR = re.compile(r"gradsync(\.\w+)*\.\w+: ")
 # A traceback frame of gradsync's own modules (`.../gradsync/_step/engine.py`).
-_GRADSYNC_FRAME = re.compile(r'File ".*[/\\]gradsync[/\\]_\w+([/\\]\w+)?\.py", line \d+')
+_GRADSYNC_FRAME = re.compile(r'File ".*[/\\]gradsync[/\\]_\w+([/\\]\w+)*\.py", line \d+')
 
 
 def describe(returncode: int) -> str:
