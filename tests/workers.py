@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 import gradsync
-from gradsync._job import liveness as _liveness
+from gradsync import _proc
 from ranks import WarningLog, config
 
 SHAPES: list[tuple[tuple[int, ...], str]] = [
@@ -923,7 +923,7 @@ def without_proc(rank: int, world: int, sync_dir: str, late: int, victim: int | 
     """Ranks on a host without /proc (as on macOS): ``late`` publishes each call 0.3 s
     after the others, then ``victim`` (if any) exits before its third call (and stays
     a zombie: the test's process reaps it only at the end)."""
-    _liveness._PROC = Path(sync_dir) / "no-proc-here"
+    _proc.set_root(Path(sync_dir) / "no-proc-here")
     cfg = config(
         rank, world, sync_dir, max_wait_s=60.0, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0
     )
