@@ -21,6 +21,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,9 @@ __all__ = [
     "Heartbeat",
     "HeartbeatWatch",
     "MemberInfo",
+    "Verdict",
     "exact_process_checks",
+    "judge",
     "process_state",
 ]
 
@@ -235,3 +238,37 @@ class HeartbeatWatch:
         """Seconds of silence if the peer is past the timeout, else None."""
         silent = self.silent_for_s(path)
         return silent if silent >= self._timeout_s else None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a look tells of a peer: alive (True), gone (False, and ``why``), or not
+    known yet (None)."""
+
+    alive: bool | None
+    why: str = ""
+
+
+def judge(
+    member: MemberInfo,
+    watch: HeartbeatWatch | None = None,
+    heartbeat: Path | None = None,
+    *,
+    holds: Callable[[], bool] | None = None,
+) -> Verdict:
+    """Whether ``member`` lives: on this host its process tells at once; on another,
+    ``holds()`` where given (it holds a lock only a live process can), else its
+    heartbeat at ``heartbeat`` as ``watch`` has seen it: gone once silent for the
+    watch's timeout, alive once it has moved, not known before either (nor without a
+    watch)."""
+    if member.same_host:
+        death = member.local_death()
+        return Verdict(True) if death is None else Verdict(False, death)
+    if holds is not None:
+        return Verdict(holds())
+    if watch is None or heartbeat is None:
+        return Verdict(None)
+    silent = watch.is_lost(heartbeat)
+    if silent is not None:
+        return Verdict(False, f"stopped its heartbeat {silent:.1f} s ago")
+    return Verdict(True) if watch.moved(heartbeat) else Verdict(None)
