@@ -112,6 +112,21 @@ def _signal(groups: dict[int, str], signum: int) -> None:
             os.killpg(pgid, signum)
 
 
+def _follow(lines: Iterable[bytes]) -> dict[int, str] | None:
+    """The process groups (to the rank each runs) that the launcher's messages in
+    ``lines`` left running; None if it said ``done``."""
+    groups: dict[int, str] = {}
+    for raw in lines:
+        words = raw.decode("ascii", "replace").split()
+        if words == ["done"]:
+            return None
+        if len(words) == 3 and words[0] == "add" and words[1].isdigit():
+            groups[int(words[1])] = words[2]
+        elif len(words) == 2 and words[0] == "gone" and words[1].isdigit():
+            groups.pop(int(words[1]), None)
+    return groups
+
+
 def watch(
     lines: Iterable[bytes],
     launcher_pid: int,
@@ -124,15 +139,9 @@ def watch(
     it said ``done``, else 1 after stopping the groups it had started (and leaving
     their ranks' jobs in ``sync_dir`` for them; with ``own_dir``, the launcher made
     ``sync_dir`` for this job, and it is removed once every rank is gone)."""
-    groups: dict[int, str] = {}  # process group -> the rank it runs
-    for raw in lines:
-        words = raw.decode("ascii", "replace").split()
-        if words == ["done"]:
-            return 0
-        if len(words) == 3 and words[0] == "add" and words[1].isdigit():
-            groups[int(words[1])] = words[2]
-        elif len(words) == 2 and words[0] == "gone" and words[1].isdigit():
-            groups.pop(int(words[1]), None)
+    groups = _follow(lines)
+    if groups is None:
+        return 0
     if not groups:
         return 1
     # Only ranks running now are stopped by it: how one that ended before (exit 0, or

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 from gradsync._errors import GradSyncError, MismatchError, RendezvousError
 from gradsync._names import ROSTER, gen_id_of, heartbeat_name, left_name
 from gradsync._store.dirs import dir_below, remove_own_dir
-from gradsync._store.read import read_below
 
 from . import failures, notes
 from .liveness import Heartbeat, MemberInfo
@@ -118,9 +117,6 @@ def leave(gen: Generation, calls: int, ended: str | None = None) -> None:
 
 def calls_finished(gen: Generation, rank: int) -> int | None:
     """How many calls ``rank`` had finished when it left, if it left and said so."""
-    try:
-        raw = read_below(gen.left_path(rank))
-        calls = json.loads(raw)["calls"] if raw is not None else None
-    except (OSError, ValueError, TypeError, KeyError, RecursionError):
-        return None  # unreadable, or written by a gradsync that did not record it
+    note = notes.load(gen.left_path(rank))
+    calls = None if note is None else note.get("calls")  # None: written by an older gradsync
     return calls if isinstance(calls, int) and not isinstance(calls, bool) else None

@@ -23,7 +23,6 @@ from gradsync._names import (
     gen_name,
     heartbeat_name,
     join_name,
-    left_name,
     member_name,
     offer_name,
 )
@@ -309,7 +308,7 @@ def check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWat
         holders = _holders(cfg, gen_path)
         if holders is None:
             continue
-        if file_below(gen_path / left_name(cfg.rank)) or file_below(gen_path / left_name(0)):
+        if notes.has_left(gen_path, cfg.rank) or notes.has_left(gen_path, 0):
             continue  # the rank, or the job's rank 0, has left (after a failure, say)
         # The last rank to leave a job unlinks its leader file before the rest: a job
         # without one is being removed (its "left" files may be gone already).

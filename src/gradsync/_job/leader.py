@@ -29,7 +29,7 @@ from gradsync._names import (
 )
 from gradsync._store.dirs import is_own_dir, make_own_dir, remove_own_dir
 from gradsync._store.files import Backoff, translate_oserror
-from gradsync._store.read import file_below, names_below
+from gradsync._store.read import names_below
 
 from . import failures, notes
 from .decisions import (
@@ -331,4 +331,4 @@ def _left(sync_dir: Path, leader_data: dict[str, Any]) -> bool:
     makes its directory before this file, and the last rank to leave removes the file
     first.)"""
     gen = sync_dir / gen_name(str(leader_data.get("gen")))
-    return not is_own_dir(sync_dir, gen.name) or file_below(gen / left_name(0))
+    return not is_own_dir(sync_dir, gen.name) or notes.has_left(gen, 0)

@@ -40,7 +40,6 @@ from gradsync._names import (
     is_leader_name,
     join_nonce,
     join_prefix,
-    left_name,
     offer_name,
     rival_name,
 )
@@ -49,7 +48,7 @@ from gradsync._store.files import Backoff, translate_oserror
 from gradsync._store.read import file_below, names_below
 
 from .liveness import HeartbeatWatch, MemberInfo, judge
-from .notes import dump, leader_gone, load, lock_file, member_of, write_note
+from .notes import dump, has_left, leader_gone, load, lock_file, member_of, write_note
 
 if TYPE_CHECKING:  # the launcher's watchdog imports this module without numpy
     from gradsync._config import FileGradSyncConfig
@@ -233,7 +232,7 @@ def _registered(cfg: FileGradSyncConfig) -> list[tuple[Path, MemberInfo, bool]]:
         if not (isinstance(gen, str) and gen.isascii() and gen.isalnum()):
             continue  # not a generation gradsync names: nothing to look at outside
         gen_path = cfg.sync_dir / gen_name(gen)
-        found.append((gen_path, leader, file_below(gen_path / left_name(0))))
+        found.append((gen_path, leader, has_left(gen_path, 0)))
     return sorted(found, key=lambda g: file_below(g[0] / ROSTER))
 
 

@@ -18,13 +18,14 @@ from gradsync._names import ENDED, RDZV, gen_id_of, leader_name, left_name, lock
 from gradsync._store.dirs import job_dir
 from gradsync._store.files import translate_oserror, write_atomic
 from gradsync._store.files import write_note as _write_note
-from gradsync._store.read import names_below, read_below
+from gradsync._store.read import file_below, names_below, read_below
 
 from .liveness import MemberInfo
 
 __all__ = [
     "dump",
     "ended_notes",
+    "has_left",
     "how_it_ended",
     "leader_file",
     "leader_gone",
@@ -66,6 +67,11 @@ def lock_file(sync_dir: Path, run_id: str | None) -> Path:
     Only its holder removes it, as it lets go: a process that opened it before would
     otherwise lock a gone file while a later one locked a new one, both "the" lock."""
     return sync_dir / RDZV / lock_name(run_id)
+
+
+def has_left(gen_path: Path, rank: int) -> bool:
+    """Whether rank ``rank`` left the generation at ``gen_path`` (its ``left`` note is there)."""
+    return file_below(gen_path / left_name(rank))
 
 
 def how_it_ended(gen_path: Path, rank: int) -> str | None:

@@ -38,12 +38,22 @@ from gradsync._names import (
     seen_name,
 )
 from gradsync._store.dirs import dir_below, is_own_dir, remove_own_dir
-from gradsync._store.files import list_names, write_atomic, write_note
+from gradsync._store.files import list_names
 from gradsync._store.read import file_below, names_below
 
 from .leaderlock import remove_free_locks
 from .liveness import HeartbeatWatch, MemberInfo, judge, read_counter
-from .notes import dump, leader_file, leader_gone, load, member_of, noted_at
+from .notes import (
+    dump,
+    has_left,
+    leader_file,
+    leader_gone,
+    load,
+    member_of,
+    noted_at,
+    write_json,
+    write_note,
+)
 
 __all__ = [
     "leave_for_ended",
@@ -157,9 +167,7 @@ def _note_unjoined(rdzv: Path, rank: int, pid: int, how: str) -> None:
         if judge(member).alive:
             continue  # the pid is a live process's by now (see _leave_in)
         note = {"member": member.to_json(), "run_id": data.get("run_id"), "ended": how}
-        with dir_below(rdzv.parent, rdzv.name) as fd:
-            raw = dump({**note, "at": time.time()})
-            write_atomic(rdzv / ended_name(rank, nonce), [raw], dir_fd=fd)
+        write_json(rdzv / ended_name(rank, nonce), {**note, "at": time.time()}, "noting in")
 
 
 def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
@@ -171,15 +179,14 @@ def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
     if not ended or any(judge(m).alive for m in ended):
         return
     note = gen_path / left_name(rank)
-    if not file_below(note):  # else it closed its session itself (and may have died in it)
-        with dir_below(gen_path.parent, gen_path.name) as fd:
-            write_note(note, dump({"ended": how}), dir_fd=fd)
+    if not has_left(gen_path, rank):  # else it closed its session (and may have died in it)
+        write_note(note, dump({"ended": how}))
         if leader_gone(gen_path):
             # Removed meanwhile by someone who listed it before this note: it would
             # keep the directory, without a leader file to say whose it is.
             remove_own_dir(gen_path.parent, gen_path.name)
             return
-    if rostered and all(file_below(gen_path / left_name(m.rank)) for m in members):
+    if rostered and all(has_left(gen_path, m.rank) for m in members):
         _remove(gen_path)
 
 
@@ -187,7 +194,7 @@ def _gone(gen_path: Path, member: MemberInfo) -> bool | None:
     """Whether ``member`` of the generation at ``gen_path`` is gone: it left, or its
     process on this host has ended (True), or lives (False); None for a member on
     another host that has not left: only its heartbeat can tell."""
-    if file_below(gen_path / left_name(member.rank)):
+    if has_left(gen_path, member.rank):
         return True
     alive = judge(member).alive
     return None if alive is None else not alive
@@ -232,8 +239,8 @@ def _silent_since_last_look(gen_path: Path, beats: list[Path], timeout_s: float)
     if note is not None and note.get("counters") == counters:
         seen_at = note.get("monotonic")
         return isinstance(seen_at, (int, float)) and now - seen_at >= timeout_s
-    with contextlib.suppress(OSError), dir_below(gen_path.parent, gen_path.name) as fd:
-        write_atomic(note_path, [dump({"counters": counters, "monotonic": now})], dir_fd=fd)
+    with contextlib.suppress(OSError):
+        write_json(note_path, {"counters": counters, "monotonic": now}, "noting in")
     return False
 
 
