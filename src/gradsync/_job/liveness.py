@@ -9,7 +9,7 @@ peer on another host cannot be checked through processes,
 and flock does not exclude across NFS clients, so each rank rewrites a small
 heartbeat counter; a peer whose counter has not moved for ``heartbeat_timeout_s``
 of this host's monotonic clock is lost. No wall-clock times are compared
-across hosts.
+across hosts. :func:`judge` is the one judgment every caller in the job asks.
 """
 
 from __future__ import annotations
