@@ -30,10 +30,13 @@ from hypothesis import strategies as st
 
 import fault_workers
 import gradsync
+from gradsync._job import failures as _failures
+from gradsync._job import generation as _generation
+from gradsync._job import joiner as _joiner
 from gradsync._job import notes as _jobfiles
 from gradsync._job import reaping as _reaping
 from gradsync._job import rendezvous as rdzv
-from gradsync._job.liveness import MemberInfo
+from gradsync._job.liveness import HeartbeatWatch, MemberInfo
 from gradsync._names import GAVE_UP, GEN_PREFIX, ROSTER
 from gradsync._step.engine import StepEngine
 from gradsync._step.header import (
@@ -794,10 +797,10 @@ def test_fuzz_roster_readers_raise_only_gradsync_errors(roster: Any) -> None:
         cfg = gradsync.FileGradSyncConfig(2, 1, sync, max_wait_s=1.0)
         me = MemberInfo.for_self(1, "0000000000000000")
         with contextlib.suppress(gradsync.RendezvousError):
-            rdzv._check_not_taken(cfg, me, rdzv.HeartbeatWatch(1.0))
+            _joiner.check_not_taken(cfg, me, HeartbeatWatch(1.0))
         if isinstance(roster, dict):
             with contextlib.suppress(gradsync.RendezvousError, gradsync.MismatchError):
-                rdzv._accept(cfg, me, gen, roster)
+                _generation.accept(cfg, me, gen, roster)
         members = _reaping.members_of(gen)
         assert members is None or all(isinstance(m, MemberInfo) for m in members), members
         # Any cross-host member is judged later, in a daemon thread: make that at once.
@@ -806,8 +809,8 @@ def test_fuzz_roster_readers_raise_only_gradsync_errors(roster: Any) -> None:
 
 
 ROSTER_READERS = (
-    (rdzv, "_check_not_taken"),
-    (rdzv, "_accept"),
+    (_joiner, "check_not_taken"),
+    (_generation, "accept"),
     (_reaping, "members_of"),
     (_reaping, "reap_stale_generations"),
     (_reaping, "leave_for_ended"),
@@ -870,11 +873,11 @@ def test_a_joiner_names_how_a_rank_0_of_another_host_ended_as_its_launcher_says(
         {**MemberInfo.for_self(0, "00").to_json(), "host_id": "elsewhere/boot/ns", "pid": 7}
     )
     cfg = gradsync.FileGradSyncConfig(2, 1, tmp_path, max_wait_s=1.0)
-    watch = rdzv.HeartbeatWatch(3600.0)
-    rdzv._check_leader(cfg, leader, gen, watch)  # beating as far as it can tell
+    watch = HeartbeatWatch(3600.0)
+    _joiner.check_leader(cfg, leader, gen, watch)  # beating as far as it can tell
     (gen / "left-0").write_text('{"ended": "has ended (killed by SIGSEGV)"}')
     with pytest.raises(gradsync.PeerLostError) as info:
-        rdzv._check_leader(cfg, leader, gen, watch)
+        _joiner.check_leader(cfg, leader, gen, watch)
     assert str(info.value) == (
         f"rendezvous: rank 0 (pid 7 on {socket.gethostname()}) has ended (killed by SIGSEGV) "
         f"before completing the rendezvous in {gen}"
@@ -905,7 +908,7 @@ def test_a_launcher_says_how_a_rank_waiting_to_join_ended(tmp_path: Path) -> Non
     huge = json.dumps({**note, "member": {**note["member"], "rank": 5}, "at": 10**400})
     _file(rdzv, "ended-5-huge.json", huge.encode())  # valid JSON: no float holds it
     cfg = gradsync.FileGradSyncConfig(6, 0, tmp_path, run_id="r")
-    assert gradsync._job.rendezvous._unjoined_ends(cfg, [1, 5]).endswith(
+    assert _failures.unjoined_ends(cfg, [1, 5]).endswith(
         f"; rank 5 (pid 4000001 on {socket.gethostname()}) has ended (killed by SIGKILL) "
         "while waiting to join (noted)"
     )
@@ -1015,7 +1018,7 @@ def test_garbled_roster_entries_are_not_crashes(
     me = MemberInfo.for_self(1, "0000000000000000")
     if reader == "check_not_taken":
         # Garbled entries name nobody: no rank is taken, nothing raised.
-        assert rdzv._check_not_taken(cfg, me, rdzv.HeartbeatWatch(1.0)) is None
+        assert _joiner.check_not_taken(cfg, me, HeartbeatWatch(1.0)) is None
     elif reader == "members_of":
         # Unreadable members: unknown (None), never an empty list (which means "all gone").
         assert _reaping.members_of(gen) is None
@@ -1026,7 +1029,7 @@ def test_garbled_roster_entries_are_not_crashes(
         assert (gen / "roster.json").read_bytes() == content
     else:
         with pytest.raises(gradsync.RendezvousError) as info:
-            rdzv._accept(cfg, me, gen, json.loads(content))
+            _generation.accept(cfg, me, gen, json.loads(content))
         assert str(info.value) == f"rendezvous: unreadable roster in {gen}"
         assert isinstance(info.value.__cause__, ValueError)
 
@@ -1349,7 +1352,7 @@ def test_a_gave_up_note_racing_the_removal_of_its_generation_leaves_nothing(
     for heartbeat_timeout_s by every later rank 0, and shown by `gradsync status` as a
     rendezvous). Found by a chaos run (rank 0 stopped through its rendezvous)."""
     sync = tmp_path / "sync"
-    original = rdzv.write_note
+    original = _jobfiles.write_note
 
     def write_note(path: Path, data: bytes, **kw: Any) -> None:
         if not path.name.startswith(GAVE_UP):
@@ -1361,7 +1364,7 @@ def test_a_gave_up_note_racing_the_removal_of_its_generation_leaves_nothing(
         _jobfiles.leader_file(sync, gen.name[len(GEN_PREFIX) :]).unlink()
         _remove_but(gen, lambda: original(path, data, **kw))
 
-    monkeypatch.setattr(rdzv, "write_note", write_note)
+    monkeypatch.setattr(_jobfiles, "write_note", write_note)
     errors: dict[int, BaseException] = {}
 
     def rank(r: int, max_wait_s: float) -> None:
@@ -1395,14 +1398,14 @@ def test_a_joiner_that_gives_up_as_rank_0_writes_the_roster_leaves_the_job(
     sync = tmp_path / "sync"
     closing = threading.Event()
     rostered = threading.Event()
-    write_json, write_note = rdzv.write_json, rdzv.write_note
+    write_json, write_note, load = _jobfiles.write_json, _jobfiles.write_note, _jobfiles.load
 
     checked = threading.Event()
-    rostered_at = rdzv._rostered
 
-    def looked(*args: Any) -> Any:
-        found = rostered_at(*args)
-        checked.set()  # rank 1 looked for the roster once it had given up: none yet
+    def looked(path: Path, **kw: Any) -> Any:
+        found = load(path, **kw)
+        if path.name == ROSTER and closing.is_set():
+            checked.set()  # rank 1 looked for the roster once it had given up: none yet
         return found
 
     def confirm(path: Path, data: dict[str, Any], what: str) -> None:
@@ -1419,9 +1422,9 @@ def test_a_joiner_that_gives_up_as_rank_0_writes_the_roster_leaves_the_job(
             assert rostered.wait(10.0)  # rank 0 wrote the roster before it saw the note
         write_note(path, data, **kw)
 
-    monkeypatch.setattr(rdzv, "write_json", confirm)
-    monkeypatch.setattr(rdzv, "write_note", note)
-    monkeypatch.setattr(rdzv, "_rostered", looked)
+    monkeypatch.setattr(_jobfiles, "write_json", confirm)
+    monkeypatch.setattr(_jobfiles, "write_note", note)
+    monkeypatch.setattr(_jobfiles, "load", looked)
     gens: list[rdzv.Generation | gradsync.GradSyncError] = []
 
     def rank_0() -> None:
@@ -1447,7 +1450,7 @@ def test_a_joiner_that_gives_up_as_rank_0_writes_the_roster_leaves_the_job(
         assert "gave up joining" in str(gen), gen
     # A new session of rank 1's process is not refused as a second holder of rank 1.
     me = MemberInfo.for_self(1, "feedfeedfeedfeed")
-    rdzv._check_not_taken(cfg, me, rdzv.HeartbeatWatch(1.0))
+    _joiner.check_not_taken(cfg, me, HeartbeatWatch(1.0))
 
 
 def _rank_0_of_2(sync: Path, max_wait_s: float, outcomes: list[object]) -> None:
@@ -1475,7 +1478,7 @@ def _rank_1_meets_a_second_rank_0(
     """Rank 1's rendezvous while a first rank 0 (waiting ``first_wait_s``) gives up and
     ``confirm``, patched over write_json, starts a second one in ``leaders``: the
     generation rank 1 joined, which must be the one the second rank 0 formed."""
-    monkeypatch.setattr(rdzv, "write_json", confirm)
+    monkeypatch.setattr(_jobfiles, "write_json", confirm)
     leaders.append(threading.Thread(target=_rank_0_of_2, args=(sync, first_wait_s, outcomes)))
     leaders[0].start()
     gen = rdzv.rendezvous(gradsync.FileGradSyncConfig(2, 1, sync, max_wait_s=max_wait_s))
@@ -1497,7 +1500,7 @@ def test_a_generation_removed_as_a_joiner_confirms_is_waited_past(
     directory", as if the sync dir were gone). It must wait for the new rank 0's offer,
     as it does when the generation goes after it confirmed. Found by a chaos run."""
     sync = tmp_path / "sync"
-    write_json = rdzv.write_json
+    write_json = _jobfiles.write_json
     leaders: list[threading.Thread] = []
     outcomes: list[object] = []
 
@@ -1524,7 +1527,7 @@ def test_a_confirmation_racing_the_removal_of_its_generation_is_waited_past(
     in it for a roster nobody writes (max_wait_s) while the new rank 0 waited for its
     confirmation."""
     sync = tmp_path / "sync"
-    write_json = rdzv.write_json
+    write_json = _jobfiles.write_json
     leaders: list[threading.Thread] = []
     outcomes: list[object] = []
 
@@ -1566,6 +1569,6 @@ def test_a_gave_up_joiner_that_cannot_look_up_the_leader_file_keeps_its_error(
         return stat(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "stat", stale)
-    rdzv._unless_removed(gen)
+    _joiner.unless_removed(gen)
     monkeypatch.undo()
     assert gen.is_dir()

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from gradsync import _proc
 from gradsync._cli import watchdog as _watchdog
 from gradsync._cli.launch.args import rank_envs
 from gradsync._cli.launch.job import Job, Rank
@@ -897,17 +898,18 @@ def test_a_rank_whose_main_thread_ended_is_still_stopped_by_the_watchdog() -> No
         proc.wait()
 
 
-def test_the_watchdog_trusts_no_proc_of_another_pid_namespace(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_the_watchdog_trusts_no_proc_of_another_pid_namespace(tmp_path: Path) -> None:
     # In a new pid namespace without its own /proc, /proc shows another's pids: a
     # running rank missing there is not taken for gone.
     (tmp_path / "1" / "task").mkdir(parents=True)  # another namespace's pid 1
     (tmp_path / "1" / "stat").write_text("1 (init) S 0 1 1")
     (tmp_path / "self").symlink_to("1")  # not this process's pid
-    monkeypatch.setattr(_watchdog, "_PROC", tmp_path)
-    assert _watchdog._process_alive(os.getpid())
-    assert _watchdog._live({os.getpgrp(): "0"}) == {os.getpgrp(): "0"}
+    _proc.set_root(tmp_path)
+    try:
+        assert _watchdog._process_alive(os.getpid())
+        assert _watchdog._live({os.getpgrp(): "0"}) == {os.getpgrp(): "0"}
+    finally:
+        _proc.set_root(None)
 
 
 def test_the_watchdog_leaves_for_ranks_without_importing_numpy(tmp_path: Path) -> None:

@@ -12,19 +12,20 @@ from pathlib import Path
 import pytest
 
 import workers
-from gradsync._job import liveness as _liveness
+from gradsync import _proc
 from gradsync._job.liveness import MemberInfo, process_state
 from gradsync._step.reduce import average_host_grads
 from ranks import run_ranks
 
 
 @pytest.fixture
-def no_proc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def no_proc(tmp_path: Path) -> Iterator[None]:
     """This process behaves as on a host without /proc (macOS)."""
-    monkeypatch.setattr(_liveness, "_PROC", tmp_path / "absent")
-    _liveness._host_id.cache_clear()
-    yield
-    _liveness._host_id.cache_clear()
+    _proc.set_root(tmp_path / "absent")
+    try:
+        yield
+    finally:
+        _proc.set_root(None)
 
 
 def _exited_pid() -> int:

@@ -22,8 +22,10 @@ import pytest
 
 import gradsync
 import workers
+from gradsync._job import notes as _jobfiles
+from gradsync._job.decisions import disagreement, settings
+from gradsync._job.leader import Leader
 from gradsync._job.liveness import MemberInfo
-from gradsync._job.rendezvous import _Leader, _settings
 from gradsync._step.engine import StepEngine, nonfinite_params, validate_grads
 from gradsync._step.plan import Group, Plan
 from ranks import Outcome, run_ranks
@@ -500,16 +502,16 @@ def test_member_without_settings_is_refused(
     tmp_path: Path, data: dict[str, object], pattern: str
 ) -> None:
     cfg = gradsync.FileGradSyncConfig(2, 0, tmp_path)
-    leader = _Leader(cfg, MemberInfo.for_self(0, "0" * 16))
     joiner = MemberInfo.for_self(1, "1" * 16)
-    with pytest.raises(gradsync.MismatchError, match=f"^{pattern}$") as info:
-        leader._check_agreement(joiner, {"member": joiner.to_json(), **data})
-    assert info.value.ranks == (0, 1)
-    assert info.value.path == str(tmp_path)
-    settings = {"strategy": "sharded", "wide_sum": False, "check_finite": False}
+    error = disagreement(cfg, joiner, {"member": joiner.to_json(), **data})
+    assert isinstance(error, gradsync.MismatchError)
+    assert re.fullmatch(pattern, str(error)), str(error)
+    assert error.ranks == (0, 1)
+    assert error.path == str(tmp_path)
+    same = {"strategy": "sharded", "wide_sum": False, "check_finite": False}
     heartbeat = {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 15.0}
-    settings = {**settings, "checksums": False, **heartbeat}
-    leader._check_agreement(joiner, {"world_size": 2, "settings": settings})
+    same = {**same, "checksums": False, **heartbeat}
+    assert disagreement(cfg, joiner, {"world_size": 2, "settings": same}) is None
 
 
 def test_rank_0_reads_each_confirmation_once(
@@ -517,30 +519,28 @@ def test_rank_0_reads_each_confirmation_once(
 ) -> None:
     # Rank 0 looks for confirmations until every rank has one; reading the ones it has
     # again on every look cost ~800 file reads to form a 16-rank job.
-    from gradsync._job import rendezvous as _rendezvous  # noqa: PLC0415
-
     cfg = gradsync.FileGradSyncConfig(4, 0, tmp_path)
-    leader = _Leader(cfg, MemberInfo.for_self(0, "0" * 16))
+    leader = Leader(cfg, MemberInfo.for_self(0, "0" * 16))
     leader.gen_path.mkdir()
 
     def confirm(rank: int) -> None:
         member = MemberInfo.for_self(rank, str(rank) * 16)
-        data = {"member": member.to_json(), "world_size": 4, "settings": _settings(cfg)}
+        data = {"member": member.to_json(), "world_size": 4, "settings": settings(cfg)}
         (leader.gen_path / f"member-{rank}-{member.nonce}.json").write_text(json.dumps(data))
 
-    real_load = _rendezvous.load
+    real_load = _jobfiles.load
     loaded: list[str] = []
 
     def counted(path: Path) -> Any:
         loaded.append(path.name)
         return real_load(path)
 
-    monkeypatch.setattr(_rendezvous, "load", counted)
+    monkeypatch.setattr(_jobfiles, "load", counted)
     confirm(1)
-    leader._collect()
+    leader.collect()
     confirm(2)
-    leader._collect()
-    leader._collect()
+    leader.collect()
+    leader.collect()
     assert sorted(leader.confirmed) == [1, 2]
     assert loaded == [f"member-1-{'1' * 16}.json", f"member-2-{'2' * 16}.json"]
 

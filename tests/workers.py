@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 import gradsync
-from gradsync._job import liveness as _liveness
+from gradsync import _proc
+from gradsync._names import ABORT
 from ranks import WarningLog, config
 
 SHAPES: list[tuple[tuple[int, ...], str]] = [
@@ -419,19 +420,19 @@ def rank_0_interrupted_then_calls_again(rank: int, world: int, sync_dir: str) ->
     later), and calls again at once; its new session may remove the old generation
     before rank 1 reads why it ended. A rank told of a failure calls again once. All
     must get the mean, long before max_wait_s."""
-    from gradsync._job import rendezvous as _rendezvous  # noqa: PLC0415
+    from gradsync._job import notes as _jobfiles  # noqa: PLC0415
 
     if rank == 2:
         time.sleep(1.0)
     if rank == 1:
         # Rank 1 is slow to look: it never sees rank 0's abort note before the note's
         # generation is removed (a race that a real rank loses now and then).
-        real_read = _rendezvous.read_below
+        real_read = _jobfiles.read_raw
 
-        def unseen_abort(path: Path, limit: int = 1 << 20) -> bytes | None:
-            return None if path.name == _rendezvous.ABORT else real_read(path, limit)
+        def unseen_abort(path: Path) -> bytes | None:
+            return None if path.name == ABORT else real_read(path)
 
-        _rendezvous.read_below = unseen_abort  # type: ignore[assignment]
+        _jobfiles.read_raw = unseen_abort  # type: ignore[assignment]
     if rank == 0:
         _on_first(sync_dir, "gen-*/member-1-*.json", lambda: os.kill(os.getpid(), signal.SIGINT))
     cfg = config(rank, world, sync_dir, max_wait_s=20.0)
@@ -448,16 +449,16 @@ def rank_0_fails_and_its_generation_goes(rank: int, world: int, sync_dir: str) -
     confirmed; rank 1 never sees its abort note, and the generation is removed (as the
     next job's rank 0 would); rank 0 exits 1 s later. Rank 1 must hear that rank 0 is
     gone, not wait out max_wait_s for a new offer."""
+    from gradsync._job import notes as _jobfiles  # noqa: PLC0415
     from gradsync._job import reaping as _reaping  # noqa: PLC0415
-    from gradsync._job import rendezvous as _rendezvous  # noqa: PLC0415
 
     if rank == 1:
-        real_read = _rendezvous.read_below
+        real_read = _jobfiles.read_raw
 
-        def unseen_abort(path: Path, limit: int = 1 << 20) -> bytes | None:
-            return None if path.name == _rendezvous.ABORT else real_read(path, limit)
+        def unseen_abort(path: Path) -> bytes | None:
+            return None if path.name == ABORT else real_read(path)
 
-        _rendezvous.read_below = unseen_abort  # type: ignore[assignment]
+        _jobfiles.read_raw = unseen_abort  # type: ignore[assignment]
         with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:
             gs.average([np.ones(4)], step=0)
         return None
@@ -923,7 +924,7 @@ def without_proc(rank: int, world: int, sync_dir: str, late: int, victim: int | 
     """Ranks on a host without /proc (as on macOS): ``late`` publishes each call 0.3 s
     after the others, then ``victim`` (if any) exits before its third call (and stays
     a zombie: the test's process reaps it only at the end)."""
-    _liveness._PROC = Path(sync_dir) / "no-proc-here"
+    _proc.set_root(Path(sync_dir) / "no-proc-here")
     cfg = config(
         rank, world, sync_dir, max_wait_s=60.0, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0
     )

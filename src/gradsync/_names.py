@@ -17,6 +17,7 @@ Standard library only (the launcher's watchdog reads it without numpy)::
         rival-0-<nonce>.json         a second rank 0 of the run came
         hb-<nonce>                   a member's heartbeat
         left-<rank>                  rank <rank> left (and how it ended)
+        seen-<host key>.json         a rank 0's look at the heartbeats of a dead job
         d-<rank>[-<slot>].in|.out    a rank's input and its shard of the mean
         d-<rank>-b<n>.in             a rank's buffers_like file
         s-<seq>/                     call <seq>: in-<rank>, out-<rank>, abort-<rank>
@@ -45,6 +46,7 @@ __all__ = [
     "heartbeat_name",
     "input_marker",
     "is_leader_name",
+    "is_offer_name",
     "join_name",
     "join_nonce",
     "join_prefix",
@@ -56,6 +58,7 @@ __all__ = [
     "offer_name",
     "output_marker",
     "rival_name",
+    "seen_name",
     "shared_input_name",
     "shared_input_rank",
     "step_dir_name",
@@ -113,6 +116,10 @@ def offer_name(nonce: str) -> str:
     return f"offer-{nonce}.json"
 
 
+def is_offer_name(name: str) -> bool:
+    return name.startswith("offer-") and name.endswith(".json")
+
+
 def ended_name(rank: int, nonce: str) -> str:
     return f"{ENDED}{rank}-{nonce}.json"
 
@@ -139,6 +146,10 @@ def rival_name(nonce: str) -> str:
 
 def heartbeat_name(nonce: str) -> str:
     return f"hb-{nonce}"
+
+
+def seen_name(host_key: str) -> str:
+    return f"seen-{host_key}.json"
 
 
 def left_name(rank: int) -> str:

@@ -10,8 +10,8 @@ period, as the launcher itself would have done, and once they are gone it leaves
 jobs in the sync directory for them, as the launcher would have too.
 
 Run as a script (``python -I watchdog.py LAUNCHER_PID GRACE_PERIOD_S [SYNC_DIR [own]]``),
-standard library only until then: it starts in a few milliseconds, importing neither
-gradsync nor numpy while the launcher lives.
+standard library only until then (gradsync's ``_proc`` is): it starts in a few
+milliseconds, importing neither gradsync's package nor numpy while the launcher lives.
 """
 
 from __future__ import annotations
@@ -26,11 +26,23 @@ import types
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+
+def _standalone_package() -> None:
+    """Run as a script, import gradsync's modules from the tree this script is in (the
+    launcher's, whatever the environment says), not through the package's __init__,
+    which imports numpy: where numpy comes only through PYTHONPATH (environment
+    modules), ``python -I`` cannot see it. Imported as part of gradsync: nothing to do."""
+    package = types.ModuleType("gradsync")
+    package.__path__ = [str(Path(__file__).resolve().parent.parent)]
+    sys.modules.setdefault("gradsync", package)
+
+
+_standalone_package()
+from gradsync import _proc  # noqa: E402  (standard library only)
+
 __all__ = ["group_alive", "main", "watch"]
 
 _POLL_S = 0.05
-_PROC = Path("/proc")
-_DEAD = ("Z", "X")  # process states of a process that has ended
 _GONE_S = 5.0  # after SIGKILL, how long to wait for the groups before leaving for them
 # How a rank stopped by the watchdog ended, as its peers are told.
 _STOPPED = "was stopped by its launcher's watchdog (the launcher died)"
@@ -41,48 +53,14 @@ def group_alive(pgid: int) -> bool:
     return _exists(os.killpg, pgid)
 
 
-def _proc_is_ours() -> bool:
-    """Whether ``/proc`` shows this process's pid namespace (in a new namespace without
-    its own ``/proc`` mounted, it shows another's pids)."""
-    try:
-        return os.readlink(_PROC / "self") == str(os.getpid())
-    except OSError:
-        return False
-
-
-def _stat(pid: str) -> tuple[str, int]:
-    """The state letter and process group of process ``pid`` by ``/proc``.
-
-    Raises:
-        OSError, ValueError, IndexError: no such process, or an unreadable line.
-    """
-    raw = (_PROC / pid / "stat").read_bytes()
-    # The command name may hold spaces or parentheses: the fields follow the last ')'.
-    fields = raw[raw.rfind(b")") + 2 :].split()
-    return fields[0].decode(), int(fields[2])
-
-
-def _state(pid: int) -> str | None:
-    """Process ``pid``'s state letter by ``/proc``; None where that cannot tell."""
-    if not _proc_is_ours():
-        return None
-    try:
-        return _stat(str(pid))[0]
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _process_alive(pid: int) -> bool:
     """Whether process ``pid`` (a rank, the leader of its group) still runs: exists and
     is no zombie. A zombie is dead, but stays (signal 0 reaching it) until its parent
     reaps it: the launcher is gone, and the init of a container may never."""
-    state = _state(pid)
-    if state in _DEAD:
+    found = _proc.stat(pid) if _proc.shows_this_namespace() else None
+    if found is not None and found.state in _proc.DEAD:
         # A leader whose main thread ended is a zombie while its other threads run.
-        try:
-            return len(os.listdir(_PROC / str(pid) / "task")) > 1
-        except OSError:
-            return False
+        return (_proc.thread_count(pid) or 0) > 1
     return _exists(os.kill, pid)
 
 
@@ -107,22 +85,14 @@ def _live(groups: dict[int, str]) -> dict[int, str]:
 def _running_groups() -> set[int] | None:
     """The process groups with a process that is no zombie, by ``/proc``; None where it
     cannot tell."""
-    if not _proc_is_ours():
-        return None
-    try:
-        names = os.listdir(_PROC)
-    except OSError:
+    names = _proc.pids() if _proc.shows_this_namespace() else None
+    if names is None:
         return None
     groups = set()
     for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            state, group = _stat(name)
-        except (OSError, ValueError, IndexError):
-            continue
-        if state not in _DEAD:
-            groups.add(group)
+        found = _proc.stat(name)
+        if found is not None and found.state not in _proc.DEAD:
+            groups.add(found.pgid)
     return groups
 
 
@@ -142,6 +112,21 @@ def _signal(groups: dict[int, str], signum: int) -> None:
             os.killpg(pgid, signum)
 
 
+def _follow(lines: Iterable[bytes]) -> dict[int, str] | None:
+    """The process groups (to the rank each runs) that the launcher's messages in
+    ``lines`` left running; None if it said ``done``."""
+    groups: dict[int, str] = {}
+    for raw in lines:
+        words = raw.decode("ascii", "replace").split()
+        if words == ["done"]:
+            return None
+        if len(words) == 3 and words[0] == "add" and words[1].isdigit():
+            groups[int(words[1])] = words[2]
+        elif len(words) == 2 and words[0] == "gone" and words[1].isdigit():
+            groups.pop(int(words[1]), None)
+    return groups
+
+
 def watch(
     lines: Iterable[bytes],
     launcher_pid: int,
@@ -154,15 +139,9 @@ def watch(
     it said ``done``, else 1 after stopping the groups it had started (and leaving
     their ranks' jobs in ``sync_dir`` for them; with ``own_dir``, the launcher made
     ``sync_dir`` for this job, and it is removed once every rank is gone)."""
-    groups: dict[int, str] = {}  # process group -> the rank it runs
-    for raw in lines:
-        words = raw.decode("ascii", "replace").split()
-        if words == ["done"]:
-            return 0
-        if len(words) == 3 and words[0] == "add" and words[1].isdigit():
-            groups[int(words[1])] = words[2]
-        elif len(words) == 2 and words[0] == "gone" and words[1].isdigit():
-            groups.pop(int(words[1]), None)
+    groups = _follow(lines)
+    if groups is None:
+        return 0
     if not groups:
         return 1
     # Only ranks running now are stopped by it: how one that ended before (exit 0, or
@@ -202,14 +181,8 @@ def watch(
 def _leave_for(sync_dir: Path, ranks: dict[int, str]) -> None:
     """Leave the jobs of ranks (by process group, which is each rank's pid) on their
     behalf, as the launcher does (``_reaping.leave_for_ended``): peers on other hosts
-    learn at once. gradsync is imported only now, from the tree this script is in (the
-    launcher's, whatever the environment says)."""
-    # Not the package's __init__, which imports numpy: where numpy comes only through
-    # PYTHONPATH (environment modules), ``python -I`` cannot see it. _reaping needs
-    # the standard library only.
-    package = types.ModuleType("gradsync")
-    package.__path__ = [str(Path(__file__).resolve().parent.parent)]
-    sys.modules.setdefault("gradsync", package)
+    learn at once. _reaping is imported only now (without numpy: see
+    _standalone_package)."""
     try:
         from gradsync._job.reaping import leave_for_ended  # noqa: PLC0415
     except Exception as exc:  # the ranks are stopped: only the note is lost

@@ -32,12 +32,14 @@ from filelock import Timeout, UnixFileLock
 
 from gradsync._errors import RendezvousError
 from gradsync._names import (
-    GEN_PREFIX,
     LOCK_PREFIX,
     RDZV,
     ROSTER,
+    gen_name,
+    heartbeat_name,
+    is_leader_name,
     join_nonce,
-    left_name,
+    join_prefix,
     offer_name,
     rival_name,
 )
@@ -45,11 +47,8 @@ from gradsync._store.dirs import is_own_dir, job_dir, remove_own_dir
 from gradsync._store.files import Backoff, translate_oserror
 from gradsync._store.read import file_below, names_below
 
-from .liveness import HeartbeatWatch, MemberInfo
-from .notes import dump, leader_gone, load, lock_file, member_of, write_note
-
-if TYPE_CHECKING:  # the launcher's watchdog imports this module without numpy
-    from gradsync._config import FileGradSyncConfig
+from .liveness import HeartbeatWatch, MemberInfo, judge
+from .notes import dump, has_left, leader_gone, load, lock_file, member_of, write_note
 
 if TYPE_CHECKING:  # the launcher's watchdog imports this module without numpy
     from gradsync._config import FileGradSyncConfig
@@ -193,9 +192,7 @@ def _wait_for_holder(
             if gen_path.name not in told:
                 _tell(gen_path, me, cfg.run_id)
                 told.add(gen_path.name)
-            hb = gen_path / f"hb-{leader.nonce}"
-            watch.silent_for_s(hb)
-            if leader.same_host or watch.moved(hb):
+            if judge(leader, watch, gen_path / heartbeat_name(leader.nonce)).alive:
                 return leader, False
         if _try_lock(lock, path):
             return seen, True
@@ -223,19 +220,19 @@ def _registered(cfg: FileGradSyncConfig) -> list[tuple[Path, MemberInfo, bool]]:
     rdzv = cfg.sync_dir / RDZV
     found = []
     for name in sorted(names_below(rdzv)):
-        if not (name.startswith("leader-") and name.endswith(".json")):
+        if not is_leader_name(name):
             continue
         data = load(rdzv / name)
         leader = member_of(data)
         if data is None or leader is None or data.get("run_id") != cfg.run_id:
             continue
-        if leader.local_death() is not None:
+        if judge(leader).alive is False:
             continue
         gen = data.get("gen")
         if not (isinstance(gen, str) and gen.isascii() and gen.isalnum()):
             continue  # not a generation gradsync names: nothing to look at outside
-        gen_path = cfg.sync_dir / f"{GEN_PREFIX}{gen}"
-        found.append((gen_path, leader, file_below(gen_path / left_name(0))))
+        gen_path = cfg.sync_dir / gen_name(gen)
+        found.append((gen_path, leader, has_left(gen_path, 0)))
     return sorted(found, key=lambda g: file_below(g[0] / ROSTER))
 
 
@@ -342,7 +339,7 @@ def _live_rival_join(
     """Another live process waiting to join run ``run_id`` as ``member``'s rank, among
     the join files ``names`` of ``rdzv``: on this host its process lives, on another
     it holds its join file's lock."""
-    prefix = f"join-{member.rank}-"
+    prefix = join_prefix(member.rank)
     for name in names:
         nonce = join_nonce(name)
         if not name.startswith(prefix) or nonce is None or nonce == member.nonce:
@@ -378,7 +375,7 @@ def offered_by_another(rdzv: Path, name: str, me: MemberInfo) -> MemberInfo | No
     other = member_of(load(rdzv / offer_name(nonce))) if nonce is not None else None
     if other is None or not other.same_host or other.pid == me.pid:
         return None
-    if other.local_death() is not None or not _lives(rdzv / name, member_of(load(rdzv / name))):
+    if judge(other).alive is False or not _lives(rdzv / name, member_of(load(rdzv / name))):
         return None
     return other
 
@@ -387,4 +384,4 @@ def _lives(join: Path, joiner: MemberInfo | None) -> bool:
     """Whether ``joiner``, the process of the join file at ``join``, lives."""
     if joiner is None:
         return False
-    return joiner.local_death() is None if joiner.same_host else _join_held(join)
+    return judge(joiner, holds=lambda: _join_held(join)).alive is True

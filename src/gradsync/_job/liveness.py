@@ -9,7 +9,7 @@ peer on another host cannot be checked through processes,
 and flock does not exclude across NFS clients, so each rank rewrites a small
 heartbeat counter; a peer whose counter has not moved for ``heartbeat_timeout_s``
 of this host's monotonic clock is lost. No wall-clock times are compared
-across hosts.
+across hosts. :func:`judge` is the one judgment every caller in the job asks.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import socket
 import struct
 import threading
 import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
+from gradsync import _proc
 from gradsync._store.dirs import job_dir, open_below
 from gradsync._store.files import open_own, open_regular
 
@@ -34,45 +34,23 @@ __all__ = [
     "Heartbeat",
     "HeartbeatWatch",
     "MemberInfo",
+    "Verdict",
     "exact_process_checks",
+    "judge",
     "process_state",
 ]
 
 _log = logging.getLogger("gradsync")
 _COUNTER = struct.Struct("<Q")
-# Where process information lives (Linux); tests point it elsewhere to act as macOS.
-_PROC = Path("/proc")
 
 
 def exact_process_checks() -> bool:
     """Whether a same-host check also tells zombies and reused pids (``/proc``)."""
-    return (_PROC / "self" / "stat").exists()
+    return _proc.has_proc()
 
 
-@cache
 def _host_id() -> str:
-    """Identifies one kernel and PID namespace: pids are only comparable within one."""
-    if not exact_process_checks():
-        # No boot id to tell hosts of the same name apart: the hardware address does.
-        # Where none is found, uuid.getnode() is random per process, so every peer
-        # then counts as on another host and is watched through its heartbeat: slower
-        # to notice a death, never a live peer taken for dead.
-        return f"{socket.gethostname()}/node-{uuid.getnode():012x}"
-    try:
-        boot = (_PROC / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
-    except OSError:
-        boot = "no-boot-id"
-    try:
-        pidns = str(os.stat(_PROC / "self" / "ns" / "pid").st_ino)
-    except OSError:
-        pidns = "no-pidns"
-    return f"{socket.gethostname()}/{boot}/{pidns}"
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot, or None if it is gone."""
-    state = process_state(pid)
-    return None if state is None else state[1]
+    return _proc.host_id()
 
 
 def process_state(pid: int) -> tuple[str, int | None] | None:
@@ -82,26 +60,10 @@ def process_state(pid: int) -> tuple[str, int | None] | None:
     """
     if pid <= 0:  # kill(0, 0) would signal this process group: never a member's pid
         return None
-    try:
-        raw = (_PROC / str(pid) / "stat").read_bytes()
-    except OSError:
-        return None if exact_process_checks() else _signalled_state(pid)
-    # The command name may hold spaces or parentheses: parse after the last ')'.
-    fields = raw[raw.rfind(b")") + 2 :].split()
-    try:
-        return fields[0].decode(), int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def _signalled_state(pid: int) -> tuple[str, int | None] | None:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return None
-    except OSError:
-        pass  # EPERM: it exists, under another user
-    return "?", None
+    if not _proc.has_proc():
+        return ("?", None) if _proc.exists(pid) else None
+    found = _proc.stat(pid)
+    return None if found is None else (found.state, found.start_ticks)
 
 
 @dataclass(frozen=True)
@@ -118,7 +80,9 @@ class MemberInfo:
     @classmethod
     def for_self(cls, rank: int, nonce: str) -> MemberInfo:
         pid = os.getpid()
-        return cls(rank, nonce, socket.gethostname(), _host_id(), pid, _start_ticks(pid))
+        state = process_state(pid)
+        ticks = None if state is None else state[1]
+        return cls(rank, nonce, socket.gethostname(), _host_id(), pid, ticks)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -168,7 +132,7 @@ class MemberInfo:
         letter, ticks = state
         if None not in (self.start_ticks, ticks) and ticks != self.start_ticks:
             return "has exited (its pid now belongs to another process)"
-        if letter in ("Z", "X", "x"):
+        if letter in _proc.DEAD:
             return "has exited"
         return None
 
@@ -274,3 +238,37 @@ class HeartbeatWatch:
         """Seconds of silence if the peer is past the timeout, else None."""
         silent = self.silent_for_s(path)
         return silent if silent >= self._timeout_s else None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a look tells of a peer: alive (True), gone (False, and ``why``), or not
+    known yet (None)."""
+
+    alive: bool | None
+    why: str = ""
+
+
+def judge(
+    member: MemberInfo,
+    watch: HeartbeatWatch | None = None,
+    heartbeat: Path | None = None,
+    *,
+    holds: Callable[[], bool] | None = None,
+) -> Verdict:
+    """Whether ``member`` lives: on this host its process tells at once; on another,
+    ``holds()`` where given (it holds a lock only a live process can), else its
+    heartbeat at ``heartbeat`` as ``watch`` has seen it: gone once silent for the
+    watch's timeout, alive once it has moved, not known before either (nor without a
+    watch)."""
+    if member.same_host:
+        death = member.local_death()
+        return Verdict(True) if death is None else Verdict(False, death)
+    if holds is not None:
+        return Verdict(holds())
+    if watch is None or heartbeat is None:
+        return Verdict(None)
+    silent = watch.is_lost(heartbeat)
+    if silent is not None:
+        return Verdict(False, f"stopped its heartbeat {silent:.1f} s ago")
+    return Verdict(True) if watch.moved(heartbeat) else Verdict(None)

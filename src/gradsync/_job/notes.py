@@ -1,5 +1,9 @@
 """The small JSON files of a job in the sync dir: where they are, how they are read
-and written, and what an unreadable one counts as. Their names: :mod:`gradsync._names`."""
+and written, and what an unreadable one counts as. Their names: :mod:`gradsync._names`.
+
+The rendezvous reads and writes them through this module's functions, looked up on
+the module at each call: a test wraps one (``monkeypatch.setattr(notes, "write_json",
+...)``) to put a race between two of its steps."""
 
 from __future__ import annotations
 
@@ -10,16 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from gradsync._errors import SyncDirError
-from gradsync._names import RDZV, gen_id_of, leader_name, left_name, lock_name
+from gradsync._names import ENDED, RDZV, gen_id_of, leader_name, left_name, lock_name
 from gradsync._store.dirs import job_dir
 from gradsync._store.files import translate_oserror, write_atomic
 from gradsync._store.files import write_note as _write_note
-from gradsync._store.read import read_below
+from gradsync._store.read import file_below, names_below, read_below
 
 from .liveness import MemberInfo
 
 __all__ = [
     "dump",
+    "ended_notes",
+    "has_left",
     "how_it_ended",
     "leader_file",
     "leader_gone",
@@ -28,6 +34,7 @@ __all__ = [
     "member_of",
     "noted_at",
     "parse",
+    "read_raw",
     "unlink",
     "write_json",
     "write_note",
@@ -60,6 +67,11 @@ def lock_file(sync_dir: Path, run_id: str | None) -> Path:
     Only its holder removes it, as it lets go: a process that opened it before would
     otherwise lock a gone file while a later one locked a new one, both "the" lock."""
     return sync_dir / RDZV / lock_name(run_id)
+
+
+def has_left(gen_path: Path, rank: int) -> bool:
+    """Whether rank ``rank`` left the generation at ``gen_path`` (its ``left`` note is there)."""
+    return file_below(gen_path / left_name(rank))
 
 
 def how_it_ended(gen_path: Path, rank: int) -> str | None:
@@ -96,6 +108,30 @@ def load(path: Path, *, dir_fd: int | None = None) -> dict[str, Any] | None:
     except OSError:
         return None
     return None if raw is None else parse(raw)
+
+
+def read_raw(path: Path) -> bytes | None:
+    """The bytes of the job's file ``path`` (a note may be empty: rank 0's disk was
+    full); None if it cannot be read."""
+    try:
+        return read_below(path)
+    except OSError:
+        return None
+
+
+def ended_notes(sync_dir: Path, run_id: str | None) -> list[tuple[Path, dict[str, Any]]]:
+    """Run ``run_id``'s ``rdzv/ended-*`` notes (``reaping._note_unjoined``), oldest first."""
+    rdzv = sync_dir / RDZV
+    try:
+        names = sorted(n for n in names_below(rdzv) if n.startswith(ENDED))
+    except OSError:
+        return []
+    notes = []
+    for name in names:
+        data = load(rdzv / name)
+        if data is not None and data.get("run_id") == run_id:
+            notes.append((rdzv / name, data))
+    return sorted(notes, key=lambda n: noted_at(n[1]) or 0.0)
 
 
 def parse(raw: bytes) -> dict[str, Any] | None:

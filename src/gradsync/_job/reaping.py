@@ -21,14 +21,39 @@ import threading
 import time
 from pathlib import Path
 
-from gradsync._names import ENDED, GEN_PREFIX, RDZV, ROSTER, join_nonce, left_name, offer_name
+from gradsync._names import (
+    ENDED,
+    GEN_PREFIX,
+    RDZV,
+    ROSTER,
+    ended_name,
+    gen_id_of,
+    heartbeat_name,
+    is_offer_name,
+    join_nonce,
+    join_prefix,
+    leader_name,
+    left_name,
+    offer_name,
+    seen_name,
+)
 from gradsync._store.dirs import dir_below, is_own_dir, remove_own_dir
-from gradsync._store.files import list_names, write_atomic, write_note
+from gradsync._store.files import list_names
 from gradsync._store.read import file_below, names_below
 
 from .leaderlock import remove_free_locks
-from .liveness import HeartbeatWatch, MemberInfo, read_counter
-from .notes import dump, leader_file, leader_gone, load, member_of, noted_at
+from .liveness import HeartbeatWatch, MemberInfo, judge, read_counter
+from .notes import (
+    dump,
+    has_left,
+    leader_file,
+    leader_gone,
+    load,
+    member_of,
+    noted_at,
+    write_json,
+    write_note,
+)
 
 __all__ = [
     "leave_for_ended",
@@ -64,12 +89,12 @@ def remove_dead_joins(rdzv: Path) -> None:
         if nonce is None:
             continue
         stale = member_of(load(rdzv / name))
-        if stale is not None and stale.local_death() is not None:
+        if stale is not None and judge(stale).alive is False:
             gone.append(name)
         else:
             waiting.add(offer_name(nonce))
     # An offer names rank 0, not the joiner: it is stale once its join is gone.
-    gone += [n for n in names if n.startswith("offer-") and n not in waiting]
+    gone += [n for n in names if is_offer_name(n) and n not in waiting]
     if gone:
         with contextlib.suppress(OSError), dir_below(rdzv.parent, rdzv.name) as fd:
             for name in gone:
@@ -133,18 +158,16 @@ def _note_unjoined(rdzv: Path, rank: int, pid: int, how: str) -> None:
     whether the rank runs at all."""
     for name in names_below(rdzv):
         nonce = join_nonce(name)
-        if nonce is None or not name.startswith(f"join-{rank}-"):
+        if nonce is None or not name.startswith(join_prefix(rank)):
             continue
         data = load(rdzv / name)
         member = member_of(data)
         if data is None or member is None or member.pid != pid or not member.same_host:
             continue
-        if member.local_death() is None:
+        if judge(member).alive:
             continue  # the pid is a live process's by now (see _leave_in)
         note = {"member": member.to_json(), "run_id": data.get("run_id"), "ended": how}
-        with dir_below(rdzv.parent, rdzv.name) as fd:
-            raw = dump({**note, "at": time.time()})
-            write_atomic(rdzv / f"{ENDED}{rank}-{nonce}.json", [raw], dir_fd=fd)
+        write_json(rdzv / ended_name(rank, nonce), {**note, "at": time.time()}, "noting in")
 
 
 def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
@@ -153,18 +176,17 @@ def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
     ended = [m for m in members if m.rank == rank and m.pid == pid and m.same_host]
     # The pid was reaped before this runs: by now it may be a live process's, of a
     # rank of another job in this directory. Its start time tells them apart.
-    if not ended or any(m.local_death() is None for m in ended):
+    if not ended or any(judge(m).alive for m in ended):
         return
     note = gen_path / left_name(rank)
-    if not file_below(note):  # else it closed its session itself (and may have died in it)
-        with dir_below(gen_path.parent, gen_path.name) as fd:
-            write_note(note, dump({"ended": how}), dir_fd=fd)
+    if not has_left(gen_path, rank):  # else it closed its session (and may have died in it)
+        write_note(note, dump({"ended": how}))
         if leader_gone(gen_path):
             # Removed meanwhile by someone who listed it before this note: it would
             # keep the directory, without a leader file to say whose it is.
             remove_own_dir(gen_path.parent, gen_path.name)
             return
-    if rostered and all(file_below(gen_path / left_name(m.rank)) for m in members):
+    if rostered and all(has_left(gen_path, m.rank) for m in members):
         _remove(gen_path)
 
 
@@ -172,19 +194,17 @@ def _gone(gen_path: Path, member: MemberInfo) -> bool | None:
     """Whether ``member`` of the generation at ``gen_path`` is gone: it left, or its
     process on this host has ended (True), or lives (False); None for a member on
     another host that has not left: only its heartbeat can tell."""
-    if file_below(gen_path / left_name(member.rank)):
+    if has_left(gen_path, member.rank):
         return True
-    if member.same_host:
-        return member.local_death() is not None
-    return None
+    alive = judge(member).alive
+    return None if alive is None else not alive
 
 
 def members_of(gen_path: Path) -> list[MemberInfo] | None:
     """The members of an old generation (just its rank 0 before the roster), or None."""
     roster = load(gen_path / ROSTER)
     if roster is None:
-        gen_id = gen_path.name[len(GEN_PREFIX) :]
-        leader = member_of(load(leader_file(gen_path.parent, gen_id)))
+        leader = member_of(load(leader_file(gen_path.parent, gen_id_of(gen_path.name) or "")))
         return [leader] if leader is not None else []
     raw = roster.get("members")
     if not isinstance(raw, list):
@@ -201,7 +221,7 @@ def _remove(gen_path: Path) -> None:
         return
     _log.debug("removing %s: every member of that run is gone", gen_path)
     with contextlib.suppress(OSError), dir_below(sync_dir, RDZV) as rdzv:
-        os.unlink(leader_file(sync_dir, gen_path.name[len(GEN_PREFIX) :]).name, dir_fd=rdzv)
+        os.unlink(leader_name(gen_id_of(gen_path.name) or ""), dir_fd=rdzv)
     remove_own_dir(sync_dir, gen_path.name)
 
 
@@ -213,14 +233,14 @@ def _silent_since_last_look(gen_path: Path, beats: list[Path], timeout_s: float)
     """
     counters = {hb.name: read_counter(hb) for hb in beats}
     key = hashlib.blake2b(MemberInfo.for_self(0, "").host_id.encode(), digest_size=8).hexdigest()
-    note_path = gen_path / f"seen-{key}.json"
+    note_path = gen_path / seen_name(key)
     note = load(note_path)
     now = time.monotonic()
     if note is not None and note.get("counters") == counters:
         seen_at = note.get("monotonic")
         return isinstance(seen_at, (int, float)) and now - seen_at >= timeout_s
-    with contextlib.suppress(OSError), dir_below(gen_path.parent, gen_path.name) as fd:
-        write_atomic(note_path, [dump({"counters": counters, "monotonic": now})], dir_fd=fd)
+    with contextlib.suppress(OSError):
+        write_json(note_path, {"counters": counters, "monotonic": now}, "noting in")
     return False
 
 
@@ -244,13 +264,15 @@ def reap_stale_generations(sync_dir: Path, keep: Path, timeout_s: float) -> None
         members = members_of(gen_path)
         if members is None:
             continue
-        gen_id = name[len(GEN_PREFIX) :]
-        beats: list[Path] = [gen_path / f"hb-{gen_id}"] if not members else []
+        gen_id = gen_id_of(name) or ""
+        beats: list[Path] = [gen_path / heartbeat_name(gen_id)] if not members else []
         gone = [_gone(gen_path, m) for m in members]
         if False in gone:
             continue
         beats += [
-            gen_path / f"hb-{m.nonce}" for m, g in zip(members, gone, strict=True) if g is None
+            gen_path / heartbeat_name(m.nonce)
+            for m, g in zip(members, gone, strict=True)
+            if g is None
         ]
         if not beats:
             _remove(gen_path)
@@ -272,8 +294,8 @@ class _Reaper:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # generation -> (its heartbeat files, the watch that first saw them, timeout, due)
-        self._pending: dict[Path, tuple[list[Path], HeartbeatWatch, float, float]] = {}
+        # generation -> (its heartbeat files, the watch that first saw them, due)
+        self._pending: dict[Path, tuple[list[Path], HeartbeatWatch, float]] = {}
         self._thread: threading.Thread | None = None
 
     def add(
@@ -282,7 +304,7 @@ class _Reaper:
         due = time.monotonic() + timeout_s * 1.1
         with self._lock:
             for gen_path, beats in pending:
-                self._pending.setdefault(gen_path, (beats, watch, timeout_s, due))
+                self._pending.setdefault(gen_path, (beats, watch, due))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="gradsync-reaper", daemon=True
@@ -293,15 +315,15 @@ class _Reaper:
         while True:
             with self._lock:
                 now = time.monotonic()
-                ready = {g: v for g, v in self._pending.items() if v[3] <= now}
+                ready = {g: v for g, v in self._pending.items() if v[2] <= now}
                 for gen_path in ready:
                     del self._pending[gen_path]
                 if not self._pending and not ready:
                     self._thread = None
                     return
-                next_due = min((v[3] for v in self._pending.values()), default=now)
-            for gen_path, (beats, watch, timeout_s, _) in ready.items():
-                if all(watch.silent_for_s(hb) >= timeout_s for hb in beats):
+                next_due = min((v[2] for v in self._pending.values()), default=now)
+            for gen_path, (beats, watch, _) in ready.items():
+                if all(watch.is_lost(hb) is not None for hb in beats):
                     _remove(gen_path)
             if not ready:
                 time.sleep(max(next_due - now, 0.01))

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from gradsync import _proc
 from gradsync._store.files import open_own, open_regular, read_exact_into, write_in_place
 
 from .header import CRC_BLOCK
@@ -56,23 +57,9 @@ def local_filesystem(path: Path) -> bool:
 
 
 def filesystem_type(path: Path) -> str | None:
-    """The type of the filesystem ``path`` is on ("tmpfs", "nfs4"), by the longest mount
-    point of /proc/self/mounts above it; None where that cannot be read (not Linux)."""
-    try:
-        real = os.path.realpath(path)
-        with open("/proc/self/mounts") as f:
-            mounts = [line.split() for line in f]
-    except OSError:
-        return None
-    best, fstype = "", None
-    for fields in mounts:
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, fstype = point, fields[2]
-    return fstype
+    """The type of the filesystem ``path`` is on ("tmpfs", "nfs4"); None where that
+    cannot be read (not Linux)."""
+    return _proc.filesystem_type(path)
 
 
 class DataReader:
