@@ -325,7 +325,7 @@ def test_upload_pieces_queued_without_waiting(
             (0, 0, want[0][:6]),
             (1, 0, want[1][:2]),
         ]
-        bridge._upload_pieces(bufs, dts, pieces)
+        bridge.upload(bufs, dtypes=dts, pieces=pieces)
         chunk = bridge._layout.chunks[0] if bridge._layout else None
         assert chunk is not None
         # Gathered: the staging buffer is being mapped again in the background, not
@@ -467,7 +467,7 @@ def test_polled_waits_roundtrip(device: Any) -> None:
         for k in range(3):
             (h,) = bridge.download([buf], f16)
             np.testing.assert_array_equal(h, start * 2**k)
-            bridge._upload_pieces([buf], f16, [(0, 1, h[1:] * 2), (0, 0, h[:1] * 2)])
+            bridge.upload([buf], dtypes=f16, pieces=[(0, 1, h[1:] * 2), (0, 0, h[:1] * 2)])
             assert bridge._layout is not None
             assert bridge._layout.chunks[0].remap is not None
         bridge.upload([buf], [np.full(300, 7, np.float16)])
@@ -482,7 +482,7 @@ def test_unaligned_piece_goes_through_the_staging_buffer(device: Any, bridge: Wg
     buf = _buffer(device, np.zeros(4, np.float16))
     bridge.download([buf], dts)
     want = np.array([1, 2, 3, 4], np.float16)
-    bridge._upload_pieces([buf], dts, [(0, 0, want[:1]), (0, 1, want[1:])])
+    bridge.upload([buf], dtypes=dts, pieces=[(0, 0, want[:1]), (0, 1, want[1:])])
     assert bridge._layout is not None
     assert bridge._layout.chunks[0].remap is not None
     np.testing.assert_array_equal(_read(device, buf, np.float16), want)
@@ -560,19 +560,19 @@ def test_resolve_remembers_the_last_buffer_set(device: Any, bridge: WgpuBridge) 
     a = _buffer(device, np.ones(4, np.float32))
     b = _buffer(device, np.ones(8, np.float32))
     f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
-    first = bridge._resolve([a, b], np.float32)
+    first = bridge.resolve([a, b], np.float32)
     assert first == [f32, f32]
-    assert bridge._resolve([a, b], np.float32) is first  # a training loop's every step
-    assert bridge._resolve((a, b), f32) is first  # an equal dtype, a tuple of the same buffers
-    assert bridge._resolve([a, b], first) is first  # download() handed the result back
+    assert bridge.resolve([a, b], np.float32) is first  # a training loop's every step
+    assert bridge.resolve((a, b), f32) is first  # an equal dtype, a tuple of the same buffers
+    assert bridge.resolve([a, b], first) is first  # download() handed the result back
     # A list of dtypes is compared by value: changed in place, it is resolved again.
     spec: list[Any] = [np.float32, np.float32]
-    assert bridge._resolve([a, b], spec) == [f32, f32]
+    assert bridge.resolve([a, b], spec) == [f32, f32]
     spec[1] = np.float16
-    assert bridge._resolve([a, b], spec) == [f32, f16]
-    assert bridge._resolve([b, a], np.float16) == [f16, f16]  # another set
+    assert bridge.resolve([a, b], spec) == [f32, f16]
+    assert bridge.resolve([b, a], np.float16) == [f16, f16]  # another set
     with pytest.raises(InvalidGradsError, match=r"^param 1: unsupported dtype int32"):
-        bridge._resolve([a, b], [np.float32, np.int32])
+        bridge.resolve([a, b], [np.float32, np.int32])
 
 
 @pytest.mark.wgpu
@@ -582,16 +582,16 @@ def test_resolve_never_takes_none_for_a_remembered_float64(device: Any, bridge: 
     # the dtypes asked for, not the last call's.
     buf = _buffer(device, np.arange(4, dtype=np.float32))
     f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
-    assert bridge._resolve([buf], [f64]) == [f64]
-    assert bridge._resolve([buf], [None]) == [f32]
-    assert bridge._resolve([buf], [f64]) == [f64]
-    assert bridge._resolve([buf], f64) == [f64]
-    assert bridge._resolve([buf], None) == [f32]
+    assert bridge.resolve([buf], [f64]) == [f64]
+    assert bridge.resolve([buf], [None]) == [f32]
+    assert bridge.resolve([buf], [f64]) == [f64]
+    assert bridge.resolve([buf], f64) == [f64]
+    assert bridge.resolve([buf], None) == [f32]
     # numpy also takes some tuples for one dtype: np.dtype("f4") == ("f4", "f4").
     two = [buf, _buffer(device, np.ones(4, np.float32))]
-    assert bridge._resolve(two, f32) == [f32, f32]
+    assert bridge.resolve(two, f32) == [f32, f32]
     with pytest.raises(InvalidGradsError, match=r"^param 1: unsupported dtype int32"):
-        bridge._resolve(two, ("float32", "int32"))
+        bridge.resolve(two, ("float32", "int32"))
     (host,) = bridge.download([buf], [None])
     np.testing.assert_array_equal(host, np.arange(4, dtype=np.float32))
 
@@ -604,9 +604,9 @@ def test_an_array_among_the_buffers_after_a_first_call_is_named(
     # identity: GPUBuffer == ndarray is an array, whose truth value is a ValueError.
     a = _buffer(device, np.ones(4, np.float32))
     b = _buffer(device, np.ones(4, np.float32))
-    assert bridge._resolve([a, b], np.float32) == [np.dtype(np.float32)] * 2
+    assert bridge.resolve([a, b], np.float32) == [np.dtype(np.float32)] * 2
     with pytest.raises(InvalidGradsError, match=r"^param 1 is a ndarray, not a wgpu GPUBuffer"):
-        bridge._resolve([a, np.ones(4, np.float32)], np.float32)
+        bridge.resolve([a, np.ones(4, np.float32)], np.float32)
 
 
 @pytest.mark.wgpu
@@ -624,7 +624,7 @@ def test_upload_names_what_is_not_a_gpu_buffer(device: Any, bridge: WgpuBridge) 
 def test_layout_found_without_a_key_for_the_same_set(device: Any, bridge: WgpuBridge) -> None:
     a = _buffer(device, np.ones(4, np.float32))
     b = _buffer(device, np.ones(6, np.float16))
-    dtypes = bridge._resolve([a, b], [np.float32, np.float16])
+    dtypes = bridge.resolve([a, b], [np.float32, np.float16])
     layout = bridge._get_layout([a, b], dtypes)
     assert layout.host_layout == (("<f4", (4,)), ("<f2", (6,)))
     assert bridge._get_layout([a, b], dtypes) is layout
@@ -1010,11 +1010,11 @@ _WORKER = textwrap.dedent(
     if mode == "gathered":  # the mean is gathered on the host, then uploaded mapped
         gradsync._gpu.bridge.DIRECT_MAX_PIECES = 0
     mapped_uploads = []
-    upload_mapped = gradsync._gpu.bridge.WgpuBridge._upload_mapped
-    def counted(self, *args, **kwargs):
+    upload_staged = gradsync._gpu.bridge.upload_staged
+    def counted(*args, **kwargs):
         mapped_uploads.append(kwargs)
-        return upload_mapped(self, *args, **kwargs)
-    gradsync._gpu.bridge.WgpuBridge._upload_mapped = counted
+        return upload_staged(*args, **kwargs)
+    gradsync._gpu.bridge.upload_staged = counted
     dev = gradsync.request_device_for_rank(local_rank=rank)
     usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
     dtypes = [dt for _, dt in _WGPU_LAYOUT]
@@ -1039,7 +1039,7 @@ _WORKER = textwrap.dedent(
         # From the second step on, the buffers are downloaded into arrays mapped from
         # this rank's data file (280 KiB: reduced in shards), which is then published
         # without a copy: the rank's input-file name links to that file.
-        gen = gradsync._api._registry[gradsync._api._job_key(cfg)].generation_dir
+        gen = gradsync._session.registry[gradsync._session.job_key(cfg)].generation_dir
         linked = os.path.islink(os.path.join(gen, f"d-{rank}.in"))
         assert linked == (step > 0 and mode != "unmapped"), (step, linked)
     assert mapped_uploads == ([{"wait": False}] * 3 if mode == "gathered" else []), mapped_uploads
