@@ -690,9 +690,7 @@ def test_closing_after_the_device_was_lost_neither_hangs_nor_raises(device: Any)
     bufs = [_buffer(lost, np.full(16, i, np.float32)) for i in range(20)]
     bridge = WgpuBridge(lost)
     host = bridge.download(bufs, [np.dtype(np.float32)] * 20)
-    bridge._upload_pieces(
-        bufs, [np.dtype(np.float32)] * 20, [(i, 0, h) for i, h in enumerate(host)]
-    )
+    bridge.upload(bufs, pieces=[(i, 0, h) for i, h in enumerate(host)])
     lost.destroy()
     failed: list[BaseException] = []
 
