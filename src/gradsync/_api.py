@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from ._config import FileGradSyncConfig
 from ._errors import ConfigError, GradSyncError, name_the_step
-from ._session import Session, closing_reason, forget, job_key, registry, registry_lock
+from ._session import Session, closing_reason, forget, registered
 from ._stats import StepStats
 from ._step.engine import StepEngine
 from ._step.grads import host_view, layout_like, nonfinite_params
@@ -392,23 +392,7 @@ def average_grads_file_sync(
     value and errors.
     """
     _check_config(cfg)  # before the registry: an unhashable cfg would raise TypeError
-    key = job_key(cfg)
-    with registry_lock:
-        sync = registry.get(key)
-        if sync is not None and sync.cfg != cfg:
-            # A second session of the same rank would meet itself as a rival.
-            changed = ", ".join(
-                f"{f.name} {getattr(sync.cfg, f.name)!r} then {getattr(cfg, f.name)!r}"
-                for f in dataclasses.fields(cfg)
-                if getattr(sync.cfg, f.name) != getattr(cfg, f.name)
-            )
-            raise ConfigError(
-                f"rank {cfg.rank} of the job in {cfg.sync_dir} (run_id {cfg.run_id!r}) is "
-                f"averaged in this process with another config ({changed}): pass the same "
-                "config on every call"
-            )
-        if sync is None:
-            sync = registry[key] = GradSync(cfg)
+    sync = registered(cfg, GradSync)
     try:
         return sync.average(grads, step=step, device=device, dtype=dtype)
     except BaseException:

@@ -9,10 +9,11 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._config import FileGradSyncConfig
-from ._errors import GradSyncError, clip
+from ._errors import ConfigError, GradSyncError, clip
 from ._gpu.source import DeviceGrads
 from ._job.rendezvous import Generation, leave, rendezvous
 from ._step.engine import StepEngine
@@ -20,7 +21,15 @@ from ._step.engine import StepEngine
 if TYPE_CHECKING:
     from ._api import GradSync
 
-__all__ = ["Session", "close_all", "closing_reason", "forget", "job_key", "registry"]
+__all__ = [
+    "Session",
+    "close_all",
+    "closing_reason",
+    "forget",
+    "job_key",
+    "registered",
+    "registry",
+]
 
 _log = logging.getLogger("gradsync")
 
@@ -104,6 +113,32 @@ registry_lock = threading.RLock()
 
 def job_key(cfg: FileGradSyncConfig) -> tuple[str, str | None, int, int]:
     return (os.path.abspath(cfg.sync_dir), cfg.run_id, cfg.world_size, cfg.rank)
+
+
+def registered(cfg: FileGradSyncConfig, make: Callable[[FileGradSyncConfig], GradSync]) -> GradSync:
+    """The function form's session for ``cfg``'s job and rank, made by ``make`` if new.
+
+    Raises:
+        ConfigError: this rank of the job is averaged with another config already.
+    """
+    key = job_key(cfg)
+    with registry_lock:
+        sync = registry.get(key)
+        if sync is not None and sync.cfg != cfg:
+            # A second session of the same rank would meet itself as a rival.
+            changed = ", ".join(
+                f"{f.name} {getattr(sync.cfg, f.name)!r} then {getattr(cfg, f.name)!r}"
+                for f in dataclasses.fields(cfg)
+                if getattr(sync.cfg, f.name) != getattr(cfg, f.name)
+            )
+            raise ConfigError(
+                f"rank {cfg.rank} of the job in {cfg.sync_dir} (run_id {cfg.run_id!r}) is "
+                f"averaged in this process with another config ({changed}): pass the same "
+                "config on every call"
+            )
+        if sync is None:
+            sync = registry[key] = make(cfg)
+    return sync
 
 
 def forget(sync: GradSync) -> None:

@@ -94,11 +94,9 @@ class WgpuBridge:
         self._closed = False
         # How long a wait for the GPU polls from this thread first (see wait_for).
         self._spin_s = 0.0 if adapter_type(device) == "CPU" else SPIN_S
-        # How upload() copies ("mapped" or "write_buffer"; a step's upload chooses per
-        # call, see DIRECT_MAX_BYTES). "mapped" (one persistent MAP_WRITE buffer, kept
-        # mapped while idle, then one encoder of copies) measured 4x faster than
-        # queue.write_buffer per param at 256 MiB on lavapipe, because write_buffer
-        # allocates fresh staging memory on every call.
+        # How upload() of arrays copies: "mapped" (one persistent MAP_WRITE buffer, kept
+        # mapped while idle, then one encoder of copies) or "write_buffer" per param,
+        # which allocates fresh staging memory on every call. Pieces choose per call.
         self.upload_mode: str = "mapped"
 
     @property
@@ -137,8 +135,7 @@ class WgpuBridge:
 
     def _get_layout(self, buffers: Sequence[Any], dtypes: Sequence[np.dtype[Any]]) -> StagingLayout:
         layout = self._layout
-        # Per step, the same buffers and the list resolve() returned: no key to build
-        # (a few us a buffer with hundreds of them).
+        # Per step, the same buffers and the list resolve() returned: no key to build.
         if layout is not None and dtypes is layout.dtypes and layout.buffers == tuple(buffers):
             return layout
         # id(): the layout keeps its buffers alive (layout.buffers), so no id in its key

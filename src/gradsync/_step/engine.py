@@ -117,13 +117,8 @@ class StepEngine(Publishing, Gathering):
         """The pipeline: plan, publish the input, wait for the peers' inputs, reduce and
         publish this rank's shard, wait for the peers' shards, write the mean back."""
         t0 = time.perf_counter()
-        arrays, flats, layout = view
-        if len(arrays) > MAX_PARAMS:
-            raise InvalidGradsError(
-                f"step {step}: {len(arrays)} params, more than the {MAX_PARAMS} a gradsync "
-                "file describes: concatenate small params into fewer arrays"
-            )
-        plan = self._plan_for(layout)
+        flats = view.flats
+        plan = self._plan_of(view, step)
         nonfinite = nonfinite_params(flats) if self.cfg.check_finite else []
         route = self._route(plan, view, step, sink)
         fault_point("before_publish", self.rank, self.seq)
@@ -173,6 +168,14 @@ class StepEngine(Publishing, Gathering):
         )
         _log.debug("%s", stats)
         return stats
+
+    def _plan_of(self, view: HostView, step: int) -> Plan:
+        if len(view.arrays) > MAX_PARAMS:
+            raise InvalidGradsError(
+                f"step {step}: {len(view.arrays)} params, more than the {MAX_PARAMS} a "
+                "gradsync file describes: concatenate small params into fewer arrays"
+            )
+        return self._plan_for(view.layout)
 
     def _route(self, plan: Plan, view: HostView, step: int, sink: Sink | None) -> _Route:
         """Choose once how this call runs: in place or copied, watched or not, and whose
