@@ -268,6 +268,40 @@ def test_download_into_given_arrays(device: Any, bridge: WgpuBridge) -> None:
 
 
 @pytest.mark.wgpu
+def test_a_tuple_of_arrays_to_fill_is_checked_again_for_other_buffers(
+    device: Any, bridge: WgpuBridge
+) -> None:
+    # A step downloads into the same tuple of shared arrays every step: checked once
+    # for a buffer set, and again for another.
+    small = [_buffer(device, np.arange(4, dtype=np.float32))]
+    into = (np.zeros(4, np.float32),)
+    for _ in range(2):
+        bridge.download(small, np.float32, into)
+        np.testing.assert_array_equal(into[0], np.arange(4))
+    bigger = [_buffer(device, np.arange(8, dtype=np.float32), "big")]
+    with pytest.raises(InvalidGradsError, match=r"^param 0 \(label 'big'\): into\[0\] is \(4,\)"):
+        bridge.download(bigger, np.float32, into)
+
+
+@pytest.mark.wgpu
+def test_upload_takes_arrays_or_pieces(device: Any, bridge: WgpuBridge) -> None:
+    buf = _buffer(device, np.zeros(4, np.float32))
+    with pytest.raises(InvalidGradsError, match=r"^upload needs arrays \(or pieces\)$"):
+        bridge.upload([buf])
+    with pytest.raises(InvalidGradsError, match=r"^upload takes arrays or pieces, not both$"):
+        bridge.upload([buf], [np.ones(4, np.float32)], pieces=[])
+
+
+@pytest.mark.wgpu
+def test_check_names_a_buffer_a_step_could_not_copy_back(device: Any, bridge: WgpuBridge) -> None:
+    wgpu = pytest.importorskip("wgpu")
+    src_only = device.create_buffer(size=16, usage=wgpu.BufferUsage.COPY_SRC, label="ro")
+    with pytest.raises(InvalidGradsError, match=r"^param 0 \(label 'ro'\): .*COPY_DST"):
+        bridge.check([src_only], download=False)
+    bridge.download([src_only])  # a download needs only COPY_SRC
+
+
+@pytest.mark.wgpu
 def test_threads_share_large_downloads(device: Any) -> None:
     # 3 MiB and more in one staging chunk: the host copy is cut into 3 pieces.
     rng = np.random.default_rng(1)
