@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from gradsync._errors import InvalidGradsError, error_note
 from gradsync._faults import fault_point
 
 # data_name: re-exported for _cli/status.py until it imports it from _names.
-from gradsync._names import abort_marker, data_name, input_marker, output_marker, step_dir_name
+from gradsync._names import abort_marker, data_name, step_dir_name
 from gradsync._stats import StepStats
 from gradsync._store.files import write_note
 
@@ -48,16 +48,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("gradsync")
-
-
-class _Route(NamedTuple):
-    """How one call runs, chosen once from its plan and arrays."""
-
-    shared: SharedBuffers | None  # the arrays are these shared ones: published in place
-    watch: StaleWatch | None  # checks that the arrays were written since the last call
-    work: Plan  # what the reduce and the gather walk: the plan, or its runs when in place
-    runs: list[np.ndarray]  # the flat arrays of ``work``
-    publishers: list[int]  # the peers whose shards this rank waits for
 
 
 class StepEngine(Publishing, Gathering):
@@ -120,9 +110,9 @@ class StepEngine(Publishing, Gathering):
         flats = view.flats
         plan = self._plan_of(view, step)
         nonfinite = nonfinite_params(flats) if self.cfg.check_finite else []
-        route = self._route(plan, view, step, sink)
+        shared, watch, work, runs, publishers = self._route(plan, view, step, sink)
         fault_point("before_publish", self.rank, self.seq)
-        self._publish(step_dir, plan, flats, step, nonfinite, route.shared)
+        self._publish(step_dir, plan, flats, step, nonfinite, shared)
         fault_point("after_publish", self.rank, self.seq)
         # Its input is all the peers read of a rank that publishes no shard of the mean.
         self._peers_served = plan.replicated or not plan.out_lens[self.rank]
@@ -133,20 +123,18 @@ class StepEngine(Publishing, Gathering):
             last_in = self._peers.wait_for(step_dir, "in", range(self.world), step, self.seq, peers)
             check_inputs(plan, self.rank, peers, step, step_dir)
             t2 = time.perf_counter()
-            shard = self._reduce_and_publish(route.work, route.runs, peers, step, step_dir)
+            shard = self._reduce_and_publish(work, runs, peers, step, step_dir)
             self._peers_served = True
             fault_point("after_output", self.rank, self.seq)
             t3 = time.perf_counter()
-            self._peers.wait_for(step_dir, "out", route.publishers, step, self.seq, outs)
+            self._peers.wait_for(step_dir, "out", publishers, step, self.seq, outs)
             for q, peer in outs.items():
                 check_length(peer, q, plan.out_lens[q], step)
             t4 = time.perf_counter()
             if sink is None:
-                self._gather(
-                    route.work, route.runs, shard, outs, step, restore=route.shared is None
-                )
-                if route.watch is not None:
-                    route.watch.after()
+                self._gather(work, runs, shard, outs, step, restore=shared is None)
+                if watch is not None:
+                    watch.after()
             else:
                 self._deliver(sink, plan, flats, shard, outs, step)
             self._prune()
@@ -177,9 +165,12 @@ class StepEngine(Publishing, Gathering):
             )
         return self._plan_for(view.layout)
 
-    def _route(self, plan: Plan, view: HostView, step: int, sink: Sink | None) -> _Route:
-        """Choose once how this call runs: in place or copied, watched or not, and whose
-        shards it waits for; a watched call checks its arrays here."""
+    def _route(
+        self, plan: Plan, view: HostView, step: int, sink: Sink | None
+    ) -> tuple[SharedBuffers | None, StaleWatch | None, Plan, list[np.ndarray], list[int]]:
+        """Choose once how this call runs: the shared arrays it publishes in place (or
+        None: copied), the watch over its arrays (checked here), what the reduce and the
+        gather walk and its flat arrays, and the peers whose shards it waits for."""
         shared = self._shared
         if shared is not None and not self._publishes_in_place(shared, plan, view.arrays):
             shared = None
@@ -188,16 +179,12 @@ class StepEngine(Publishing, Gathering):
             watch.before(step)
         else:
             watch = None
-        publishers = [
-            q
-            for q in range(self.world)
-            if plan.out_lens[q] and q != self.rank and not plan.replicated
-        ]
+        publishers = self._publishers
         if shared is not None:
             # Arrays published in place lie in payload order in one file: the reduce and
             # the gather take one run of elements per dtype group, not a piece per param.
-            return _Route(shared, watch, plan.runs, list(shared.runs), publishers)
-        return _Route(None, watch, plan, view.flats, publishers)
+            return shared, watch, plan.runs, list(shared.runs), publishers
+        return None, watch, plan, view.flats, publishers
 
     def _reduce_and_publish(
         self,
@@ -235,5 +222,4 @@ class StepEngine(Publishing, Gathering):
     def _prune(self) -> None:
         """Rank 0 removes the directory of call seq-2, emptied by the ranks' renames."""
         if self.rank == 0 and self.seq > 2:
-            names = [f(q) for f in (input_marker, output_marker) for q in range(self.world)]
-            self._dir.prune(self.seq - 2, names)
+            self._dir.prune(self.seq - 2, self._marker_names)

@@ -12,7 +12,7 @@ import numpy as np
 
 from gradsync._errors import SyncDirError
 from gradsync._faults import fault_point
-from gradsync._names import input_marker, output_marker, shared_input_name
+from gradsync._names import shared_input_name
 from gradsync._store.files import place_marker, translate_oserror
 
 from .buffers import SharedBuffers
@@ -24,7 +24,6 @@ from .state import EngineState, one_slot, others
 __all__ = ["Publishing"]
 
 _FAULTS_ON = bool(os.environ.get("GRADSYNC_TEST_FAULT"))
-_MARKERS = {"in": input_marker, "out": output_marker}
 
 
 class Publishing(EngineState):
@@ -106,7 +105,7 @@ class Publishing(EngineState):
                 )
             except OSError as exc:
                 raise translate_oserror(exc, "writing", path, step=step) from exc
-        name = _MARKERS[kind](self.rank)
+        name = self._markers[kind]
         marker = step_dir / name
         # Nobody looks at this rank's marker of call seq-2 any more (docs/protocol.md).
         old = self._dir.held_step_fd(self.seq - 2)

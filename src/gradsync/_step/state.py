@@ -12,7 +12,7 @@ from gradsync._config import FileGradSyncConfig
 from gradsync._errors import InvalidGradsError, SyncDirError
 from gradsync._job.liveness import Heartbeat
 from gradsync._job.rendezvous import Generation
-from gradsync._names import data_name
+from gradsync._names import data_name, input_marker, output_marker
 from gradsync._store.dirs import GenDir
 from gradsync._store.files import translate_oserror
 
@@ -59,6 +59,7 @@ class EngineState:
         # finish the call without it.
         self._peers_served = False
         self._plan: Plan | None = None
+        self._publishers: list[int] = []
         # The last few layouts' plans, most recent last: a loop that alternates layouts
         # (a GAN's two models, say) would otherwise rebuild a plan every call.
         self._plans: dict[Layout, Plan] = {}
@@ -67,6 +68,11 @@ class EngineState:
         self._shared_serial = 0
         self._watch: StaleWatch | None = None  # over the last buffers_like arrays
         self._linked: Path | None = None  # the shared file this rank's input name points at
+        self._markers = {"in": input_marker(self.rank), "out": output_marker(self.rank)}
+        # Every rank's markers: what rank 0 expects in a step directory it removes.
+        self._marker_names = [
+            name(q) for name in (input_marker, output_marker) for q in range(self.world)
+        ]
         local = local_filesystem(gen.path)
         mapped = cfg.use_mmap if cfg.use_mmap is not None else local
         try:
@@ -107,6 +113,12 @@ class EngineState:
             if len(self._plans) >= _PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]
         self._plans[layout] = self._plan = plan
+        # The peers whose shards a call of this plan waits for.
+        self._publishers = [
+            q
+            for q in range(self.world)
+            if plan.out_lens[q] and q != self.rank and not plan.replicated
+        ]
         return plan
 
     def data_path(self, rank: int, kind: str, seq: int | None = None) -> Path:
