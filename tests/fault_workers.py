@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import gradsync
-from gradsync._step import engine as _protocol
+from gradsync._step import publish as _protocol
 from gradsync._step.engine import StepEngine
 from gradsync._step.header import HEADER_READ_BYTES, decode_header
 from ranks import WarningLog, config

@@ -14,7 +14,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,8 @@ from gradsync._job import notes as _jobfiles
 from gradsync._job.decisions import disagreement, settings
 from gradsync._job.leader import Leader
 from gradsync._job.liveness import MemberInfo
-from gradsync._step.engine import StepEngine, nonfinite_params, validate_grads
+from gradsync._step.gather import own_elements
+from gradsync._step.grads import nonfinite_params, validate_grads
 from gradsync._step.plan import Group, Plan
 from ranks import Outcome, run_ranks
 
@@ -71,17 +71,7 @@ def test_reducing_from_many_small_params_looks_at_each_piece_a_bounded_number_of
     flats = [np.arange(i * size, (i + 1) * size, dtype=np.float32) for i in range(params)]
     group = plan.groups[0]
     lo, hi = group.shards[0]
-    own = StepEngine._fetcher(
-        SimpleNamespace(rank=0),  # type: ignore[arg-type]
-        group,
-        0,
-        lo,
-        hi,
-        flats,
-        {},
-        0,
-        True,
-    )
+    own = own_elements(group, lo, hi, flats)
     buf = np.empty(chunk, np.float32)
     starts = range(0, hi - lo, chunk)
     got = np.concatenate([own(a, min(a + chunk, hi - lo), buf).copy() for a in starts])
@@ -1386,7 +1376,7 @@ def test_signal_handlers_never_hang_on_the_session_registry(tmp_path: Path) -> N
     finally:
         signal.setitimer(signal.ITIMER_PROF, 0)
         signal.signal(signal.SIGPROF, old)
-        gradsync._api._close_all()
+        gradsync._session.close_all()
 
 
 def test_a_call_from_a_signal_handler_inside_a_call_is_refused(tmp_path: Path) -> None:
@@ -1559,7 +1549,7 @@ def test_the_function_form_refuses_a_second_config_for_the_same_rank(tmp_path: P
         same = dataclasses.replace(cfg)  # equal, not identical: the same session
         gradsync.average_grads_file_sync([np.ones(2)], None, same, 1)
     finally:
-        gradsync._api._close_all()
+        gradsync._session.close_all()
 
 
 @pytest.mark.parametrize(
@@ -1580,7 +1570,7 @@ def test_the_function_form_refuses_a_second_config_for_the_same_rank(tmp_path: P
 def test_what_peers_are_told_of_an_exception_leaving_a_with_block(
     exc: BaseException | None, told: str | None
 ) -> None:
-    assert gradsync._api._closing_reason(exc) == told
+    assert gradsync._session.closing_reason(exc) == told
 
 
 def test_a_failed_pytest_test_is_no_uncaught_exception_at_exit(tmp_path: Path) -> None:

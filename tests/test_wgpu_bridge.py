@@ -268,6 +268,40 @@ def test_download_into_given_arrays(device: Any, bridge: WgpuBridge) -> None:
 
 
 @pytest.mark.wgpu
+def test_a_tuple_of_arrays_to_fill_is_checked_again_for_other_buffers(
+    device: Any, bridge: WgpuBridge
+) -> None:
+    # A step downloads into the same tuple of shared arrays every step: checked once
+    # for a buffer set, and again for another.
+    small = [_buffer(device, np.arange(4, dtype=np.float32))]
+    into = (np.zeros(4, np.float32),)
+    for _ in range(2):
+        bridge.download(small, np.float32, into)
+        np.testing.assert_array_equal(into[0], np.arange(4))
+    bigger = [_buffer(device, np.arange(8, dtype=np.float32), "big")]
+    with pytest.raises(InvalidGradsError, match=r"^param 0 \(label 'big'\): into\[0\] is \(4,\)"):
+        bridge.download(bigger, np.float32, into)
+
+
+@pytest.mark.wgpu
+def test_upload_takes_arrays_or_pieces(device: Any, bridge: WgpuBridge) -> None:
+    buf = _buffer(device, np.zeros(4, np.float32))
+    with pytest.raises(InvalidGradsError, match=r"^upload needs arrays \(or pieces\)$"):
+        bridge.upload([buf])
+    with pytest.raises(InvalidGradsError, match=r"^upload takes arrays or pieces, not both$"):
+        bridge.upload([buf], [np.ones(4, np.float32)], pieces=[])
+
+
+@pytest.mark.wgpu
+def test_check_names_a_buffer_a_step_could_not_copy_back(device: Any, bridge: WgpuBridge) -> None:
+    wgpu = pytest.importorskip("wgpu")
+    src_only = device.create_buffer(size=16, usage=wgpu.BufferUsage.COPY_SRC, label="ro")
+    with pytest.raises(InvalidGradsError, match=r"^param 0 \(label 'ro'\): .*COPY_DST"):
+        bridge.check([src_only], download=False)
+    bridge.download([src_only])  # a download needs only COPY_SRC
+
+
+@pytest.mark.wgpu
 def test_threads_share_large_downloads(device: Any) -> None:
     # 3 MiB and more in one staging chunk: the host copy is cut into 3 pieces.
     rng = np.random.default_rng(1)
@@ -325,7 +359,7 @@ def test_upload_pieces_queued_without_waiting(
             (0, 0, want[0][:6]),
             (1, 0, want[1][:2]),
         ]
-        bridge._upload_pieces(bufs, dts, pieces)
+        bridge.upload(bufs, dtypes=dts, pieces=pieces)
         chunk = bridge._layout.chunks[0] if bridge._layout else None
         assert chunk is not None
         # Gathered: the staging buffer is being mapped again in the background, not
@@ -467,7 +501,7 @@ def test_polled_waits_roundtrip(device: Any) -> None:
         for k in range(3):
             (h,) = bridge.download([buf], f16)
             np.testing.assert_array_equal(h, start * 2**k)
-            bridge._upload_pieces([buf], f16, [(0, 1, h[1:] * 2), (0, 0, h[:1] * 2)])
+            bridge.upload([buf], dtypes=f16, pieces=[(0, 1, h[1:] * 2), (0, 0, h[:1] * 2)])
             assert bridge._layout is not None
             assert bridge._layout.chunks[0].remap is not None
         bridge.upload([buf], [np.full(300, 7, np.float16)])
@@ -482,7 +516,7 @@ def test_unaligned_piece_goes_through_the_staging_buffer(device: Any, bridge: Wg
     buf = _buffer(device, np.zeros(4, np.float16))
     bridge.download([buf], dts)
     want = np.array([1, 2, 3, 4], np.float16)
-    bridge._upload_pieces([buf], dts, [(0, 0, want[:1]), (0, 1, want[1:])])
+    bridge.upload([buf], dtypes=dts, pieces=[(0, 0, want[:1]), (0, 1, want[1:])])
     assert bridge._layout is not None
     assert bridge._layout.chunks[0].remap is not None
     np.testing.assert_array_equal(_read(device, buf, np.float16), want)
@@ -560,19 +594,19 @@ def test_resolve_remembers_the_last_buffer_set(device: Any, bridge: WgpuBridge) 
     a = _buffer(device, np.ones(4, np.float32))
     b = _buffer(device, np.ones(8, np.float32))
     f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
-    first = bridge._resolve([a, b], np.float32)
+    first = bridge.resolve([a, b], np.float32)
     assert first == [f32, f32]
-    assert bridge._resolve([a, b], np.float32) is first  # a training loop's every step
-    assert bridge._resolve((a, b), f32) is first  # an equal dtype, a tuple of the same buffers
-    assert bridge._resolve([a, b], first) is first  # download() handed the result back
+    assert bridge.resolve([a, b], np.float32) is first  # a training loop's every step
+    assert bridge.resolve((a, b), f32) is first  # an equal dtype, a tuple of the same buffers
+    assert bridge.resolve([a, b], first) is first  # download() handed the result back
     # A list of dtypes is compared by value: changed in place, it is resolved again.
     spec: list[Any] = [np.float32, np.float32]
-    assert bridge._resolve([a, b], spec) == [f32, f32]
+    assert bridge.resolve([a, b], spec) == [f32, f32]
     spec[1] = np.float16
-    assert bridge._resolve([a, b], spec) == [f32, f16]
-    assert bridge._resolve([b, a], np.float16) == [f16, f16]  # another set
+    assert bridge.resolve([a, b], spec) == [f32, f16]
+    assert bridge.resolve([b, a], np.float16) == [f16, f16]  # another set
     with pytest.raises(InvalidGradsError, match=r"^param 1: unsupported dtype int32"):
-        bridge._resolve([a, b], [np.float32, np.int32])
+        bridge.resolve([a, b], [np.float32, np.int32])
 
 
 @pytest.mark.wgpu
@@ -582,16 +616,16 @@ def test_resolve_never_takes_none_for_a_remembered_float64(device: Any, bridge: 
     # the dtypes asked for, not the last call's.
     buf = _buffer(device, np.arange(4, dtype=np.float32))
     f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
-    assert bridge._resolve([buf], [f64]) == [f64]
-    assert bridge._resolve([buf], [None]) == [f32]
-    assert bridge._resolve([buf], [f64]) == [f64]
-    assert bridge._resolve([buf], f64) == [f64]
-    assert bridge._resolve([buf], None) == [f32]
+    assert bridge.resolve([buf], [f64]) == [f64]
+    assert bridge.resolve([buf], [None]) == [f32]
+    assert bridge.resolve([buf], [f64]) == [f64]
+    assert bridge.resolve([buf], f64) == [f64]
+    assert bridge.resolve([buf], None) == [f32]
     # numpy also takes some tuples for one dtype: np.dtype("f4") == ("f4", "f4").
     two = [buf, _buffer(device, np.ones(4, np.float32))]
-    assert bridge._resolve(two, f32) == [f32, f32]
+    assert bridge.resolve(two, f32) == [f32, f32]
     with pytest.raises(InvalidGradsError, match=r"^param 1: unsupported dtype int32"):
-        bridge._resolve(two, ("float32", "int32"))
+        bridge.resolve(two, ("float32", "int32"))
     (host,) = bridge.download([buf], [None])
     np.testing.assert_array_equal(host, np.arange(4, dtype=np.float32))
 
@@ -604,9 +638,9 @@ def test_an_array_among_the_buffers_after_a_first_call_is_named(
     # identity: GPUBuffer == ndarray is an array, whose truth value is a ValueError.
     a = _buffer(device, np.ones(4, np.float32))
     b = _buffer(device, np.ones(4, np.float32))
-    assert bridge._resolve([a, b], np.float32) == [np.dtype(np.float32)] * 2
+    assert bridge.resolve([a, b], np.float32) == [np.dtype(np.float32)] * 2
     with pytest.raises(InvalidGradsError, match=r"^param 1 is a ndarray, not a wgpu GPUBuffer"):
-        bridge._resolve([a, np.ones(4, np.float32)], np.float32)
+        bridge.resolve([a, np.ones(4, np.float32)], np.float32)
 
 
 @pytest.mark.wgpu
@@ -624,7 +658,7 @@ def test_upload_names_what_is_not_a_gpu_buffer(device: Any, bridge: WgpuBridge) 
 def test_layout_found_without_a_key_for_the_same_set(device: Any, bridge: WgpuBridge) -> None:
     a = _buffer(device, np.ones(4, np.float32))
     b = _buffer(device, np.ones(6, np.float16))
-    dtypes = bridge._resolve([a, b], [np.float32, np.float16])
+    dtypes = bridge.resolve([a, b], [np.float32, np.float16])
     layout = bridge._get_layout([a, b], dtypes)
     assert layout.host_layout == (("<f4", (4,)), ("<f2", (6,)))
     assert bridge._get_layout([a, b], dtypes) is layout
@@ -690,9 +724,7 @@ def test_closing_after_the_device_was_lost_neither_hangs_nor_raises(device: Any)
     bufs = [_buffer(lost, np.full(16, i, np.float32)) for i in range(20)]
     bridge = WgpuBridge(lost)
     host = bridge.download(bufs, [np.dtype(np.float32)] * 20)
-    bridge._upload_pieces(
-        bufs, [np.dtype(np.float32)] * 20, [(i, 0, h) for i, h in enumerate(host)]
-    )
+    bridge.upload(bufs, pieces=[(i, 0, h) for i, h in enumerate(host)])
     lost.destroy()
     failed: list[BaseException] = []
 
@@ -1010,11 +1042,11 @@ _WORKER = textwrap.dedent(
     if mode == "gathered":  # the mean is gathered on the host, then uploaded mapped
         gradsync._gpu.bridge.DIRECT_MAX_PIECES = 0
     mapped_uploads = []
-    upload_mapped = gradsync._gpu.bridge.WgpuBridge._upload_mapped
-    def counted(self, *args, **kwargs):
+    upload_staged = gradsync._gpu.bridge.upload_staged
+    def counted(*args, **kwargs):
         mapped_uploads.append(kwargs)
-        return upload_mapped(self, *args, **kwargs)
-    gradsync._gpu.bridge.WgpuBridge._upload_mapped = counted
+        return upload_staged(*args, **kwargs)
+    gradsync._gpu.bridge.upload_staged = counted
     dev = gradsync.request_device_for_rank(local_rank=rank)
     usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
     dtypes = [dt for _, dt in _WGPU_LAYOUT]
@@ -1039,7 +1071,7 @@ _WORKER = textwrap.dedent(
         # From the second step on, the buffers are downloaded into arrays mapped from
         # this rank's data file (280 KiB: reduced in shards), which is then published
         # without a copy: the rank's input-file name links to that file.
-        gen = gradsync._api._registry[gradsync._api._job_key(cfg)].generation_dir
+        gen = gradsync._session.registry[gradsync._session.job_key(cfg)].generation_dir
         linked = os.path.islink(os.path.join(gen, f"d-{rank}.in"))
         assert linked == (step > 0 and mode != "unmapped"), (step, linked)
     assert mapped_uploads == ([{"wait": False}] * 3 if mode == "gathered" else []), mapped_uploads

@@ -165,22 +165,24 @@ def with_nan(rank: int, world: int, sync_dir: str, check: bool) -> Any:
 def over_header_limits(rank: int, world: int, sync_dir: str, limit: str) -> Any:
     """A first step within the header's limits, then one past ``limit`` (lowered here:
     the real ones take a million params)."""
-    from gradsync._step import engine as _protocol  # noqa: PLC0415
+    from gradsync._step import engine, state  # noqa: PLC0415
 
     with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
         gs.average([np.ones(3), np.ones(2)], step=0)
-        setattr(_protocol, limit, {"MAX_PARAMS": 2, "MAX_META": 60}[limit])
+        # The step checks the param count; the header writer, the header's length.
+        module = engine if limit == "MAX_PARAMS" else state
+        setattr(module, limit, {"MAX_PARAMS": 2, "MAX_META": 60}[limit])
         gs.average([np.ones(3), np.ones(2), np.ones(1)], step=1)
 
 
 def buffers_past_the_header_limit(rank: int, world: int, sync_dir: str) -> Any:
     """``buffers_like`` for a mapped layout of three params under a lowered header
     limit, after a first step; returns the error's type and message."""
-    from gradsync._step import engine as _protocol  # noqa: PLC0415
+    from gradsync._step import state as _state  # noqa: PLC0415
 
     with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
         gs.average([np.ones(3)], step=0)
-        _protocol.MAX_META = 60  # type: ignore[attr-defined]
+        _state.MAX_META = 60  # type: ignore[attr-defined]
         try:
             gs.buffers_like([np.empty(1 << 18, np.float32) for _ in range(3)])
         except gradsync.GradSyncError as exc:
@@ -207,12 +209,12 @@ def buffers_with_the_last_params_nonfinite(rank: int, world: int, sync_dir: str)
 def buffers_near_the_header_limit(rank: int, world: int, sync_dir: str) -> Any:
     """``buffers_like`` arrays for 150 params whose header fits the (lowered) limit only
     without a list of non-finite params, averaged twice; returns the results as bytes."""
-    from gradsync._step import engine as _protocol  # noqa: PLC0415
     from gradsync._step import header as _format  # noqa: PLC0415
+    from gradsync._step import state as _state  # noqa: PLC0415
 
     layout = tuple(("<f4", (512,)) for _ in range(150))
     fits = len(_format.encode_meta(_format.layout_json(layout)))
-    _protocol.MAX_META = fits + 10  # type: ignore[attr-defined]
+    _state.MAX_META = fits + 10  # type: ignore[attr-defined]
     with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
         grads = gs.buffers_like([np.empty(512, np.float32) for _ in layout])
         results = []
@@ -228,11 +230,11 @@ def nonfinite_past_the_header_limit(rank: int, world: int, sync_dir: str) -> Any
     """150 params, every one NaN on the last rank, with check_finite, under a (lowered)
     header limit that their layout fits with 100 bytes to spare: not enough to list
     all 150. Returns the error's type and message."""
-    from gradsync._step import engine as _protocol  # noqa: PLC0415
     from gradsync._step import header as _format  # noqa: PLC0415
+    from gradsync._step import state as _state  # noqa: PLC0415
 
     layout = tuple(("<f4", (4,)) for _ in range(150))
-    _protocol.MAX_META = len(_format.encode_meta(_format.layout_json(layout))) + 100  # type: ignore[attr-defined]
+    _state.MAX_META = len(_format.encode_meta(_format.layout_json(layout))) + 100  # type: ignore[attr-defined]
     grads = [np.full(4, np.nan if rank == world - 1 else 1.0, np.float32) for _ in layout]
     with gradsync.GradSync(config(rank, world, sync_dir, check_finite=True)) as gs:
         try:
@@ -355,18 +357,18 @@ def interrupted_as_the_engine_starts(rank: int, world: int, sync_dir: str) -> An
     """Rank 1's first call is interrupted just after the rendezvous (as its step engine
     starts); it calls again, and so does rank 0 once its call fails. Returns the mean
     and the heartbeat threads left once every session is closed."""
-    from gradsync import _api  # noqa: PLC0415
+    from gradsync import _session  # noqa: PLC0415
 
     cfg = config(rank, world, sync_dir, max_wait_s=20.0)
     grads = [np.full(4, float(rank))]
     if rank == 1:
-        real = _api.StepEngine
+        real = _session.StepEngine
 
         def interrupted(*args: Any) -> Any:
-            _api.StepEngine = real  # type: ignore[misc]
+            _session.StepEngine = real  # type: ignore[misc]
             raise KeyboardInterrupt
 
-        _api.StepEngine = interrupted  # type: ignore[misc]
+        _session.StepEngine = interrupted  # type: ignore[misc]
     try:
         gradsync.average_grads_file_sync(grads, None, cfg, 0)
     except (KeyboardInterrupt, gradsync.GradSyncError) as exc:
@@ -374,7 +376,7 @@ def interrupted_as_the_engine_starts(rank: int, world: int, sync_dir: str) -> An
     else:
         first = "ok"
     gradsync.average_grads_file_sync(grads, None, cfg, 0)
-    _api._close_all()
+    _session.close_all()
     beating = [t.name for t in threading.enumerate() if t.name == "gradsync-heartbeat"]
     return first, grads[0].tolist(), beating
 
@@ -944,7 +946,7 @@ def fork_after_a_step(rank: int, world: int, sync_dir: str) -> Any:
     session (explicitly and as at exit); rank 0 then arrives late at step 1, so that
     rank 1 checks whether it is still there. Returns step 1's result and, on rank 0,
     what the child saw."""
-    from gradsync import _api  # noqa: PLC0415
+    from gradsync import _session  # noqa: PLC0415
 
     child_saw = None
     with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
@@ -959,7 +961,7 @@ def fork_after_a_step(rank: int, world: int, sync_dir: str) -> Any:
                 except gradsync.GradSyncError as exc:
                     saw = f"{type(exc).__name__}: {exc}"
                 gs.close()
-                _api._close_all()
+                _session.close_all()
                 os.write(write, saw.encode())
                 os._exit(0)
             os.close(write)
@@ -1123,10 +1125,10 @@ def stale_view(
     does): a shared filesystem's stale view on rank 1's host, which gradsync takes
     for a shared one (``shared``) or a local one. Rank 0 starts the third call
     ``late_s`` late. Returns each call's result as bytes and the warnings logged."""
-    from gradsync._step import engine as _protocol  # noqa: PLC0415
+    from gradsync._step import state as _state  # noqa: PLC0415
     from gradsync._step.transport import Transport  # noqa: PLC0415
 
-    _protocol.local_filesystem = lambda path: not shared  # type: ignore[assignment]
+    _state.local_filesystem = lambda path: not shared  # type: ignore[assignment]
     if rank == 1:
         snapshot_name = "d-0.in-as-of-call-1"  # beside it: the transport opens by name
         real_open = Transport.open

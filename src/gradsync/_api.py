@@ -2,35 +2,27 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import logging
 import os
-import sys
 import threading
-import time
 import weakref
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ._config import FileGradSyncConfig
-from ._errors import ConfigError, GradSyncError, InvalidGradsError, clip, name_the_step
-from ._job.rendezvous import Generation, leave, rendezvous
+from ._errors import ConfigError, GradSyncError, name_the_step
+from ._session import Session, closing_reason, forget, registered
 from ._stats import StepStats
-from ._step.buffers import SharedBuffers
-from ._step.engine import Deliver, StepEngine, nonfinite_params, validate_grads
-from ._step.header import Layout
+from ._step.engine import StepEngine
+from ._step.grads import host_view, layout_like, nonfinite_params
 from ._step.peers import nonfinite_error
-from ._step.reduce import check_dtype
 from ._testing import fixed_wait
-
-if TYPE_CHECKING:
-    from ._gpu.bridge import WgpuBridge
 
 __all__ = ["GradSync", "average_grads_file_sync"]
 
@@ -41,19 +33,6 @@ _log = logging.getLogger("gradsync")
 # them, before it raises anyway: started together, they are there within seconds.
 # GRADSYNC_TEST_WAIT_S shortens it (see _testing.py).
 TELL_WAIT_S = 10.0
-
-# Forks this process's line has been through: a GradSync made before the last one
-# belongs to an ancestor. Counted by a hook rather than compared by pid, which would
-# be a system call in every step.
-_forks_seen = 0
-
-
-def _count_fork() -> None:
-    global _forks_seen
-    _forks_seen += 1
-
-
-os.register_at_fork(after_in_child=_count_fork)
 
 
 class GradSync:
@@ -77,12 +56,8 @@ class GradSync:
         self._pid = os.getpid()
         # What the session holds in the job; a finalizer leaves it if this instance is
         # dropped unclosed (it must not hold the instance, or it would never run).
-        self._session = _Session(_forks_seen)
+        self._session = Session(cfg.rank)
         self._finalizer = weakref.finalize(self, self._session.abandon)
-        # GPU gradients are downloaded straight into shared arrays of the engine's
-        # (publishing them then copies nothing), kept per buffer layout.
-        self._device_layout: Layout | None = None
-        self._device_shared: SharedBuffers | None = None
         self._failure: BaseException | None = None
         self._closed = False
         self._next_step = 0
@@ -108,7 +83,7 @@ class GradSync:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._close(_closing_reason(exc))
+        self._close(closing_reason(exc))
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "failed" if self._failure else "open"
@@ -175,11 +150,7 @@ class GradSync:
                 else:
                     stats = self._average_device(grads, device, dtype, step)
             except BaseException as exc:
-                if self._session.gen is not None or isinstance(exc, GradSyncError):
-                    self._fail(exc)
-                if isinstance(exc, GradSyncError):
-                    # After the peers were told: their message names the step already.
-                    name_the_step(exc, step, self.cfg.rank)
+                self._failed(exc, step)
                 raise
             self.last_stats = stats
             return stats
@@ -218,26 +189,13 @@ class GradSync:
             self._check_usable()
             # Only a first call is collective: a later one with bad input fails alone.
             with self._before_step() if self._session.engine is None else contextlib.nullcontext():
-                value: object = like  # checked at run time: callers are not type-checked
-                if isinstance(value, np.ndarray) or not isinstance(value, Sequence):
-                    raise InvalidGradsError(
-                        "like must be a sequence (list or tuple) of arrays, got "
-                        f"{type(value).__name__}"
-                    )
-                if not like:
-                    raise InvalidGradsError("like is empty: pass at least one array")
-                arrays = [_as_array(x, i) for i, x in enumerate(like)]
-                layout = tuple(
-                    (check_dtype(a.dtype, f"param {i}").str, a.shape)  # as the step's layout
-                    for i, a in enumerate(arrays)
-                )
+                layout = layout_like(like)
             if not self.cfg.enabled:
                 return [np.zeros(shape, dtype=np.dtype(dtype)) for dtype, shape in layout]
             try:
                 return self._started().buffers_like(layout)
             except BaseException as exc:
-                if self._session.gen is not None or isinstance(exc, GradSyncError):
-                    self._fail(exc)
+                self._failed(exc, None)
                 raise
 
     @contextlib.contextmanager
@@ -271,7 +229,7 @@ class GradSync:
     def _check_process(self) -> None:
         # Checked before taking the lock: a fork copies it held if a thread of the
         # parent was inside a call at that moment.
-        if _forks_seen != self._session.forks:
+        if self._session.forked:
             raise GradSyncError(
                 f"this GradSync (rank {self.cfg.rank}) belongs to process {self._pid}; "
                 f"process {os.getpid()} is a fork of it and cannot average with it "
@@ -295,30 +253,40 @@ class GradSync:
     def _started(self, max_wait_s: float | None = None) -> StepEngine:
         """The step engine, meeting the other ranks first if this is the first call
         (waiting ``max_wait_s`` for them, default ``cfg.max_wait_s``)."""
-        if self._session.engine is None:
-            cfg = self.cfg
-            if max_wait_s is not None and max_wait_s < cfg.max_wait_s:
-                cfg = dataclasses.replace(cfg, max_wait_s=max_wait_s)
-            self._session.gen = rendezvous(cfg, self._closing)
-            # From here on, a failure (an interrupt too) leaves the generation.
-            self._session.engine = StepEngine(self.cfg, self._session.gen, self._closing)
-        return self._session.engine
+        return self._session.start(self.cfg, self._closing, max_wait_s)
 
-    def _average_host(
-        self, grads: Sequence[Any], step: int, deliver: Deliver | None = None
-    ) -> StepStats:
+    def _average_host(self, grads: Sequence[Any], step: int) -> StepStats:
         if self._session.engine is None:
-            # Checked before the session starts: one rank has nothing to meet.
+            # Checked before the session starts: one rank has nothing to meet. Later
+            # calls' steps check them (telling the peers of a failure).
             with self._before_step():
-                arrays = validate_grads(grads)
+                view = host_view(grads)
             if not self.cfg.enabled:
-                # One rank: nothing to average, but check_finite still stops a step with
-                # NaN/Inf, as it would with peers (a job debugged alone sees the same).
-                if self.cfg.check_finite:
-                    self._check_finite_alone(arrays, step)
-                nbytes = sum(a.nbytes for a in arrays)
-                return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
-        return self._started().step(grads, step, deliver)
+                return self._alone(view.arrays, step, sum(a.nbytes for a in view.arrays))
+            return self._started().step(view, step)
+        return self._session.engine.step(grads, step)
+
+    def _average_device(
+        self, buffers: Sequence[Any], device: Any, dtype: Any, step: int
+    ) -> StepStats:
+        gpu = self._session.gpu
+        with self._before_step():
+            dtypes = gpu.dtypes(buffers, device, dtype)
+            if not self.cfg.enabled:
+                arrays = gpu.alone(buffers, dtypes, check_finite=self.cfg.check_finite)
+                return self._alone(arrays, step, sum(int(b.size) for b in buffers))
+            view, download_s = gpu.host_view(buffers, dtypes, self._session.engine)
+        stats = self._started().step(view, step, gpu.sink(buffers, dtypes))
+        return dataclasses.replace(stats, download_s=download_s, total_s=stats.total_s + download_s)
+
+    def _alone(self, arrays: Sequence[np.ndarray] | None, step: int, nbytes: int) -> StepStats:
+        """A step of a job of one rank: nothing to average, but check_finite still stops a
+        step with NaN/Inf in ``arrays``, as it would with peers."""
+        if self.cfg.check_finite and arrays is not None:
+            bad = nonfinite_params(arrays)
+            if bad:
+                raise nonfinite_error([(self.cfg.rank, i) for i in bad], step, None)
+        return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
 
     @contextlib.contextmanager
     def _before_step(self) -> Iterator[None]:
@@ -340,88 +308,6 @@ class GradSync:
                     )
             raise
 
-    def _check_finite_alone(self, arrays: Sequence[np.ndarray], step: int) -> None:
-        """Raise the NonFiniteGradError peers would for NaN/Inf in this lone rank's
-        ``arrays``."""
-        bad = nonfinite_params(arrays)
-        if bad:
-            raise nonfinite_error([(self.cfg.rank, i) for i in bad], step, None)
-
-    def _average_device(
-        self, buffers: Sequence[Any], device: Any, dtype: Any, step: int
-    ) -> StepStats:
-        # Imported here: importing gradsync or averaging numpy arrays never loads wgpu.
-        from ._gpu.bridge import WgpuBridge, import_wgpu  # noqa: PLC0415
-
-        with self._before_step():
-            # As validate_grads would at the step: checked first, because one rank has no
-            # step, and more ranks would otherwise copy nothing from the GPU to find out.
-            if isinstance(buffers, list | tuple) and not buffers:
-                raise InvalidGradsError("grads is empty: pass at least one gradient buffer")
-            if self._session.bridge is None or self._session.bridge.device is not device:
-                if not isinstance(device, import_wgpu().GPUDevice):
-                    raise InvalidGradsError(
-                        "device must be a wgpu GPUDevice (or None for numpy arrays), got "
-                        f"{type(device).__name__}"
-                    )
-                if self._session.bridge is not None:
-                    self._session.bridge.close()
-                self._session.bridge = WgpuBridge(device)
-            dtypes = self._session.bridge._resolve(buffers, np.float32 if dtype is None else dtype)
-            bridge = self._session.bridge
-            if not self.cfg.enabled:
-                # One rank: the mean is the input; still check the buffers, copy nothing.
-                bridge._check_without_copying(buffers)
-                if self.cfg.check_finite:
-                    # Except to look for NaN/Inf, which stop the step as they would with
-                    # peers (and as _average_host does for arrays).
-                    self._check_finite_alone(bridge._download(buffers, dtypes, None), step)
-                nbytes = sum(int(b.size) for b in buffers)
-                return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
-            bridge._check_upload_target(buffers)  # before the step, which the peers join
-            shared = self._device_arrays(bridge, buffers, dtypes)
-            t0 = time.perf_counter()
-            host = bridge._download(buffers, dtypes, shared)
-            download_s = time.perf_counter() - t0
-        # The mean goes from the shared files to the GPU (queued, not waited for),
-        # without first being copied into the host arrays.
-        stats = self._average_host(
-            host, step, lambda pieces: bridge._upload_pieces(buffers, dtypes, pieces)
-        )
-        if self._session.engine is not None:
-            # Known once the peers are met (threads depend on the ranks on this host).
-            bridge.threads = self._session.engine.workers.threads
-        return dataclasses.replace(stats, download_s=download_s, total_s=stats.total_s + download_s)
-
-    def _device_arrays(
-        self, bridge: WgpuBridge, buffers: Sequence[Any], dtypes: list[np.dtype[Any]]
-    ) -> list[np.ndarray] | None:
-        """Shared host arrays for these GPU buffers, or None: on the first step (the
-        ranks have not met), where sharing saves nothing, or where the caller's own
-        :meth:`buffers_like` arrays hold the engine's one shared set (never taken over)."""
-        engine = self._session.engine
-        if engine is None:
-            return None
-        layout = bridge._get_layout(buffers, dtypes).host_layout
-        if layout != self._device_layout:
-            previous, current = self._device_shared, engine.shared
-            self._device_layout, self._device_shared = layout, None
-            if current is None or current is previous:
-                try:
-                    # Plain arrays (dropped) where nothing is saved; unwatched: a step
-                    # delivers the mean to the GPU, never into them.
-                    engine.buffers_like(layout, watch=False)
-                except GradSyncError as exc:
-                    # Outside a step no peer would hear of it: copy as before, and let the
-                    # step itself fail (telling the peers) if the sync dir is unusable.
-                    _log.warning("rank %d: GPU gradients will be copied: %s", self.cfg.rank, exc)
-                if engine.shared is not current:
-                    self._device_shared = engine.shared
-        shared = self._device_shared
-        if shared is None or engine.shared is not shared:
-            return None
-        return list(shared.arrays)
-
     def close(self) -> None:
         """Leave the job. The last rank to close removes the job's directory. Idempotent.
 
@@ -438,7 +324,7 @@ class GradSync:
     def _close(self, why: str | None) -> None:
         """close(), telling peers that still wait for this rank ``why`` it closed
         ("raising ZeroDivisionError: division by zero"), if it is the first close."""
-        if _forks_seen != self._session.forks:
+        if self._session.forked:
             self._closed = True
             return
         self._closing.set()  # a call waiting for peers gives up
@@ -454,7 +340,16 @@ class GradSync:
                 return
             self._closed = True
             self._session.leave(why)
-            _registry_forget(self)
+            forget(self)
+
+    def _failed(self, exc: BaseException, step: int | None) -> None:
+        """A call failed: the session ends if it met the peers or the error is
+        gradsync's own, and a gradsync error names the ``step``."""
+        if self._session.gen is not None or isinstance(exc, GradSyncError):
+            self._fail(exc)
+        if step is not None and isinstance(exc, GradSyncError):
+            # After the peers were told: their message names the step already.
+            name_the_step(exc, step, self.cfg.rank)
 
     def _fail(self, exc: BaseException) -> None:
         """End the session after a failed call (its peers give up on it too). It leaves
@@ -462,117 +357,6 @@ class GradSync:
         is closed, or even if it never is."""
         self._failure = exc
         self._session.leave()
-
-
-class _Session:
-    """What a GradSync holds in its job: the generation, the step engine, the GPU bridge."""
-
-    def __init__(self, forks: int) -> None:
-        self.gen: Generation | None = None
-        self.engine: StepEngine | None = None
-        self.bridge: WgpuBridge | None = None
-        self.forks = forks
-        self.left = False
-        self.busy = False  # a call of the GradSync is in progress
-
-    def abandon(self) -> None:
-        """Leave, for a GradSync dropped without close() or still open at exit, unless a
-        call (in a daemon thread, at exit) is still using the session."""
-        if not self.busy:
-            self.leave(_uncaught_at_exit())
-
-    def leave(self, why: str | None = None) -> None:
-        """Leave the job and free what the session holds; only once, and never from a
-        fork (at a forked child's exit the session is the parent's). ``why``: what
-        made the rank close its session, for peers that still wait for it."""
-        if self.left or _forks_seen != self.forks:
-            return
-        self.left = True
-        try:
-            if self.engine is not None:
-                self.engine.close()  # joins threads: a Ctrl-C can land in it
-            elif self.gen is not None and self.gen.heartbeat is not None:
-                self.gen.heartbeat.stop()  # met the peers, but the engine never started
-        finally:
-            # Only once (above): the peers must learn that this rank left even so.
-            try:
-                if self.gen is not None:
-                    calls = 0 if self.engine is None else self.engine.completed
-                    leave(self.gen, calls, f"closed its gradsync session ({why})" if why else None)
-            finally:
-                if self.bridge is not None:
-                    self.bridge.close()
-
-
-# The function form's sessions, one per job and rank this process averages as.
-_registry: dict[tuple[str, str | None, int, int], GradSync] = {}
-# Re-entrant: a signal handler's close() may run while its thread holds it.
-_registry_lock = threading.RLock()
-
-
-def _job_key(cfg: FileGradSyncConfig) -> tuple[str, str | None, int, int]:
-    return (os.path.abspath(cfg.sync_dir), cfg.run_id, cfg.world_size, cfg.rank)
-
-
-def _registry_forget(sync: GradSync) -> None:
-    key = _job_key(sync.cfg)
-    with _registry_lock:
-        if _registry.get(key) is sync:
-            del _registry[key]
-
-
-@atexit.register
-def _close_all() -> None:
-    why = _uncaught_at_exit()
-    with _registry_lock:
-        syncs = list(_registry.values())
-    for sync in syncs:
-        try:
-            sync._close(why)
-        except Exception:  # at exit, one failure must not hide the others
-            _log.exception("closing %r at exit failed", sync)
-
-
-def _closing_reason(exc: BaseException | None) -> str | None:
-    """What peers are told of an exception leaving a ``with`` block: nothing for none,
-    for ``sys.exit(0)`` or for a generator closed (ends, not failures)."""
-    if exc is None or isinstance(exc, GeneratorExit):
-        return None
-    if isinstance(exc, SystemExit):
-        return None if exc.code in (None, 0) else f"raising SystemExit({exc.code!r})"
-    return f"raising {_exception_text(exc)}"
-
-
-def _uncaught_at_exit() -> str | None:
-    """What ends this program, if an uncaught exception does: the interpreter keeps
-    the one it printed in ``sys.last_value``. Others keep theirs there too (pytest a
-    failed test's, a REPL or notebook any statement's), so it counts only when its
-    traceback runs through the main module's top level, outside a REPL or notebook."""
-    if hasattr(sys, "ps1") or sys.flags.interactive or "IPython" in sys.modules:
-        return None
-    exc = getattr(sys, "last_value", None)
-    if not isinstance(exc, BaseException):
-        return None
-    tb = exc.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
-            return f"at exit, after an uncaught {_exception_text(exc)}"
-        tb = tb.tb_next
-    return None
-
-
-def _exception_text(exc: BaseException) -> str:
-    """``ZeroDivisionError: division by zero``: its type and its message's first line,
-    at most 200 characters, for a one-line message of a peer (a gradsync error's type
-    only: its message, about other ranks, is this rank's to show)."""
-    if isinstance(exc, GradSyncError):
-        return type(exc).__name__
-    try:
-        lines = str(exc).strip().splitlines()
-    except Exception:  # a broken __str__ must not replace the exception being raised
-        lines = []
-    return clip(f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)
 
 
 def _checked_step(step: object) -> int:
@@ -583,18 +367,6 @@ def _checked_step(step: object) -> int:
     if not -(2**63) <= value < 2**63:
         raise ConfigError(f"step must fit in a signed 64-bit integer, got {value}")
     return value
-
-
-def _as_array(x: object, i: int) -> np.ndarray:
-    """``buffers_like``'s param ``i`` as an array (only its shape and dtype are used)."""
-    try:
-        return np.asarray(x)
-    except Exception as exc:  # torch: a tensor that requires grad, a bfloat16 tensor
-        raise InvalidGradsError(
-            f"param {i} ({type(x).__name__}) cannot be read as a numpy array: "
-            f"{type(exc).__name__}: {exc} (for torch: p.detach().numpy() of a float16/32/64 "
-            "tensor)"
-        ) from exc
 
 
 def _check_config(cfg: object) -> None:
@@ -620,26 +392,10 @@ def average_grads_file_sync(
     value and errors.
     """
     _check_config(cfg)  # before the registry: an unhashable cfg would raise TypeError
-    key = _job_key(cfg)
-    with _registry_lock:
-        sync = _registry.get(key)
-        if sync is not None and sync.cfg != cfg:
-            # A second session of the same rank would meet itself as a rival.
-            changed = ", ".join(
-                f"{f.name} {getattr(sync.cfg, f.name)!r} then {getattr(cfg, f.name)!r}"
-                for f in dataclasses.fields(cfg)
-                if getattr(sync.cfg, f.name) != getattr(cfg, f.name)
-            )
-            raise ConfigError(
-                f"rank {cfg.rank} of the job in {cfg.sync_dir} (run_id {cfg.run_id!r}) is "
-                f"averaged in this process with another config ({changed}): pass the same "
-                "config on every call"
-            )
-        if sync is None:
-            sync = _registry[key] = GradSync(cfg)
+    sync = registered(cfg, GradSync)
     try:
         return sync.average(grads, step=step, device=device, dtype=dtype)
     except BaseException:
         if sync._failure is not None:
-            _registry_forget(sync)  # ended: the next call starts a new session
+            forget(sync)  # ended: the next call starts a new session
         raise

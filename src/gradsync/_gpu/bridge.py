@@ -1,18 +1,14 @@
 """Moving gradients between wgpu ``GPUBuffer``s and host numpy arrays.
 
-wgpu is imported lazily: ``import gradsync`` never loads it.
+wgpu is imported lazily: ``import gradsync`` never loads it. ``queue.read_buffer``
+creates, maps and destroys a staging buffer on every call (wgpu-py issue #727), so
+:class:`WgpuBridge` keeps one staging layout per set of buffers, encodes all copies
+into one command buffer, submits once and maps once.
 
-Why not ``queue.read_buffer``: in wgpu-py it creates, maps and destroys a staging
-buffer on every call (wgpu-py issue #727), about 9x slower for large gradients than
-one persistent staging buffer. :class:`WgpuBridge` keeps one staging layout per set
-of buffers, encodes all copies into one command buffer, submits once and maps once.
-
-WebGPU moves buffer data in whole 4-byte words (``COPY_BUFFER_ALIGNMENT``): a copy,
-a ``write_buffer`` and a map must all have sizes that are multiples of 4 and may not
-run past ``buffer.size``. The last ``size % 4`` bytes of a buffer whose size is not a
-multiple of 4 (a float16 buffer of 3 elements is 6 bytes) can therefore never be read
-or written by a transfer, so such buffers are rejected: allocate them with the size
-rounded up to a multiple of 4 bytes (the padding elements are then averaged too).
+WebGPU moves buffer data in whole 4-byte words (``COPY_BUFFER_ALIGNMENT``): the last
+``size % 4`` bytes of a buffer could never be read or written, so buffers whose size
+is not a multiple of 4 are rejected (allocate them rounded up; the padding is averaged
+too).
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gradsync._errors import ConfigError, InvalidGradsError, WgpuBridgeError
+from gradsync._step.header import Layout
 from gradsync._step.overlap import overlap_message, repeated
 from gradsync._step.parallel import Workers
 from gradsync._step.reduce import SUPPORTED_DTYPES
@@ -43,16 +40,9 @@ from .checks import (
     resolve_dtypes,
     upload_sources,
 )
-from .layout import StagingLayout, write_staging
-from .wait import (
-    SPIN_S,
-    adapter_type,
-    import_wgpu,
-    map_for_reading,
-    release,
-    wait_for,
-    wgpu_errors,
-)
+from .copies import Fence, download_staged, upload_staged
+from .layout import StagingLayout
+from .wait import SPIN_S, adapter_type, import_wgpu, release, wgpu_errors
 
 if TYPE_CHECKING:
     import wgpu
@@ -98,16 +88,15 @@ class WgpuBridge:
         # The last buffer set, the dtype argument it came with, and its dtypes.
         self._resolved: tuple[tuple[Any, ...], object, list[np.dtype[Any]]] | None = None
         self._max_buffer_size = int(device.limits.get("max-buffer-size", 1 << 28))
-        self._fence_src: Any = None
-        self._fence_dst: Any = None
+        # The last arrays given to download(into=...) as a tuple, with their dtypes.
+        self._into: tuple[object, object] = (None, None)
+        self._fence = Fence(device)
         self._closed = False
         # How long a wait for the GPU polls from this thread first (see wait_for).
         self._spin_s = 0.0 if adapter_type(device) == "CPU" else SPIN_S
-        # How upload() copies ("mapped" or "write_buffer"; a step's upload chooses per
-        # call, see DIRECT_MAX_BYTES). "mapped" (one persistent MAP_WRITE buffer, kept
-        # mapped while idle, then one encoder of copies) measured 4x faster than
-        # queue.write_buffer per param at 256 MiB on lavapipe, because write_buffer
-        # allocates fresh staging memory on every call.
+        # How upload() of arrays copies: "mapped" (one persistent MAP_WRITE buffer, kept
+        # mapped while idle, then one encoder of copies) or "write_buffer" per param,
+        # which allocates fresh staging memory on every call. Pieces choose per call.
         self.upload_mode: str = "mapped"
 
     @property
@@ -144,16 +133,47 @@ class WgpuBridge:
 
     # -- layout --------------------------------------------------------------------
 
-    def _resolve(
-        self, buffers: Sequence[Any], dtype: npt.DTypeLike | Sequence[npt.DTypeLike]
+    def _get_layout(self, buffers: Sequence[Any], dtypes: Sequence[np.dtype[Any]]) -> StagingLayout:
+        layout = self._layout
+        # Per step, the same buffers and the list resolve() returned: no key to build.
+        if layout is not None and dtypes is layout.dtypes and layout.buffers == tuple(buffers):
+            return layout
+        # id(): the layout keeps its buffers alive (layout.buffers), so no id in its key
+        # can belong to another buffer meanwhile. (GPUBuffer.uid is wgpu-py >= 0.30.)
+        key = tuple((id(b), int(b.size), dt.str) for b, dt in zip(buffers, dtypes, strict=True))
+        if layout is not None and layout.key == key:
+            layout.buffers, layout.dtypes = tuple(buffers), dtypes
+            return layout
+        self._destroy_staging()
+        self._layout = StagingLayout.build(key, buffers, dtypes, self._max_buffer_size)
+        return self._layout
+
+    def _destroy_staging(self) -> None:
+        """Destroy the staging buffers. Never raises and never waits: a pending mapping
+        is cancelled by the destruction (a lost device would never resolve it), and on
+        a lost device there is nothing left to release."""
+        if self._layout is None:
+            return
+        for ch in self._layout.chunks:
+            ch.remap = None
+            for buf in (ch.read, ch.write):
+                if buf is not None:
+                    release(buf)
+        self._layout = None
+
+    # -- public API ----------------------------------------------------------------
+
+    def resolve(
+        self, buffers: Sequence[Any], dtype: npt.DTypeLike | Sequence[npt.DTypeLike] = np.float32
     ) -> list[np.dtype[Any]]:
-        """:func:`resolve_dtypes`, remembered for the last buffer set: a training loop
-        passes the same buffers every step, and a buffer's size never changes. The
-        list returned is shared between calls; callers must not modify it.
+        """The dtype of each buffer: ``dtype`` is one for all (None is float32) or one per
+        buffer. Remembered for the last buffer set (a training loop passes the same
+        buffers every step); the list returned is shared between calls: do not modify
+        it, pass it back to :meth:`download` and :meth:`upload`.
 
         Raises:
             InvalidGradsError: as :func:`resolve_dtypes`; for ``buffers`` that are not
-                a list or tuple of GPUBuffers.
+                a list or tuple of GPUBuffers, or a buffer passed twice.
         """
         if not isinstance(buffers, list | tuple):
             raise InvalidGradsError(
@@ -182,36 +202,22 @@ class WgpuBridge:
         self._resolved = (key, spec, dtypes)
         return dtypes
 
-    def _get_layout(self, buffers: Sequence[Any], dtypes: Sequence[np.dtype[Any]]) -> StagingLayout:
-        layout = self._layout
-        # Per step, the same buffers and the list _resolve() returned: no key to build
-        # (a few us a buffer with hundreds of them).
-        if layout is not None and dtypes is layout.dtypes and layout.buffers == tuple(buffers):
-            return layout
-        # id(): the layout keeps its buffers alive (layout.buffers), so no id in its key
-        # can belong to another buffer meanwhile. (GPUBuffer.uid is wgpu-py >= 0.30.)
-        key = tuple((id(b), int(b.size), dt.str) for b, dt in zip(buffers, dtypes, strict=True))
-        if layout is not None and layout.key == key:
-            layout.buffers, layout.dtypes = tuple(buffers), dtypes
-            return layout
-        self._destroy_staging()
-        self._layout = StagingLayout.build(key, buffers, dtypes, self._max_buffer_size)
-        return self._layout
+    def host_layout(self, buffers: Sequence[Any], dtypes: list[np.dtype[Any]]) -> Layout:
+        """``(dtype str, (elements,))`` per buffer, as a step's layout is written;
+        ``dtypes`` from :meth:`resolve`."""
+        return self._get_layout(buffers, dtypes).host_layout
 
-    def _destroy_staging(self) -> None:
-        """Destroy the staging buffers. Never raises and never waits: a pending mapping
-        is cancelled by the destruction (a lost device would never resolve it), and on
-        a lost device there is nothing left to release."""
-        if self._layout is None:
-            return
-        for ch in self._layout.chunks:
-            ch.remap = None
-            for buf in (ch.read, ch.write):
-                if buf is not None:
-                    release(buf)
-        self._layout = None
+    def check(self, buffers: Sequence[wgpu.GPUBuffer], *, download: bool = True) -> None:
+        """Check ``buffers`` as :meth:`upload` (and, with ``download``, :meth:`download`)
+        would, copying nothing: a step checks its upload targets before it starts.
 
-    # -- public API ----------------------------------------------------------------
+        Raises:
+            InvalidGradsError: as :meth:`download` and :meth:`upload`.
+        """
+        self._check_open()
+        if download:
+            self._check_buffers(buffers, COPY_SRC, "COPY_SRC")
+        self._check_buffers(buffers, COPY_DST, "COPY_DST", probe=False)
 
     def download(
         self,
@@ -239,66 +245,35 @@ class WgpuBridge:
         self._check_open()
         if isinstance(dtypes, Iterable) and not isinstance(dtypes, str | bytes | Sequence):
             dtypes = list(dtypes)  # dict values, a numpy array of dtypes: one per buffer
-        dts = self._resolve(buffers, dtypes)
-        if into is not None:
+        dts = self.resolve(buffers, dtypes)
+        # A tuple of arrays checked for these dtypes (a step's shared arrays) fits again.
+        if into is not None and not (into is self._into[0] and dts is self._into[1]):
             check_into(buffers, dts, into)
-        return self._download(buffers, dts, into)
-
-    def _download(
-        self,
-        buffers: Sequence[wgpu.GPUBuffer],
-        dtypes: list[np.dtype[Any]],
-        into: Sequence[npt.NDArray[Any]] | None,
-    ) -> list[npt.NDArray[Any]]:
-        """:meth:`download` of arguments known to be right: ``dtypes`` from
-        :meth:`_resolve`, ``into`` None or arrays made for this layout. The buffers are
-        still checked: their mapping and liveness change between calls.
-
-        Raises:
-            InvalidGradsError, WgpuBridgeError: as :meth:`download`.
-        """
-        self._check_open()
+            self._into = (into, dts) if isinstance(into, tuple) else (None, None)
+        # The buffers are checked every call: their mapping and liveness change.
         self._check_buffers(buffers, COPY_SRC, "COPY_SRC")
-        layout = self._get_layout(buffers, dtypes)
-        wgpu = import_wgpu()
-
+        layout = self._get_layout(buffers, dts)
         with wgpu_errors("downloading gradients"):
-            for ch in layout.chunks:
-                if ch.read is None:
-                    ch.read = self._device.create_buffer(
-                        label="gradsync-download",
-                        size=ch.nbytes,
-                        usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
-                    )
-            enc = self._device.create_command_encoder(label="gradsync-download")
-            for buf, (c, off, size) in zip(buffers, layout.slots, strict=True):
-                if size:  # an empty buffer has nothing to copy (and cannot be probed)
-                    enc.copy_buffer_to_buffer(buf, 0, layout.chunks[c].read, off, size)
-            self._device.queue.submit([enc.finish()])
-            for c, ch in enumerate(layout.chunks):
-                map_for_reading(ch.read, self._device, self._spin_s)
-                try:
-                    mapped = np.frombuffer(ch.read.read_mapped(0, ch.nbytes, copy=False), np.uint8)
-                    if into is None:
-                        pairs = [(ch.host, mapped)]
-                    else:
-                        pairs = [
-                            (dst.reshape(-1).view(np.uint8), mapped[off : off + size])
-                            for dst, (cc, off, size) in zip(into, layout.slots, strict=True)
-                            if cc == c
-                        ]
-                    self._workers.copy(pairs)
-                    # No numpy view of mapped memory may outlive unmap().
-                    del mapped, pairs
-                finally:
-                    ch.read.unmap()
+            download_staged(self._device, buffers, layout, into, self._workers, self._spin_s)
         return list(layout.views) if into is None else list(into)
 
-    def upload(self, buffers: Sequence[wgpu.GPUBuffer], arrays: Sequence[npt.NDArray[Any]]) -> None:
+    def upload(
+        self,
+        buffers: Sequence[wgpu.GPUBuffer],
+        arrays: Sequence[npt.NDArray[Any]] | None = None,
+        *,
+        pieces: Sequence[tuple[int, int, npt.NDArray[Any]]] | None = None,
+        dtypes: npt.DTypeLike | Sequence[npt.DTypeLike] = np.float32,
+    ) -> None:
         """Overwrite each buffer with the bytes of ``arrays[i]``; wait until done.
 
         Each array must hold exactly ``buffer.size`` bytes of float16, float32 or
         float64; it is read, never modified. The copies have finished on return.
+
+        With ``pieces`` ``(param, first element, elements)`` instead, of buffers of
+        ``dtypes`` (as :meth:`download`'s) checked by :meth:`check` or a download: each
+        piece is copied into its buffer, queued without waiting (work submitted later
+        on this device's queue sees the new contents).
 
         Raises:
             InvalidGradsError: naming the param for a count or byte-size mismatch, an
@@ -307,53 +282,34 @@ class WgpuBridge:
             WgpuBridgeError: wgpu failed while copying.
         """
         self._check_open()
+        if pieces is not None:
+            if arrays is not None:
+                raise InvalidGradsError("upload takes arrays or pieces, not both")
+            self._queue_pieces(buffers, self.resolve(buffers, dtypes), pieces)
+            return
+        if arrays is None:
+            raise InvalidGradsError("upload needs arrays (or pieces)")
         host = upload_sources(buffers, arrays)
         self._check_buffers(buffers, COPY_DST, "COPY_DST")
         with wgpu_errors("uploading gradients"):
             if self.upload_mode == "mapped":
                 layout = self._get_layout(buffers, [a.dtype for a in host])
                 writes = layout.writes([(i, 0, a) for i, a in enumerate(host)])
-                self._upload_mapped(buffers, layout, writes)
+                upload_staged(self._device, buffers, layout, writes, self._workers, self._spin_s)
             else:
                 for buf, a in zip(buffers, host, strict=True):
                     if a.nbytes:
                         self._device.queue.write_buffer(buf, 0, a)
-                self._fence()
+                self._fence.wait(self._spin_s)
 
-    def _check_upload_target(self, buffers: Sequence[wgpu.GPUBuffer]) -> None:
-        """Check, before a step starts, what :meth:`_upload_pieces` will need (the
-        buffers' liveness is probed by the step's download).
-
-        Raises:
-            InvalidGradsError: as :meth:`upload`.
-        """
-        self._check_buffers(buffers, COPY_DST, "COPY_DST", probe=False)
-
-    def _check_without_copying(self, buffers: Sequence[wgpu.GPUBuffer]) -> None:
-        """Check ``buffers`` as a step's download and upload would (a job of one rank
-        copies nothing, and must fail where a larger one would).
-
-        Raises:
-            InvalidGradsError: as :meth:`download` and :meth:`upload`.
-        """
-        self._check_buffers(buffers, COPY_SRC, "COPY_SRC")
-        self._check_upload_target(buffers)
-
-    def _upload_pieces(
+    def _queue_pieces(
         self,
         buffers: Sequence[wgpu.GPUBuffer],
-        dtypes: Sequence[np.dtype[Any]],
+        dtypes: list[np.dtype[Any]],
         pieces: Sequence[tuple[int, int, npt.NDArray[Any]]],
     ) -> None:
-        """Queue the copy of each piece ``(param, first element, elements)`` into its
-        buffer; return without waiting for the GPU (work submitted later on this
-        device's queue sees the new contents). The buffers were checked by this
-        step's :meth:`download` and :meth:`_check_upload_target`.
-
-        Raises:
-            WgpuBridgeError: wgpu failed while copying.
-        """
-        self._check_open()
+        """:meth:`upload` of pieces: by ``write_buffer`` when few and small, otherwise
+        gathered into the mapped staging buffers."""
         layout = self._get_layout(buffers, dtypes)
         with wgpu_errors("uploading gradients"):
             nbytes = sum(src.nbytes for _, _, src in pieces)
@@ -368,71 +324,10 @@ class WgpuBridge:
                     if src.nbytes:
                         self._device.queue.write_buffer(buffers[param], offset, src)
                 return
-            self._upload_mapped(buffers, layout, layout.writes(pieces), wait=False)
-
-    def _upload_mapped(
-        self,
-        buffers: Sequence[Any],
-        layout: StagingLayout,
-        writes: Sequence[tuple[int, int, npt.NDArray[Any]]],
-        *,
-        wait: bool = True,
-    ) -> None:
-        """Upload through ``layout``'s mapped staging buffers: each ``(chunk, byte
-        offset, array)`` of ``writes`` is copied there, then every buffer from its slot.
-        Without ``wait``, return once the copies are submitted; the staging buffers
-        are mapped again in the background and waited for at their next use."""
-        wgpu = import_wgpu()
-
-        for ch in layout.chunks:
-            if ch.write is None:
-                ch.write = self._device.create_buffer(
-                    label="gradsync-upload",
-                    size=ch.nbytes,
-                    usage=wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC,
-                    mapped_at_creation=True,
-                )
-            if ch.remap is not None:
-                remap, ch.remap = ch.remap, None
-                wait_for(remap, self._device, self._spin_s)
-            if str(ch.write.map_state) != "mapped":
-                ch.write.map_sync(wgpu.MapMode.WRITE)
-        write_staging(layout, writes, self._workers)
-        for ch in layout.chunks:
-            ch.write.unmap()
-        enc = self._device.create_command_encoder(label="gradsync-upload")
-        for buf, (c, off, size) in zip(buffers, layout.slots, strict=True):
-            if size:
-                enc.copy_buffer_to_buffer(layout.chunks[c].write, off, buf, 0, size)
-        self._device.queue.submit([enc.finish()])
-        # Mapping again waits for the copies (no separate fence needed) and leaves the
-        # buffer ready for the next upload. Asked for now and waited for at the next
-        # upload, it costs the step no round trip to the GPU.
-        for ch in layout.chunks:
-            if wait:
-                ch.write.map_sync(wgpu.MapMode.WRITE)
-            else:
-                ch.remap = ch.write.map_async(wgpu.MapMode.WRITE)
-
-    def _fence(self) -> None:
-        # queue.on_submitted_work_done_sync() raises a cffi TypeError in wgpu-py 0.32;
-        # mapping a buffer written by a later submit waits for all earlier work.
-        wgpu = import_wgpu()
-
-        if self._fence_src is None:
-            self._fence_src = self._device.create_buffer(
-                label="gradsync-fence-src", size=8, usage=wgpu.BufferUsage.COPY_SRC
+            writes = layout.writes(pieces)
+            upload_staged(
+                self._device, buffers, layout, writes, self._workers, self._spin_s, wait=False
             )
-            self._fence_dst = self._device.create_buffer(
-                label="gradsync-fence",
-                size=8,
-                usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
-            )
-        enc = self._device.create_command_encoder(label="gradsync-fence")
-        enc.copy_buffer_to_buffer(self._fence_src, 0, self._fence_dst, 0, 8)
-        self._device.queue.submit([enc.finish()])
-        map_for_reading(self._fence_dst, self._device, self._spin_s)
-        self._fence_dst.unmap()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -445,11 +340,9 @@ class WgpuBridge:
         self._closed = True
         self._destroy_staging()
         self._resolved = None
+        self._into = (None, None)
         self._workers.close()
-        for buf in (self._fence_src, self._fence_dst):
-            if buf is not None:
-                release(buf)
-        self._fence_src = self._fence_dst = None
+        self._fence.close()
 
     def __enter__(self) -> WgpuBridge:
         return self

@@ -80,7 +80,7 @@ class SharedBuffers:
         if len(arrays) != len(self.spans):
             return False
         for a, mine, (address, nbytes) in zip(arrays, self.arrays, self.spans, strict=True):
-            if a is mine:  # the common case, and 30x cheaper than asking for the address
+            if a is mine:  # the common case, and far cheaper than asking for the address
                 continue
             if a.nbytes != nbytes or (nbytes and a.ctypes.data != address):
                 return False

@@ -104,10 +104,9 @@ class Workers:
 
         Arrays of ``SMALL_COPY_BYTES`` or more are dealt to the threads in contiguous
         pieces of about equal bytes; smaller ones are all copied by the calling thread
-        (a hundred small copies on eight threads queue for the GIL: measured slower
-        than one thread on 16 cores).
+        (many small copies on many threads queue for the GIL, slower than one).
         """
-        if self.threads <= 1:  # nothing to deal out (a thousand params: ~0.1 ms a step)
+        if self.threads <= 1:  # nothing to deal out: skip sorting the pairs
             _copier(pairs)()
             return
         small = [(d, s) for d, s in pairs if d.nbytes < SMALL_COPY_BYTES]
@@ -137,8 +136,8 @@ class Workers:
         (all of one dtype; ``dst`` as long as all of them together).
 
         Sources under ``SMALL_COPY_BYTES`` in a row are copied with one
-        ``np.concatenate`` on the calling thread (a copy per param cost ~0.5 us in
-        Python, the whole cost of a small param); larger ones are dealt out as
+        ``np.concatenate`` on the calling thread (a Python-level copy per param
+        would be the whole cost of a small param); larger ones are dealt out as
         :meth:`copy` deals them.
         """
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
@@ -173,8 +172,8 @@ class Workers:
 
 def _copier(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Callable[[], None]:
     def job() -> None:
-        # np.copyto for arrays of one dtype and shape, without its keyword handling:
-        # ~0.15 us less a call, a step's whole cost for a param of a few elements.
+        # np.copyto for arrays of one dtype and shape, without its keyword handling,
+        # which is a step's whole cost for a param of a few elements.
         for dst, src in pairs:
             dst[...] = src
 

@@ -125,10 +125,10 @@ def mean_into(
     if in_buf is None:
         in_buf = np.empty(chunk, dtype=out.dtype)
     # float32 in float32 (two ranks always, more with wide=False): added straight into
-    # ``out``, with no accumulator and no casts: 5x less CPU than float64 at 3 ranks
-    # in one process. For two ranks this is the float64 mean rounded to float32, bit for bit:
-    # a + b rounds once (a sum that lands in the subnormal range is exact), halving is
-    # exact, and float64's own rounding of a + b can never sit on a float32 tie.
+    # ``out``, with no accumulator and no casts (much less CPU than float64). For two
+    # ranks this is the float64 mean rounded to float32, bit for bit: a + b rounds once
+    # (a sum that lands in the subnormal range is exact), halving is exact, and
+    # float64's own rounding of a + b can never sit on a float32 tie.
     # The FPU's overflow flag (which numpy turns into FloatingPointError here, at no
     # extra pass) marks the rare chunks whose sum overflowed; Inf or NaN inputs raise
     # no flag. Two ranks redo such a chunk in float64 (the same bits elsewhere in it);
