@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from ._async import Background, StepHandle
 from ._config import FileGradSyncConfig
 from ._errors import ConfigError, GradSyncError, InvalidGradsError, clip, name_the_step
 from ._job.rendezvous import Generation, leave, rendezvous
@@ -91,6 +92,7 @@ class GradSync:
         self._close_requested = False  # close() re-entered that call (a signal handler)
         # Set by close(): a call waiting for peers in another thread gives up.
         self._closing = threading.Event()
+        self._background = Background(f"gradsync rank {cfg.rank}")  # average_async's thread
 
     def __enter__(self) -> GradSync:
         """Enter a block at whose end it closes.
@@ -163,6 +165,9 @@ class GradSync:
             WgpuBridgeError: a GPU copy failed (the device was lost, say).
             GradSyncError: this instance is closed or an earlier step failed.
         """
+        if self._background.busy() and not self._background.on_thread():
+            # Behind the steps still in flight: calls complete in the order they are made.
+            return self.average_async(grads, step=step, device=device, dtype=dtype).wait()
         self._check_process()
         with self._call():
             self._check_usable()
@@ -183,6 +188,31 @@ class GradSync:
                 raise
             self.last_stats = stats
             return stats
+
+    def average_async(
+        self,
+        grads: Sequence[Any],
+        *,
+        step: int | None = None,
+        device: Any = None,
+        dtype: npt.DTypeLike | Sequence[npt.DTypeLike] | None = None,
+    ) -> StepHandle:
+        """Start :meth:`average` on this GradSync's background thread; its handle.
+
+        Calls complete in the order they were made (``average`` too waits for those
+        before it); ``grads`` belong to gradsync until ``handle.wait()`` returns, which
+        gives the step's timings or raises its error (``handle.done()``: whether it is
+        over). :meth:`close` waits for the steps in flight, failing those not started.
+
+        Raises:
+            GradSyncError: this instance is closed, or belongs to another process.
+        """
+        self._check_process()
+        if self._closed or self._closing.is_set():
+            raise GradSyncError(f"this GradSync (rank {self.cfg.rank}) is closed")
+        return self._background.submit(
+            lambda: self.average(grads, step=step, device=device, dtype=dtype)
+        )
 
     def buffers_like(self, like: Sequence[Any]) -> list[np.ndarray]:
         """Zero-filled gradient arrays shaped like ``like`` that :meth:`average` publishes
@@ -455,6 +485,7 @@ class GradSync:
             self._closed = True
             self._session.leave(why)
             _registry_forget(self)
+        self._background.close()  # the steps still queued fail: this instance is closed
 
     def _fail(self, exc: BaseException) -> None:
         """End the session after a failed call (its peers give up on it too). It leaves
