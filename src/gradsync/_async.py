@@ -84,17 +84,26 @@ class Background:
         self._closed = False
 
     def submit(self, step: Callable[[], StepStats]) -> StepHandle:
-        """Queue ``step`` after every step submitted before it; its handle."""
+        """Queue ``step`` after every step submitted before it; its handle.
+
+        From a step's callback (this thread) it runs at once, before the steps queued:
+        right after the step whose callback it is, on every rank alike (waiting for
+        it there would wait for this thread itself).
+        """
         handle = StepHandle()
         with self._cond:
             if self._closed:
                 raise GradSyncError(f"{self._name} is closed")
-            self._queue.append((step, handle))
             self._pending += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            inline = self.on_thread()
+            if not inline:
+                self._queue.append((step, handle))
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._thread.start()
+                self._cond.notify()
+        if inline:
+            self._run_one(step, handle)
         return handle
 
     def busy(self) -> bool:
@@ -127,12 +136,15 @@ class Background:
                     self._thread = None
                     return
                 step, handle = self._queue.popleft()
-            try:
-                stats = step()
-            except BaseException as exc:  # the caller's to see, in wait()
-                self._done(handle, None, exc)
-            else:
-                self._done(handle, stats, None)
+            self._run_one(step, handle)
+
+    def _run_one(self, step: Callable[[], StepStats], handle: StepHandle) -> None:
+        try:
+            stats = step()
+        except BaseException as exc:  # the caller's to see, in wait()
+            self._done(handle, None, exc)
+        else:
+            self._done(handle, stats, None)
 
     def _done(
         self, handle: StepHandle, stats: StepStats | None, error: BaseException | None
