@@ -104,3 +104,23 @@ def test_one_rank_async_steps_are_the_input_and_run_callbacks_on_gradsync_thread
     assert seen[0] == (41, "gradsync rank 0")
     handle.add_done_callback(lambda h: seen.append((h.wait().step, "late")))
     assert seen[1] == (41, "late")  # a callback added after the end runs at once
+
+
+def _step_from_a_callback(rank: int, world: int, sync_dir: str) -> list[int]:
+    """A callback of step 0 starts a step and waits for it: it runs right after step 0."""
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        inner: list[int] = []
+        first = gs.average_async(_grads(rank, 0))
+        first.add_done_callback(
+            lambda h: inner.append(gs.average_async(_grads(rank, 1)).wait().step)
+        )
+        last = gs.average_async(_grads(rank, 2))
+        steps = [first.wait().step, last.wait().step]  # step 2 starts after the callback
+        return [steps[0], *inner, steps[1]]
+
+
+def test_a_step_started_from_a_callback_runs_right_after_that_step(tmp_path: Path) -> None:
+    out = run_ranks(_step_from_a_callback, 2, (2, str(tmp_path)), timeout_s=60)
+    for r in range(2):
+        assert out[r].ok, out[r].value
+        assert out[r].value == [0, 1, 2]
