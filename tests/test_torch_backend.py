@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -198,3 +199,28 @@ def test_avg_is_gradsyncs_mean_and_async_works_complete(
     for out in ranks.values():
         assert out["avg"] == want
         assert out["async sums"] == [True] * 4
+
+
+def _one_rank_dies(rank: int, world: int, tmp: str) -> str:
+    """Rank 1 dies after one allreduce; rank 0's next one fails (its work's wait raises)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import gradsync.torch  # noqa: F401, PLC0415
+
+    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
+    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    dist.all_reduce(torch.ones(4))
+    if rank == 1:
+        os._exit(3)
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    try:
+        work.wait()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_dead_peer_fails_the_collective_instead_of_hanging(tmp_path: Path) -> None:
+    out = run_ranks(_one_rank_dies, 2, (2, str(tmp_path)), timeout_s=60, expect=[0])
+    assert out[0].ok, out[0].value
+    assert "rank 1" in out[0].value, out[0].value

@@ -19,9 +19,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-# Private torch API (see docs/pytorch-backend.md): a Work whose wait() is its future's.
-from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
-
 from ._api import GradSync
 from ._async import StepHandle
 from ._config import FileGradSyncConfig
@@ -163,7 +160,25 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 future.set_result(result)
 
         handle.add_done_callback(complete)
-        return _create_work_from_future(future)
+        return _Work(future)
+
+
+class _Work(dist.Work):  # type: ignore[misc]
+    """A collective's work: waiting for it waits for its future, raising its error."""
+
+    def __init__(self, future: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._future.done())
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
 
 
 def _check_cpu(tensors: Sequence[torch.Tensor]) -> None:
