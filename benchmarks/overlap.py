@@ -15,7 +15,7 @@ work done elsewhere (a GPU, another process): the CPU is free meanwhile; ``--com
 numpy`` computes on this CPU (matrix products, which release the GIL), which a machine
 with fewer free cores than ranks cannot overlap with the copies of the averaging.
 
-Run: ``python benchmarks/overlap.py [--world 2] [--layers 8] [--mib 16] [--compute-ms 40]``.
+Run: ``python benchmarks/overlap.py [--world 2] [--layers 8] [--mib 64] [--compute-ms 40]``.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--mib", type=int, default=16, help="gradient MiB per rank per step")
+    p.add_argument("--mib", type=int, default=64, help="gradient MiB per rank per step")
     p.add_argument("--compute", choices=["sleep", "numpy"], default="sleep")
     p.add_argument("--compute-ms", type=float, default=40.0, help="P, with --compute sleep")
     p.add_argument("--matmuls", type=int, default=4, help="per layer, with --compute numpy")
