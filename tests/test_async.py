@@ -124,3 +124,31 @@ def test_a_step_started_from_a_callback_runs_right_after_that_step(tmp_path: Pat
     for r in range(2):
         assert out[r].ok, out[r].value
         assert out[r].value == [0, 1, 2]
+
+
+def _gpu_async(rank: int, world: int, sync_dir: str) -> list[bytes]:
+    import wgpu  # noqa: PLC0415
+
+    dev = gradsync.request_device_for_rank(local_rank=rank)
+    usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        bufs = [[dev.create_buffer_with_data(data=a, usage=usage) for a in _grads(rank, s)]
+                for s in range(3)]  # fmt: skip
+        dtypes = [np.float32, np.float64]
+        handles = [gs.average_async(b, device=dev, dtype=dtypes) for b in bufs]
+        for h in handles:
+            h.wait()
+        return [b"".join(bytes(dev.queue.read_buffer(b)) for b in step) for step in bufs]
+
+
+@pytest.mark.wgpu
+def test_async_steps_of_gpu_buffers_deliver_the_mean(tmp_path: Path) -> None:
+    wgpu = pytest.importorskip("wgpu")
+    if not wgpu.gpu.enumerate_adapters_sync():
+        pytest.skip("no wgpu adapter")
+    out = run_ranks(_gpu_async, 2, (2, str(tmp_path)), timeout_s=90)
+    for step in range(3):
+        want = gradsync.average_host_grads([_grads(r, step) for r in range(2)])
+        for r in range(2):
+            assert out[r].ok, out[r].value
+            assert out[r].value[step] == b"".join(a.tobytes() for a in want), (r, step)
