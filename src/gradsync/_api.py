@@ -165,10 +165,10 @@ class GradSync:
             WgpuBridgeError: a GPU copy failed (the device was lost, say).
             GradSyncError: this instance is closed or an earlier step failed.
         """
+        self._check_process()
         if self._background.busy() and not self._background.on_thread():
             # Behind the steps still in flight: calls complete in the order they are made.
             return self.average_async(grads, step=step, device=device, dtype=dtype).wait()
-        self._check_process()
         with self._call():
             self._check_usable()
             with self._before_step():  # peers would wait max_wait_s for a rank failing here
@@ -202,7 +202,8 @@ class GradSync:
         Calls complete in the order they were made (``average`` too waits for those
         before it); ``grads`` belong to gradsync until ``handle.wait()`` returns, which
         gives the step's timings or raises its error (``handle.done()``: whether it is
-        over). :meth:`close` waits for the steps in flight, failing those not started.
+        over). :meth:`close` ends them: the step waiting for peers gives up, as a call of
+        another thread does, and those not started fail.
 
         Raises:
             GradSyncError: this instance is closed, or belongs to another process.
