@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._async import Background, StepHandle
 from ._config import FileGradSyncConfig
 from ._errors import ConfigError, GradSyncError, name_the_step
 from ._session import Session, closing_reason, forget, registered
@@ -66,6 +67,7 @@ class GradSync:
         self._close_requested = False  # close() re-entered that call (a signal handler)
         # Set by close(): a call waiting for peers in another thread gives up.
         self._closing = threading.Event()
+        self._background = Background(f"gradsync rank {cfg.rank}")  # average_async's thread
 
     def __enter__(self) -> GradSync:
         """Enter a block at whose end it closes.
@@ -139,6 +141,9 @@ class GradSync:
             GradSyncError: this instance is closed or an earlier step failed.
         """
         self._check_process()
+        if self._background.busy() and not self._background.on_thread():
+            # Behind the steps still in flight: calls complete in the order they are made.
+            return self.average_async(grads, step=step, device=device, dtype=dtype).wait()
         with self._call():
             self._check_usable()
             with self._before_step():  # peers would wait max_wait_s for a rank failing here
@@ -154,6 +159,32 @@ class GradSync:
                 raise
             self.last_stats = stats
             return stats
+
+    def average_async(
+        self,
+        grads: Sequence[Any],
+        *,
+        step: int | None = None,
+        device: Any = None,
+        dtype: npt.DTypeLike | Sequence[npt.DTypeLike] | None = None,
+    ) -> StepHandle:
+        """Start :meth:`average` on this GradSync's background thread; its handle.
+
+        Calls complete in the order they were made (``average`` too waits for those
+        before it); ``grads`` belong to gradsync until ``handle.wait()`` returns, which
+        gives the step's timings or raises its error (``handle.done()``: whether it is
+        over). :meth:`close` ends them: the step waiting for peers gives up, as a call of
+        another thread does, and those not started fail.
+
+        Raises:
+            GradSyncError: this instance is closed, or belongs to another process.
+        """
+        self._check_process()
+        if self._closed or self._closing.is_set():
+            raise GradSyncError(f"this GradSync (rank {self.cfg.rank}) is closed")
+        return self._background.submit(
+            lambda: self.average(grads, step=step, device=device, dtype=dtype)
+        )
 
     def buffers_like(self, like: Sequence[Any]) -> list[np.ndarray]:
         """Zero-filled gradient arrays shaped like ``like`` that :meth:`average` publishes
@@ -341,6 +372,7 @@ class GradSync:
             self._closed = True
             self._session.leave(why)
             forget(self)
+        self._background.close()  # the steps still queued fail: this instance is closed
 
     def _failed(self, exc: BaseException, step: int | None) -> None:
         """A call failed: the session ends if it met the peers or the error is

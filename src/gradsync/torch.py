@@ -1,0 +1,244 @@
+"""A ``torch.distributed`` backend named "gradsync" (experimental in torch, as every
+third-party backend is): ``import gradsync.torch`` registers it.
+
+Every collective is one gradsync step, started on the GradSync's background thread in
+the order it was called (the same on every rank, as torch requires of every backend);
+its work's future completes from that thread. Float allreduce (SUM, AVG) is gradsync's
+mean (times the world size for SUM); everything else (broadcast, allgather, integer or
+MIN/MAX/PRODUCT/bitwise allreduce, barrier) travels as bytes encoded exactly in
+float64 steps, so it is bit-exact for any dtype. See docs/pytorch-backend.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ._api import GradSync
+from ._async import StepHandle
+from ._config import FileGradSyncConfig
+
+__all__ = ["BACKEND", "GradSyncProcessGroup"]
+
+BACKEND = "gradsync"
+
+# Torch dtypes averaged in place, as numpy sees them; bfloat16 is averaged in float32.
+_NATIVE = {torch.float16, torch.float32, torch.float64}
+_FLOATS = {*_NATIVE, torch.bfloat16}
+
+_R = dist.ReduceOp
+_LOCAL_OPS: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    _R.SUM: torch.add,
+    _R.PRODUCT: torch.mul,
+    _R.MIN: torch.minimum,
+    _R.MAX: torch.maximum,
+    _R.BAND: torch.bitwise_and,
+    _R.BOR: torch.bitwise_or,
+    _R.BXOR: torch.bitwise_xor,
+}
+
+
+class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
+    """A process group whose collectives are steps of one :class:`~gradsync.GradSync`."""
+
+    def __init__(self, rank: int, world_size: int, cfg: FileGradSyncConfig | None = None) -> None:
+        super().__init__(rank, world_size)  # type: ignore[call-arg]
+        if cfg is None:
+            cfg = FileGradSyncConfig.from_env(world_size=world_size, rank=rank)
+        self._world = world_size
+        self._rank = rank
+        self.sync = GradSync(cfg)
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return BACKEND
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
+        """SUM/AVG of float tensors: gradsync's mean (times W for SUM); others exactly."""
+        _check_cpu(tensors)
+        op = opts.reduceOp.op  # the RedOpType (a ReduceOp compares equal only one way)
+        if all(t.dtype in _FLOATS for t in tensors) and op in {_R.SUM, _R.AVG}:
+            return self._float_allreduce(tensors, scale=self._world if op == _R.SUM else None)
+        if op == _R.AVG or op not in _LOCAL_OPS:
+            raise ValueError(f"gradsync: allreduce {op} of {tensors[0].dtype} is not supported")
+        payload = _bytes_of(tensors)
+        handle, buf = self._exchange(payload, slot=self._rank, slots=self._world)
+
+        def finish(words: list[np.ndarray]) -> list[torch.Tensor]:
+            per_rank = [_split(words[r], tensors) for r in range(self._world)]
+            for i, t in enumerate(tensors):
+                acc = per_rank[0][i].clone()
+                for r in range(1, self._world):
+                    acc = _LOCAL_OPS[op](acc, per_rank[r][i])
+                t.copy_(acc)
+            return tensors
+
+        return self._work(handle, lambda: finish(_decode(buf, self._world, payload.size)))
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
+        """The root's tensors, bit for bit, on every rank."""
+        _check_cpu(tensors)
+        root = opts.rootRank
+        payload = _bytes_of(tensors)
+        if self._rank != root:
+            payload = np.zeros_like(payload)
+        handle, buf = self._exchange(payload, slot=0, slots=1)
+
+        def finish() -> list[torch.Tensor]:
+            if self._rank != root:
+                got = _decode(buf, self._world, payload.size)[0]
+                for t, part in zip(tensors, _split(got, tensors), strict=True):
+                    t.copy_(part)
+            return tensors
+
+        return self._work(handle, finish)
+
+    def allgather(  # type: ignore[override]
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any
+    ) -> Any:
+        """Every rank's input tensors, bit for bit, in each rank's slot of the outputs."""
+        _check_cpu(input_tensors)
+        payload = _bytes_of(input_tensors)
+        handle, buf = self._exchange(payload, slot=self._rank, slots=self._world)
+
+        def finish() -> list[list[torch.Tensor]]:
+            words = _decode(buf, self._world, payload.size)
+            for r in range(self._world):
+                for outs, part in zip(output_tensors, _split(words[r], input_tensors), strict=True):
+                    outs[r].copy_(part.view(outs[r].shape))
+            return output_tensors
+
+        return self._work(handle, finish)
+
+    def barrier(self, opts: Any) -> Any:  # type: ignore[override]
+        """A step of one float32 zero: every rank has called it when it completes."""
+        return self._work(self.sync.average_async([np.zeros(1, np.float32)]), list)
+
+    def shutdown(self) -> None:
+        """Leave the gradsync job (``destroy_process_group`` calls it)."""
+        self.sync.close()
+
+    def abort(self) -> None:
+        self.sync.close()
+
+    def _float_allreduce(self, tensors: list[torch.Tensor], scale: int | None) -> Any:
+        staged = [_staging(t) for t in tensors]
+        handle = self.sync.average_async([s.numpy() for s in staged])
+
+        def finish() -> list[torch.Tensor]:
+            for t, s in zip(tensors, staged, strict=True):
+                if scale is not None:
+                    s.mul_(scale)  # the same rounding on every rank
+                if s is not t:
+                    t.copy_(s)
+            return tensors
+
+        return self._work(handle, finish)
+
+    def _exchange(
+        self, payload: np.ndarray, slot: int, slots: int
+    ) -> tuple[StepHandle, np.ndarray]:
+        """Start the step that carries ``payload`` exactly; its handle and array."""
+        buf = _encode(payload, slot, slots)
+        return self.sync.average_async([buf]), buf
+
+    def _work(self, handle: StepHandle, finish: Callable[[], Any]) -> Any:
+        """A torch Work whose future completes, from gradsync's thread, with ``finish()``."""
+        future: torch.futures.Future[Any] = torch.futures.Future()
+
+        def complete(done: StepHandle) -> None:
+            try:
+                done.wait()
+                result = finish()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        handle.add_done_callback(complete)
+        return _Work(future)
+
+
+class _Work(dist.Work):  # type: ignore[misc]
+    """A collective's work: waiting for it waits for its future, raising its error."""
+
+    def __init__(self, future: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._future.done())
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+
+def _check_cpu(tensors: Sequence[torch.Tensor]) -> None:
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"gradsync: only CPU tensors are supported, got one on {t.device}")
+
+
+def _staging(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where numpy can average it in place; else a contiguous copy
+    (float32 for bfloat16)."""
+    if t.dtype in _NATIVE and t.is_contiguous():
+        return t.detach()
+    dtype = torch.float32 if t.dtype == torch.bfloat16 else t.dtype
+    return t.detach().to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def _bytes_of(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    """The tensors' bytes, one after another, as a uint8 array (a copy)."""
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy() for t in tensors]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+
+
+def _split(data: np.ndarray, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``data`` (bytes) cut into tensors shaped and typed as ``like``."""
+    out, at = [], 0
+    for t in like:
+        n = t.numel() * t.element_size()
+        chunk = torch.from_numpy(data[at : at + n].copy())
+        out.append(chunk.view(t.dtype).reshape(t.shape))
+        at += n
+    return out
+
+
+def _encode(payload: np.ndarray, slot: int, slots: int) -> np.ndarray:
+    """A float64 step array holding ``payload`` as 32-bit words in slot ``slot`` of
+    ``slots``, zeros elsewhere: its mean times W, rounded, gives every word back."""
+    n = max(1, -(-payload.size // 4))
+    words = np.zeros(n, np.uint32)
+    words.view(np.uint8)[: payload.size] = payload
+    out = np.zeros(slots * n, np.float64)
+    out[slot * n : (slot + 1) * n] = words
+    return out
+
+
+def _decode(mean: np.ndarray, world: int, nbytes: int) -> list[np.ndarray]:
+    """Each slot's bytes from the mean of :func:`_encode`'s arrays."""
+    # One rank's word in a slot (< 2**32), others 0: the sum is exact, and mean * W is
+    # within a few ulps of it, far closer than 0.5.
+    words = np.rint(mean * world).astype(np.uint32)
+    n = max(1, -(-nbytes // 4))
+    return [words[s * n : (s + 1) * n].view(np.uint8)[:nbytes] for s in range(words.size // n)]
+
+
+def _create(
+    store: Any, rank: int, world_size: int, timeout: datetime.timedelta
+) -> GradSyncProcessGroup:
+    """torch's backend constructor; the store and timeout are unused (see the docs)."""
+    return GradSyncProcessGroup(rank, world_size)
+
+
+if BACKEND.upper() not in dist.Backend._plugins:
+    dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])

@@ -1,0 +1,226 @@
+"""The "gradsync" torch.distributed backend: DDP against gloo, hooks, exact collectives.
+
+Each world size runs once (one spawned process per rank, always reaped); the tests
+below check parts of what the ranks returned.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the backend needs torch (gradsync[torch])")
+
+from ranks import run_ranks  # noqa: E402
+
+STEPS = 50
+HOOK_STEPS = 8
+
+
+def _model() -> Any:
+    torch.manual_seed(0)  # the same initial weights on every rank, for both backends
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 10)
+    )
+
+
+def _train(rank: int, group: Any, steps: int, hook: str | None = None) -> list[bytes]:
+    """``steps`` SGD steps of DDP over ``group``; the final parameters' bytes."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd  # noqa: PLC0415
+
+    model = torch.nn.parallel.DistributedDataParallel(_model(), process_group=group)
+    if hook == "fp16":
+        model.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    elif hook == "bf16":
+        # DDP refuses the hook by its name without CUDA and NCCL; under another it runs.
+        def bf16_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+            return default_hooks.bf16_compress_hook(state, bucket)
+
+        model.register_comm_hook(group, bf16_hook)
+    elif hook == "powersgd":
+        state = psgd.PowerSGDState(group, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        model.register_comm_hook(state, psgd.powerSGD_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for _ in range(steps):
+        x = torch.randn(8, 1, 8, 8, generator=gen)
+        y = torch.randint(0, 10, (8,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().numpy().tobytes() for p in model.module.parameters()]
+
+
+def _collectives(rank: int, world: int, dist: Any) -> dict[str, Any]:
+    """Broadcast, allgather and non-float allreduces of awkward bits; what came back."""
+    rng = np.random.default_rng(rank)
+    special = np.array([np.nan, -0.0, np.inf, -np.inf, 1e-45, 3.4e38], np.float32)
+    mine = {
+        "f32": torch.from_numpy(np.concatenate([special, rng.standard_normal(7, np.float32)])),
+        "bf16": torch.from_numpy(rng.standard_normal(5).astype(np.float32)).bfloat16(),
+        "i64": torch.from_numpy(rng.integers(-(2**62), 2**62, 9)),
+        "u8": torch.from_numpy(rng.integers(0, 256, 11, dtype=np.uint8)),
+        "bool": torch.from_numpy(rng.integers(0, 2, 3).astype(bool)),
+    }
+    out: dict[str, Any] = {"mine": {k: _bits(v) for k, v in mine.items()}}
+    for name, t in mine.items():
+        b = t.clone()
+        dist.broadcast(b, src=world - 1)
+        out[f"broadcast {name}"] = _bits(b)
+        gathered = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(gathered, t)
+        out[f"allgather {name}"] = [_bits(g) for g in gathered]
+    ints = torch.tensor([rank + 1, -(2**40) * rank, 7], dtype=torch.int64)
+    for op in ("SUM", "MAX", "MIN", "PRODUCT"):
+        r = ints.clone()
+        dist.all_reduce(r, op=getattr(dist.ReduceOp, op))
+        out[f"allreduce {op}"] = r.tolist()
+    avg = torch.from_numpy(rng.standard_normal(6, np.float32))
+    out["avg in"] = avg.numpy().tobytes()
+    dist.all_reduce(avg, op=dist.ReduceOp.AVG)
+    out["avg"] = avg.numpy().tobytes()
+    works = [dist.all_reduce(torch.ones(3), async_op=True) for _ in range(4)]
+    out["async sums"] = [w.wait() and True for w in works]
+    dist.barrier()
+    return out
+
+
+def _bits(t: Any) -> bytes:
+    return bytes(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def _rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import gradsync.torch  # noqa: F401, PLC0415
+
+    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
+    os.environ["GRADSYNC_MAX_WAIT_S"] = "60"
+    torch.set_num_threads(1)
+    init = f"file://{os.path.join(tmp, 'store')}"
+    dist.init_process_group("gradsync", init_method=init, rank=rank, world_size=world)
+    gloo = dist.new_group(backend="gloo")
+    out: dict[str, Any] = {
+        "backend": dist.get_backend(),
+        "gradsync": _train(rank, None, STEPS),
+        "gloo": _train(rank, gloo, STEPS),
+        "fp16": _train(rank, None, HOOK_STEPS, "fp16"),
+        "bf16": _train(rank, None, HOOK_STEPS, "bf16"),
+        "powersgd": _train(rank, None, HOOK_STEPS, "powersgd"),
+        "plain": _train(rank, None, HOOK_STEPS),
+    }
+    out.update(_collectives(rank, world, dist))
+    dist.destroy_process_group()
+    return out
+
+
+@functools.cache
+def _run(world: int, tmp: str) -> dict[int, dict[str, Any]]:
+    outcomes = run_ranks(_rank, world, (world, tmp), timeout_s=100)
+    assert all(o.ok for o in outcomes.values()), {r: o.value for r, o in outcomes.items()}
+    return {r: o.value for r, o in outcomes.items()}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    world: int = request.param
+    return _run(world, str(tmp_path_factory.mktemp(f"w{world}")))
+
+
+def _params(raw: list[bytes]) -> list[np.ndarray]:
+    return [np.frombuffer(b, np.float32) for b in raw]
+
+
+def test_the_default_group_is_gradsync(ranks: dict[int, dict[str, Any]]) -> None:
+    assert {out["backend"] for out in ranks.values()} == {"gradsync"}
+
+
+def test_ddp_over_gradsync_is_bit_identical_across_ranks(ranks: dict[int, dict[str, Any]]) -> None:
+    for key in ("gradsync", "fp16", "bf16", "powersgd"):
+        assert len({tuple(out[key]) for out in ranks.values()}) == 1, key
+
+
+def test_ddp_over_gradsync_matches_ddp_over_gloo_after_50_steps(
+    ranks: dict[int, dict[str, Any]],
+) -> None:
+    for got, want in zip(_params(ranks[0]["gradsync"]), _params(ranks[0]["gloo"]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
+def test_ddp_comm_hooks_train_close_to_the_plain_run(
+    ranks: dict[int, dict[str, Any]], hook: str
+) -> None:
+    tol = {"fp16": 1e-3, "bf16": 1e-2, "powersgd": 5e-2}[hook]
+    for got, want in zip(_params(ranks[0][hook]), _params(ranks[0]["plain"]), strict=True):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+
+
+def test_broadcast_and_allgather_are_bit_exact_for_any_dtype(
+    ranks: dict[int, dict[str, Any]],
+) -> None:
+    world = len(ranks)
+    for name in ("f32", "bf16", "i64", "u8", "bool"):
+        every = [ranks[r]["mine"][name] for r in range(world)]
+        for r in range(world):
+            assert ranks[r][f"broadcast {name}"] == every[world - 1], (name, r)
+            assert ranks[r][f"allgather {name}"] == every, (name, r)
+
+
+def test_integer_allreduces_are_exact(ranks: dict[int, dict[str, Any]]) -> None:
+    world = len(ranks)
+    rows = [[r + 1, -(2**40) * r, 7] for r in range(world)]
+    want = {
+        "SUM": [sum(c) for c in zip(*rows, strict=True)],
+        "MAX": [max(c) for c in zip(*rows, strict=True)],
+        "MIN": [min(c) for c in zip(*rows, strict=True)],
+        "PRODUCT": [int(np.prod(c)) for c in zip(*rows, strict=True)],
+    }
+    for out in ranks.values():
+        for op, values in want.items():
+            assert out[f"allreduce {op}"] == values, op
+
+
+def test_avg_is_gradsyncs_mean_and_async_works_complete(
+    ranks: dict[int, dict[str, Any]],
+) -> None:
+    import gradsync  # noqa: PLC0415
+
+    world = len(ranks)
+    inputs = [[np.frombuffer(ranks[r]["avg in"], np.float32)] for r in range(world)]
+    want = gradsync.average_host_grads(inputs)[0].tobytes()
+    for out in ranks.values():
+        assert out["avg"] == want
+        assert out["async sums"] == [True] * 4
+
+
+def _one_rank_dies(rank: int, world: int, tmp: str) -> str:
+    """Rank 1 dies after one allreduce; rank 0's next one fails (its work's wait raises)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import gradsync.torch  # noqa: F401, PLC0415
+
+    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
+    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    dist.all_reduce(torch.ones(4))
+    if rank == 1:
+        os._exit(3)
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    try:
+        work.wait()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_dead_peer_fails_the_collective_instead_of_hanging(tmp_path: Path) -> None:
+    out = run_ranks(_one_rank_dies, 2, (2, str(tmp_path)), timeout_s=60, expect=[0])
+    assert out[0].ok, out[0].value
+    assert "rank 1" in out[0].value, out[0].value
