@@ -25,12 +25,15 @@ def _readme_example() -> str:
 
 
 def _torch_recipes() -> list[str]:
-    """The README's ``p.grad.numpy()`` recipe, then docs/pytorch.md's ``buffers_like`` one."""
+    """The README's DDP and ``p.grad.numpy()`` recipes, then docs/pytorch.md's
+    ``buffers_like`` one: all three train the same model."""
+    ddp = [b for b in _PYTHON_BLOCK.findall(README) if "DistributedDataParallel" in b]
     views = [b for b in _PYTHON_BLOCK.findall(README) if "p.grad.numpy()" in b]
     buffers = [b for b in _PYTHON_BLOCK.findall(DOCS["pytorch.md"]) if "buffers_like" in b]
+    assert len(ddp) == 1, "the README no longer shows the DDP recipe"
     assert len(views) == 1, "the README no longer shows the p.grad.numpy() recipe"
     assert len(buffers) == 1, "docs/pytorch.md no longer shows the buffers_like recipe"
-    return [views[0], buffers[0]]
+    return [ddp[0], views[0], buffers[0]]
 
 
 def _buffers_example() -> str:
@@ -71,8 +74,8 @@ def test_readme_example_runs_on_two_ranks_and_agrees(tmp_path: Path) -> None:
 
 
 def test_torch_recipes_run_on_two_ranks_and_agree(tmp_path: Path) -> None:
-    # The views of p.grad (function form) and the buffers_like recipe: one model on
-    # both ranks, and the same one from both recipes.
+    # DDP over "gradsync", the views of p.grad (function form) and the buffers_like
+    # recipe: one model on both ranks, and the same one from every recipe.
     pytest.importorskip("torch")
     weights: list[str] = []
     for i, block in enumerate(_torch_recipes()):
