@@ -6,7 +6,7 @@ once per optimizer step and gets back the same element-wise mean, bit for bit.
 
 from __future__ import annotations
 
-from ._api import GradSync, average_grads_file_sync
+from ._api import GradSync
 from ._config import FileGradSyncConfig
 from ._errors import (
     ConfigError,
@@ -22,6 +22,7 @@ from ._errors import (
     SyncDirError,
     WgpuBridgeError,
 )
+from ._function import average_grads_file_sync
 from ._gpu.adapters import request_device_for_rank, select_adapter
 from ._gpu.bridge import WgpuBridge
 from ._stats import StepStats

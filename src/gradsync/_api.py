@@ -1,4 +1,4 @@
-"""The public entry points: :class:`GradSync` and :func:`average_grads_file_sync`."""
+"""The stateful form: :class:`GradSync`."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ import numpy.typing as npt
 from ._async import Background, StepHandle
 from ._config import FileGradSyncConfig
 from ._errors import ConfigError, GradSyncError, name_the_step
-from ._session import Session, closing_reason, forget, registered
+from ._session import Session, closing_reason, forget
 from ._stats import StepStats
 from ._step.engine import StepEngine
 from ._step.grads import host_view, layout_like, nonfinite_params
 from ._step.peers import nonfinite_error
 from ._testing import fixed_wait
 
-__all__ = ["GradSync", "average_grads_file_sync"]
+__all__ = ["GradSync", "check_config"]
 
 _log = logging.getLogger("gradsync")
 
@@ -51,7 +51,7 @@ class GradSync:
     """
 
     def __init__(self, cfg: FileGradSyncConfig) -> None:
-        _check_config(cfg)
+        check_config(cfg)
         self.cfg = cfg
         self.last_stats: StepStats | None = None
         self._pid = os.getpid()
@@ -401,33 +401,7 @@ def _checked_step(step: object) -> int:
     return value
 
 
-def _check_config(cfg: object) -> None:
+def check_config(cfg: object) -> None:
+    """Raise ConfigError unless ``cfg`` is a FileGradSyncConfig."""
     if not isinstance(cfg, FileGradSyncConfig):
         raise ConfigError(f"cfg must be a FileGradSyncConfig, got {type(cfg).__name__}")
-
-
-def average_grads_file_sync(
-    grads: Sequence[Any],
-    device: Any,
-    cfg: FileGradSyncConfig,
-    step: int,
-    *,
-    dtype: npt.DTypeLike | Sequence[npt.DTypeLike] | None = None,
-) -> StepStats:
-    """Average ``grads`` in place over all ranks of ``cfg``'s job; call once per step.
-
-    The first call for a given ``cfg`` meets the other ranks; later calls reuse
-    that session, which is closed at interpreter exit. After a call that failed, the
-    next call for ``cfg`` meets the other ranks anew (each of them must call again).
-    ``device`` is None for numpy arrays, or the wgpu ``GPUDevice`` that owns the
-    ``GPUBuffer``s in ``grads``. See :meth:`GradSync.average` for arguments, return
-    value and errors.
-    """
-    _check_config(cfg)  # before the registry: an unhashable cfg would raise TypeError
-    sync = registered(cfg, GradSync)
-    try:
-        return sync.average(grads, step=step, device=device, dtype=dtype)
-    except BaseException:
-        if sync._failure is not None:
-            forget(sync)  # ended: the next call starts a new session
-        raise
