@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync._errors import CorruptFileError, note_reason, parse_note
-from gradsync._job.liveness import MemberInfo, read_counter
+from gradsync._job.liveness import MemberInfo, judge, read_counter
 from gradsync._job.notes import how_it_ended, leader_file, load, member_of
 from gradsync._names import (
     ABORT,
@@ -226,7 +226,7 @@ def _rank(gen: Path, m: MemberInfo, by_call: dict[int, set[str]]) -> dict[str, A
     if ended is not None:
         entry["ended"] = ended  # its launcher's words, or what closed its session
     if m.same_host:
-        entry["alive"] = m.local_death() is None
+        entry["alive"] = judge(m).alive is True
     elif not entry["left"]:  # a rank that left beats no more: nothing to watch
         entry["heartbeat"] = read_counter(gen / heartbeat_name(m.nonce))
         entry["hb_path"] = str(gen / heartbeat_name(m.nonce))

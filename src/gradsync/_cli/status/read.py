@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradsync._job.liveness import read_counter
+from gradsync._job.liveness import judge, read_counter
 from gradsync._job.notes import load, member_of
 from gradsync._names import RDZV, gen_id_of, join_nonce, offer_name
 from gradsync._store.dirs import is_own_dir
@@ -152,7 +152,7 @@ def _joins_without_rank_0(
             "same_host": member.same_host,
         }
         if member.same_host:
-            entry["alive"] = member.local_death() is None
+            entry["alive"] = judge(member).alive is True
         run["ranks"].append(entry)
     for run in runs.values():
         waiting = [r["rank"] for r in run["ranks"] if not r["same_host"] or r["alive"]]
