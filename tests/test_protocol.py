@@ -702,7 +702,7 @@ def test_bad_input_in_a_first_call_fails_the_peers_fast(
 
 @pytest.mark.parametrize("how", ["close late", "drop", "function"])
 def test_a_new_session_of_the_same_job_after_a_failed_step(tmp_path: Path, how: str) -> None:
-    # The README's recovery: after a failed step every rank starts a new session. The
+    # docs/errors.md's recovery: after a failed step every rank starts a new session. The
     # failed one has left the job by then, even where it is closed late or never.
     results = run_ranks(workers.recover_after_failure, 2, (2, str(tmp_path), how))
     assert_ok(results)
@@ -981,7 +981,7 @@ def test_a_sync_dir_that_is_a_file_is_named(tmp_path: Path) -> None:
 
 
 def test_a_missing_sync_dir_is_created_with_its_parents(tmp_path: Path) -> None:
-    # As the README's Errors table says: missing is no SyncDirError, a file in its way is.
+    # As docs/errors.md says: missing is no SyncDirError, a file in its way is.
     sync_dir = tmp_path / "a" / "b" / "sync"
     cfg = gradsync.FileGradSyncConfig(2, 0, sync_dir, max_wait_s=0.3)
     with gradsync.GradSync(cfg) as gs, pytest.raises(gradsync.PeerTimeoutError):

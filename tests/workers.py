@@ -815,7 +815,7 @@ def shared_buffers_then_fail(rank: int, world: int, sync_dir: str) -> dict[str, 
 
 
 def torch_grads_in_buffers(rank: int, world: int, sync_dir: str) -> dict[str, Any]:
-    """The README's recipe: a torch model's ``p.grad`` are ``buffers_like`` arrays.
+    """docs/pytorch.md's recipe: a torch model's ``p.grad`` are ``buffers_like`` arrays.
 
     Three SGD steps on rank-dependent data; per step, this rank's gradients before
     averaging, the averaged ones, whether every ``p.grad`` still lives in its buffer
@@ -884,7 +884,7 @@ def torch_buffers_recipes(
 def _torch_buffers_recipe(
     rank: int, world: int, sync_dir: str, how: str, hidden: int, zero_from: int | None
 ) -> list[bytes]:
-    """Six SGD steps of the README's torch recipe (``p.grad`` are ``buffers_like``
+    """Six SGD steps of docs/pytorch.md's torch recipe (``p.grad`` are ``buffers_like``
     arrays); ``how``: "keep" (``zero_grad(set_to_none=False)``, as documented), "top" or
     "end" (torch's default ``zero_grad()`` before ``backward()`` or after the step), on
     the rank given after a colon (else every rank). Besides the trained layers: a frozen

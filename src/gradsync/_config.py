@@ -68,7 +68,7 @@ class FileGradSyncConfig:
             reader before use: a truncated or garbled payload then fails the step on
             every rank (CorruptFileError naming the rank and file) instead of entering
             the mean. Off by default: about one more pass over the data per rank (see
-            the README's performance section). Headers are always checked. Every rank
+            docs/performance.md). Headers are always checked. Every rank
             must set the same (the first call raises MismatchError otherwise).
         threads: Threads per rank for the copies and the reduction of large steps
             (pieces of at least 1 MiB; smaller steps always run on the calling
