@@ -18,7 +18,11 @@ from gradsync._errors import (
     GradSyncError,
     MismatchError,
     NonFiniteGradError,
+    PeerAbortedError,
     SyncDirError,
+    job_wide_error,
+    note_reason,
+    parse_note,
 )
 from gradsync._store.files import translate_oserror
 
@@ -29,8 +33,10 @@ from .plan import Plan
 __all__ = [
     "Peer",
     "StaleError",
+    "abort_error",
     "check_inputs",
     "check_length",
+    "header_problem",
     "nonfinite_error",
     "reading",
     "stale_clause",
@@ -103,6 +109,42 @@ def stale_error(
             message, errno=errno.ENOENT, step=step, ranks=[ranks[0]], path=seen.path
         )
     return CorruptFileError(message, step=step, ranks=[ranks[0]], path=seen.path)
+
+
+def header_problem(
+    header: Header, size: int, *, kind: int, rank: int, gen: bytes, seq: int, world: int
+) -> str | None:
+    """What is wrong with a peer's file of ``size`` bytes whose ``header`` should be of
+    ``kind``, ``rank``, generation ``gen``, call ``seq`` and ``world`` ranks; None if
+    nothing."""
+    if header.kind != kind or header.rank != rank:
+        return f"holds kind {header.kind} of rank {header.rank}"
+    if header.generation != gen or header.seq != seq:
+        return "belongs to another run or call"
+    if header.world_size != world:
+        return f"was written with world_size {header.world_size}"
+    promised = header.payload_offset + header.payload_len
+    if size != promised:
+        return f"is {size} bytes, its header promises {promised}"
+    return None
+
+
+def abort_error(raw: bytes | None, rank: int, who: str, step: int, path: Path) -> GradSyncError:
+    """The error of ``rank`` (``who``: its process) that gave up on ``step`` with the
+    abort note ``path`` reading ``raw`` (None: unreadable): the job-wide error it
+    shared, or a PeerAbortedError with its reason."""
+    note = None if raw is None else parse_note(raw)
+    shared = job_wide_error(note, step=step, path=path.parent)
+    if shared is not None:
+        return shared
+    # Its message names the step too, mostly: said once is enough.
+    reason = note_reason(note).removeprefix(f"step {step}: ")
+    return PeerAbortedError(
+        f"step {step}: rank {rank} ({who}) gave up on this step: {reason}",
+        step=step,
+        ranks=[rank],
+        path=path,
+    )
 
 
 def unusable(step: int, rank: int, path: Path, problem: str) -> CorruptFileError:

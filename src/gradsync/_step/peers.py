@@ -1,14 +1,11 @@
-"""Waiting for the peers' files of a call: finding their markers, opening and checking
-what they published, and telling a slow peer from one that died, gave up or left.
+"""Waiting for the peers' files of a call: finding their markers, opening what they
+published, and telling a slow peer from one that died, gave up or left.
 
-A rank lists the call's step directory for ``<prefix>-<q>`` markers (backing off
-between looks) and opens a peer's reused data file once its marker is there; the
-file's header must name that peer, this generation and this call; one that still
-shows an earlier call of this generation is a stale view of a shared filesystem,
-looked at again for ``max_wait_s`` from the first such look. A peer still missing is
-checked after ``_FIRST_LIVENESS_CHECK_S`` and then every ``_LIVENESS_EVERY_S``: on this
-host through its process, elsewhere through its heartbeat; a rank that closed its
-session is lost unless it finished the call.
+A rank looks for ``<prefix>-<q>`` markers in the call's step directory (backing off
+between looks) and opens a peer's data file once its marker is there. A file still
+showing an earlier call is a stale view of a shared filesystem, looked at again for
+``max_wait_s``. A peer still missing is checked (its process on this host, else its
+heartbeat) after ``_FIRST_LIVENESS_CHECK_S`` and then every ``_LIVENESS_EVERY_S``.
 """
 
 from __future__ import annotations
@@ -26,13 +23,9 @@ from gradsync._config import FileGradSyncConfig
 from gradsync._errors import (
     CorruptFileError,
     GradSyncError,
-    PeerAbortedError,
     PeerLostError,
     PeerTimeoutError,
     SyncDirError,
-    job_wide_error,
-    note_reason,
-    parse_note,
 )
 from gradsync._job.liveness import HeartbeatWatch, exact_process_checks
 from gradsync._job.notes import how_it_ended
@@ -46,8 +39,10 @@ from gradsync._store.read import file_below, names_below, read_below
 from .checks import (
     Peer,
     StaleError,
+    abort_error,
     check_inputs,
     check_length,
+    header_problem,
     nonfinite_error,
     reading,
     stale_clause,
@@ -61,9 +56,8 @@ __all__ = ["Peer", "PeerFiles", "check_inputs", "check_length", "nonfinite_error
 
 _log = logging.getLogger("gradsync")
 _LIVENESS_EVERY_S = 0.1
-# A peer missing at the first look is nearly always microseconds behind; checking at
-# once whether it died (a listing of the generation directory, /proc) cost 33 us in
-# most steps of a small gradient here. The first check waits this long instead.
+# A peer missing at the first look is nearly always microseconds behind: whether it
+# died (a listing of the generation directory, /proc) is checked only after this.
 _FIRST_LIVENESS_CHECK_S = 0.01
 # System calls of one directory listing (os.listdir: openat, fstat, getdents64 until
 # empty, close): with two or three ranks, the first look's two or four stats cost fewer.
@@ -311,7 +305,6 @@ class PeerFiles:
         try:
             head = reader.head_of(header_length(reader.head))
             header = decode_header(head, str(path), parse_meta=False)
-            size = reader.size
             if header.flags & FLAG_CHECKSUMS and rank != self.rank:  # trusts its own writes
                 crc = header.crc(str(path))
                 reader.expect_crcs(crc, header.payload_offset, header.payload_len)
@@ -321,23 +314,21 @@ class PeerFiles:
         except (OSError, EOFError) as exc:
             reader.close()
             raise translate_oserror(OSError(str(exc)), "reading", path, step=step) from exc
-        problem = None
         ours = (header.kind, header.rank, header.generation) == (kind, rank, self.gen.header_id)
         if ours and header.seq < seq:
             # Its marker of call seq is there, so it wrote this file before: what this
             # host sees is older than the filesystem (the caller looks again).
             reader.close()
             raise StaleError(path, header.seq)
-        if header.kind != kind or header.rank != rank:
-            problem = f"holds kind {header.kind} of rank {header.rank}"
-        elif header.generation != self.gen.header_id or header.seq != seq:
-            problem = "belongs to another run or call"
-        elif header.world_size != self.world:
-            problem = f"was written with world_size {header.world_size}"
-        elif size != header.payload_offset + header.payload_len:
-            problem = (
-                f"is {size} bytes, its header promises {header.payload_offset + header.payload_len}"
-            )
+        problem = header_problem(
+            header,
+            reader.size,
+            kind=kind,
+            rank=rank,
+            gen=self.gen.header_id,
+            seq=seq,
+            world=self.world,
+        )
         if problem is not None:
             reader.close()
             raise unusable(step, rank, path, f"{path} {problem}")
@@ -350,19 +341,7 @@ class PeerFiles:
             raw = read_below(path, dir_fd=self._dirs.step_fd(seq))
         except OSError:
             raw = None
-        note = None if raw is None else parse_note(raw)
-        shared = job_wide_error(note, step=step, path=step_dir)
-        if shared is not None:
-            raise shared
-        member = self.gen.members[rank]
-        # Its message names the step too, mostly: said once is enough.
-        reason = note_reason(note).removeprefix(f"step {step}: ")
-        raise PeerAbortedError(
-            f"step {step}: rank {rank} ({member.describe()}) gave up on this step: {reason}",
-            step=step,
-            ranks=[rank],
-            path=path,
-        )
+        raise abort_error(raw, rank, self.gen.members[rank].describe(), step, path)
 
     def _check_alive(
         self,
@@ -375,31 +354,7 @@ class PeerFiles:
     ) -> None:
         """Raise PeerLostError naming every missing rank that is gone for good."""
         names = names_below(self.gen.path, step=step)
-        lost: dict[int, str] = {}
-        for q in missing:
-            member = self.gen.members[q]
-            left = left_name(q) in names
-            reason: str | None = None
-            if not left:
-                if member.same_host:
-                    reason = member.local_death()
-                    if reason is None and not exact_process_checks():
-                        # kill(pid, 0) takes a zombie or a reused pid for alive: the
-                        # heartbeat tells within heartbeat_timeout_s.
-                        reason = self._heartbeat_stopped(q)
-                else:
-                    reason = self._heartbeat_stopped(q)
-                # Gone since the listing: the note it left on its way out says why.
-                left = reason is not None and file_below(self.gen.left_path(q))
-            if left:
-                finished = calls_finished(self.gen, q)
-                if finished is not None and finished >= seq:
-                    # It finished this call, so it published all of it: a shared
-                    # filesystem's listing of the step can lag behind its "left" file.
-                    continue
-                reason = how_it_ended(self.gen.path, q) or "closed its gradsync session"
-            if reason is not None:
-                lost[q] = reason
+        lost = {q: why for q in missing if (why := self._why_lost(q, names, seq)) is not None}
         if not lost:
             return
         # A peer may publish, finish the step and exit between our listing and its
@@ -419,6 +374,32 @@ class PeerFiles:
             ranks=sorted(lost),
             path=step_dir,
         )
+
+    def _why_lost(self, q: int, names: set[str], seq: int) -> str | None:
+        """How rank ``q`` ended, if it is gone without finishing call ``seq``; ``names``:
+        the generation directory's."""
+        member = self.gen.members[q]
+        left = left_name(q) in names
+        reason: str | None = None
+        if not left:
+            if member.same_host:
+                reason = member.local_death()
+                if reason is None and not exact_process_checks():
+                    # kill(pid, 0) takes a zombie or a reused pid for alive: the
+                    # heartbeat tells within heartbeat_timeout_s.
+                    reason = self._heartbeat_stopped(q)
+            else:
+                reason = self._heartbeat_stopped(q)
+            # Gone since the listing: the note it left on its way out says why.
+            left = reason is not None and file_below(self.gen.left_path(q))
+        if left:
+            finished = calls_finished(self.gen, q)
+            if finished is not None and finished >= seq:
+                # It finished this call, so it published all of it: a shared
+                # filesystem's listing of the step can lag behind its "left" file.
+                return None
+            reason = how_it_ended(self.gen.path, q) or "closed its gradsync session"
+        return reason
 
     def _heartbeat_stopped(self, rank: int) -> str | None:
         silent = self._watch.is_lost(self.gen.heartbeat_path(rank))

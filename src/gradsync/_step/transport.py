@@ -85,9 +85,7 @@ class Transport:
         # needs no stat to tell whether its mapping is still the file's.
         self._own: set[Path] = set()
         # Unmapped: the first head_bytes and the size of what this rank last wrote to
-        # each of its files. Reading its own header back cost an open, a read and a
-        # close, each a round trip to the server of a shared filesystem (2 of 8 ms of
-        # a small step on JuiceFS).
+        # each of its files, so reading its own header back costs no round trips.
         self._written: dict[Path, tuple[bytes, int]] = {}
 
     def write(
@@ -157,14 +155,12 @@ class Transport:
     def open(self, path: Path) -> DataReader:
         """Open a published file: its first bytes (the header) and a way to read the rest.
 
-        With ``shared``, pages this host holds of the file are dropped before it
-        is read: another host rewrote it in place, and close-to-open consistency
-        does not always hold. JuiceFS 1.4 served ranks of one host that opened a
-        rewritten file at the same moment the previous contents, or a mix of both
-        (``benchmarks/cache_probe.py``: 5 of 14,000 opens; none of 16,000 with the
-        pages dropped). A header still showing an earlier call is looked at again
-        (``PeerFiles``); a stale payload under a fresh header only ``checksums`` catch:
-        a block failing its CRC is read once more, its pages dropped first.
+        With ``shared``, pages this host holds of the file are dropped before it is
+        read: another host rewrote it in place, and close-to-open consistency does not
+        always hold (benchmarks/RESULTS.md, "Stale pages on JuiceFS"). A header still
+        showing an earlier call is looked at again (``PeerFiles``); a stale payload
+        under a fresh header only ``checksums`` catch: a block failing its CRC is read
+        once more, its pages dropped first.
 
         Raises:
             NotAFileError: ``path`` is not a regular file. OSError: as the system

@@ -70,8 +70,8 @@ class Store(Protocol):
         """Write ``chunks`` to ``name`` so that readers see all of it or nothing; the
         number of bytes."""
 
-    def create(self, dir_fd: int | None, name: Name, *, exclusive: bool = True) -> None:
-        """Create the empty file ``name`` (``exclusive``: it must not exist)."""
+    def create(self, dir_fd: int | None, name: Name) -> None:
+        """Create the empty file ``name``, which must not exist."""
 
     def move(self, src_dir: int | None, src: Name, dst_dir: int | None, dst: Name) -> None:
         """Rename ``src`` to ``dst``, atomically, replacing it."""

@@ -1,11 +1,10 @@
-"""Directories below the sync directory, reached only through directory descriptors.
+"""Directories below the sync directory, reached only through the store's handles.
 
 The sync directory itself is opened by its path (the user chose it: links above it
-are theirs). Every directory below it is opened relative to its parent's descriptor
-with ``O_NOFOLLOW``, so no symbolic link below the sync directory is ever followed,
-whoever planted it and whenever. A directory gradsync makes holds the mark
-:data:`OWN_MARK`, written right after its ``mkdir``; gradsync removes a directory only
-where it finds that mark, and never anything else of that name (a user's ``gen-x``).
+are theirs). Every directory below it is opened relative to its parent's handle, never
+through a symbolic link, whoever planted it and whenever. gradsync removes a directory
+only where it finds its mark :data:`OWN_MARK`, never anything else of that name (a
+user's ``gen-x``).
 """
 
 from __future__ import annotations

@@ -91,9 +91,9 @@ class FaultyStore:
         self._check("publish", name)
         return self.inner.publish(dir_fd, name, chunks, mode)
 
-    def create(self, dir_fd: int | None, name: Name, *, exclusive: bool = True) -> None:
+    def create(self, dir_fd: int | None, name: Name) -> None:
         self._check("create", name)
-        self.inner.create(dir_fd, name, exclusive=exclusive)
+        self.inner.create(dir_fd, name)
 
     def move(self, src_dir: int | None, src: Name, dst_dir: int | None, dst: Name) -> None:
         self._check("move", dst)

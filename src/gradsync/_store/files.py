@@ -44,6 +44,7 @@ __all__ = [
     "write_note",
 ]
 
+
 def warn_if_open(directory: Path) -> None:
     """Log a warning if every user may write ``directory`` (a sync dir): any of them
     can then read, replace or delete the job's files, or plant names in it. Not an

@@ -166,9 +166,8 @@ class PosixStore:
             raise
         return total
 
-    def create(self, dir_fd: int | None, name: _Name, *, exclusive: bool = True) -> None:
-        flags = _NEW | (os.O_EXCL if exclusive else 0)
-        os.close(os.open(_at(name, dir_fd), flags, FILE_MODE, dir_fd=dir_fd))
+    def create(self, dir_fd: int | None, name: _Name) -> None:
+        os.close(os.open(_at(name, dir_fd), _NEW | os.O_EXCL, FILE_MODE, dir_fd=dir_fd))
 
     def move(self, src_dir: int | None, src: _Name, dst_dir: int | None, dst: _Name) -> None:
         os.rename(_at(src, src_dir), _at(dst, dst_dir), src_dir_fd=src_dir, dst_dir_fd=dst_dir)
