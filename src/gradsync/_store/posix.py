@@ -16,7 +16,7 @@ import os
 import secrets
 import stat
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from gradsync._errors import SyncDirError
 from gradsync._names import OWN_MARK
@@ -55,7 +55,9 @@ _KINDS = {
 def _at(path: _Name, dir_fd: int | None) -> _Name:
     """What a system call is given for ``path``: its last name, relative to ``dir_fd``,
     or else the path itself."""
-    return path if dir_fd is None else os.path.basename(path)
+    if dir_fd is None:
+        return path
+    return path.name if isinstance(path, PurePath) else os.path.basename(path)
 
 
 class PosixStore:
