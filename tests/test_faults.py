@@ -45,7 +45,7 @@ from gradsync._step.header import (
     layout_hash,
     layout_json,
 )
-from gradsync._store.dirs import OWN_MARK, GenDir
+from gradsync._store.dirs import OWN_MARK, GenDir, make_own_dir
 from gradsync._testing import FaultyStore, use_store
 from ranks import Outcome, run_ranks
 from workers import SHAPES, SHAPES_BIG, grads_for
@@ -1539,25 +1539,24 @@ def test_a_confirmation_racing_the_removal_of_its_generation_is_waited_past(
 
 
 def test_a_gave_up_joiner_that_cannot_look_up_the_leader_file_keeps_its_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """After its gave-up note a joiner looks for its generation's leader file: a lookup
     that fails otherwise than "not found" (a stale NFS handle) raised that OSError out of
     its except clause, instead of the rendezvous's own error, and left its join and
     offer files behind; nor may it take the generation for removed."""
     gen = tmp_path / f"{GEN_PREFIX}abc"
-    gen.mkdir()
+    make_own_dir(tmp_path, gen.name)  # gradsync's: removed if taken for removed
     leader = _jobfiles.leader_file(tmp_path, "abc")
     leader.parent.mkdir()
     leader.write_text("{}")
-    stat = os.stat
 
-    def stale(path: Any, *args: Any, **kwargs: Any) -> Any:
-        if os.fspath(path) == os.fspath(leader):
-            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), os.fspath(path))
-        return stat(path, *args, **kwargs)
+    def stale(op: str, name: str) -> OSError | None:
+        if name in (leader.name, leader.parent.name):  # the leader file, or its directory
+            return OSError(errno.ESTALE, os.strerror(errno.ESTALE), name)
+        return None
 
-    monkeypatch.setattr(os, "stat", stale)
-    rdzv._unless_removed(gen)
-    monkeypatch.undo()
+    with use_store(FaultyStore(stale)) as store:
+        rdzv._unless_removed(gen)
+    assert ("open_dir", leader.parent.name) in store.calls
     assert gen.is_dir()
