@@ -31,6 +31,9 @@ class Store(Protocol):
     """What gradsync needs of the place its ranks share files in."""
 
     # Directories.
+    def make_root(self, path: Path) -> None:
+        """Make the sync dir and its missing parents, unless it is there (``mkdir -p``)."""
+
     def open_root(self, path: Path) -> int:
         """A handle of the sync dir itself, by its path (links above it are the user's)."""
 
@@ -79,6 +82,9 @@ class Store(Protocol):
     def remove(self, dir_fd: int | None, name: Name) -> None:
         """Remove the file ``name``."""
 
+    def symlink(self, dir_fd: int | None, target: str, name: Name) -> None:
+        """Make ``name`` a symbolic link to ``target`` (FileExistsError if there)."""
+
     def write_in_place(
         self,
         dir_fd: int | None,
@@ -97,6 +103,9 @@ class Store(Protocol):
         self, dir_fd: int | None, name: Name, *, follow: bool = True
     ) -> tuple[int, os.stat_result]:
         """Open the regular file ``name`` for reading (NotAFileError otherwise)."""
+
+    def write_at(self, fd: int, data: bytes, offset: int) -> int:
+        """Write ``data`` into an open own file at ``offset`` (a heartbeat's counter)."""
 
     def read_at(self, fd: int, size: int, offset: int) -> bytes:
         """Up to ``size`` bytes of an open file from ``offset``."""

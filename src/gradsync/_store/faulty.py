@@ -49,6 +49,10 @@ class FaultyStore:
         self._names[handle] = os.path.basename(name)
         return handle
 
+    def make_root(self, path: Path) -> None:
+        self._check("make_root", path)
+        self.inner.make_root(path)
+
     def open_root(self, path: Path) -> int:
         self._check("open_root", path)
         return self._opened(self.inner.open_root(path), path)
@@ -103,6 +107,10 @@ class FaultyStore:
         self._check("remove", name)
         self.inner.remove(dir_fd, name)
 
+    def symlink(self, dir_fd: int | None, target: str, name: Name) -> None:
+        self._check("symlink", name)
+        self.inner.symlink(dir_fd, target, name)
+
     def write_in_place(
         self,
         dir_fd: int | None,
@@ -124,6 +132,10 @@ class FaultyStore:
         self._check("open_read", name)
         fd, st = self.inner.open_read(dir_fd, name, follow=follow)
         return self._opened(fd, name), st
+
+    def write_at(self, fd: int, data: bytes, offset: int) -> int:
+        self._check("write_at", fd)
+        return self.inner.write_at(fd, data, offset)
 
     def read_at(self, fd: int, size: int, offset: int) -> bytes:
         self._check("read_at", fd)

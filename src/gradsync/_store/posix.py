@@ -63,6 +63,9 @@ def _at(path: _Name, dir_fd: int | None) -> _Name:
 class PosixStore:
     """Today's store: system calls on a filesystem this host mounts."""
 
+    def make_root(self, path: Path) -> None:
+        path.mkdir(DIR_MODE, parents=True, exist_ok=True)
+
     def open_root(self, path: Path) -> int:
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
@@ -177,6 +180,9 @@ class PosixStore:
     def remove(self, dir_fd: int | None, name: _Name) -> None:
         os.unlink(_at(name, dir_fd), dir_fd=dir_fd)
 
+    def symlink(self, dir_fd: int | None, target: str, name: _Name) -> None:
+        os.symlink(target, _at(name, dir_fd), dir_fd=dir_fd)
+
     def write_in_place(
         self,
         dir_fd: int | None,
@@ -214,6 +220,9 @@ class PosixStore:
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
         fd = os.open(_at(name, dir_fd), flags, dir_fd=dir_fd)
         return fd, _checked_regular(fd, name, one_link=False)
+
+    def write_at(self, fd: int, data: bytes, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
 
     def read_at(self, fd: int, size: int, offset: int) -> bytes:
         return os.pread(fd, size, offset)
