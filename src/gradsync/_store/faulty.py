@@ -8,6 +8,7 @@ import mmap
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .api import Name, Store
 from .posix import PosixStore
@@ -160,3 +161,7 @@ class FaultyStore:
     def link_target(self, dir_fd: int | None, name: Name) -> str:
         self._check("link_target", name)
         return self.inner.link_target(dir_fd, name)
+
+
+if TYPE_CHECKING:
+    _conforms: Store = FaultyStore()  # mypy checks it is a whole Store
