@@ -48,7 +48,8 @@ from gradsync._step.header import (
     layout_hash,
     layout_json,
 )
-from gradsync._store.dirs import OWN_MARK, GenDir
+from gradsync._store.dirs import OWN_MARK, GenDir, make_own_dir
+from gradsync._testing import FaultyStore, use_store
 from ranks import Outcome, run_ranks
 from workers import SHAPES, SHAPES_BIG, grads_for
 
@@ -916,9 +917,7 @@ def test_a_launcher_says_how_a_rank_waiting_to_join_ended(tmp_path: Path) -> Non
     assert sorted(p.name for p in rdzv.glob("ended-*")) == ["ended-1-0000000000000001.json"]
 
 
-def test_a_peer_gone_since_the_listing_is_named_by_the_note_it_left(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_peer_gone_since_the_listing_is_named_by_the_note_it_left(tmp_path: Path) -> None:
     # Rank 1 closes its session (its note says why) and exits between rank 0's listing
     # and its look at rank 1's process: the note's reason, not just "has exited".
     from gradsync._step.peers import PeerFiles  # noqa: PLC0415
@@ -934,23 +933,25 @@ def test_a_peer_gone_since_the_listing_is_named_by_the_note_it_left(
     (gen_path / "left-1").write_text(
         '{"calls": 2, "ended": "closed its gradsync session (raising KeyboardInterrupt)"}'
     )
-    listing = gradsync._step.peers.names_below
-    monkeypatch.setattr(
-        gradsync._step.peers,
-        "names_below",
-        lambda d, step=None: set() if d == gen_path else listing(d, step=step),
-    )
+
+    class Lagging(FaultyStore):
+        """Lists the generation as it was before rank 1 left."""
+
+        def list(self, handle: int) -> set[str]:
+            return set() if self.name_of(handle) == gen_path.name else super().list(handle)
+
     cfg = gradsync.FileGradSyncConfig(2, 0, tmp_path)
-    peers = PeerFiles(
-        cfg,
-        gen,
-        Transport(mapped=False, head_bytes=64),
-        lambda r, k: tmp_path,
-        lambda r, s: [],
-        GenDir(gen_path),
-    )
-    with pytest.raises(gradsync.PeerLostError) as info:
-        peers._check_alive([1], 3, 3, gen_path / "s-3", "its gradients", 0.5)
+    with use_store(Lagging()):
+        peers = PeerFiles(
+            cfg,
+            gen,
+            Transport(mapped=False, head_bytes=64),
+            lambda r, k: tmp_path,
+            lambda r, s: [],
+            GenDir(gen_path),
+        )
+        with pytest.raises(gradsync.PeerLostError) as info:
+            peers._check_alive([1], 3, 3, gen_path / "s-3", "its gradients", 0.5)
     assert str(info.value) == (
         f"step 3: rank 1 (pid 4000001 on {socket.gethostname()}) closed its gradsync session "
         f"(raising KeyboardInterrupt) before publishing its gradients in {gen_path / 's-3'} "
@@ -1060,45 +1061,36 @@ def lone_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StepEngine
 
 
 def test_an_abort_note_there_at_the_first_look_is_raised_without_a_listing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     # With two ranks the first look stats the peer's marker and abort note (2 system
     # calls) instead of listing the step (5); it must still find the note.
-    engine = _engine(tmp_path, 20.0)
-    step_dir = engine.gen.path / "s-1"
-    step_dir.mkdir()
-    _file(step_dir, "abort-1", json.dumps({"type": "", "message": "out of memory"}).encode())
-
-    def no_listing(path: Any) -> list[str]:
-        raise AssertionError(f"listed {path}")
-
-    monkeypatch.setattr(os, "listdir", no_listing)
-    _first_call_raises(
-        engine,
-        gradsync.PeerAbortedError,
-        match=r"^step 0: rank 1 \(pid \d+ on \S+\) gave up on this step: out of memory$",
-    )
+    with use_store(FaultyStore()) as store:
+        engine = _engine(tmp_path, 20.0)
+        step_dir = engine.gen.path / "s-1"
+        step_dir.mkdir()
+        _file(step_dir, "abort-1", json.dumps({"type": "", "message": "out of memory"}).encode())
+        _first_call_raises(
+            engine,
+            gradsync.PeerAbortedError,
+            match=r"^step 0: rank 1 \(pid \d+ on \S+\) gave up on this step: out of memory$",
+        )
+    assert ("stat", "abort-1") in store.calls
+    assert ("list", "s-1") not in store.calls
 
 
-def test_a_step_directory_that_cannot_be_listed_is_a_sync_dir_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    engine = _engine(tmp_path, 20.0)
-    listdir = os.listdir
+def test_a_step_directory_that_cannot_be_listed_is_a_sync_dir_error(tmp_path: Path) -> None:
+    def failing(op: str, name: str) -> OSError | None:
+        if op == "list" and name.startswith("s-"):
+            return OSError(errno.EIO, os.strerror(errno.EIO))
+        return None
 
-    def failing(path: Any) -> list[str]:
-        # Listed through its descriptor: its path from /proc.
-        shown = os.readlink(f"/proc/self/fd/{path}") if isinstance(path, int) else path
-        if os.path.basename(shown).startswith("s-"):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return listdir(path)
-
-    monkeypatch.setattr(os, "listdir", failing)
-    _first_call_raises(
-        engine,
-        gradsync.SyncDirError,
-        match=rf"^step 0: listing \S+/s-1 failed: {os.strerror(errno.EIO)}$",
-    )
+    with use_store(FaultyStore(failing)):
+        _first_call_raises(
+            _engine(tmp_path, 20.0),
+            gradsync.SyncDirError,
+            match=rf"^step 0: listing \S+/s-1 failed: {os.strerror(errno.EIO)}$",
+        )
 
 
 @pytest.mark.parametrize("content", [b'{"calls": 0}', b"{}", b"not json", b'{"calls": true}'])
@@ -1550,25 +1542,24 @@ def test_a_confirmation_racing_the_removal_of_its_generation_is_waited_past(
 
 
 def test_a_gave_up_joiner_that_cannot_look_up_the_leader_file_keeps_its_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """After its gave-up note a joiner looks for its generation's leader file: a lookup
     that fails otherwise than "not found" (a stale NFS handle) raised that OSError out of
     its except clause, instead of the rendezvous's own error, and left its join and
     offer files behind; nor may it take the generation for removed."""
     gen = tmp_path / f"{GEN_PREFIX}abc"
-    gen.mkdir()
+    make_own_dir(tmp_path, gen.name)  # gradsync's: removed if taken for removed
     leader = _jobfiles.leader_file(tmp_path, "abc")
     leader.parent.mkdir()
     leader.write_text("{}")
-    stat = os.stat
 
-    def stale(path: Any, *args: Any, **kwargs: Any) -> Any:
-        if os.fspath(path) == os.fspath(leader):
-            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), os.fspath(path))
-        return stat(path, *args, **kwargs)
+    def stale(op: str, name: str) -> OSError | None:
+        if name in (leader.name, leader.parent.name):  # the leader file, or its directory
+            return OSError(errno.ESTALE, os.strerror(errno.ESTALE), name)
+        return None
 
-    monkeypatch.setattr(os, "stat", stale)
-    _joiner.unless_removed(gen)
-    monkeypatch.undo()
+    with use_store(FaultyStore(stale)) as store:
+        _joiner.unless_removed(gen)
+    assert ("open_dir", leader.parent.name) in store.calls
     assert gen.is_dir()

@@ -23,7 +23,6 @@ from gradsync import ConfigError, SyncDirError, atomic_write_bytes, wait_for_pat
 from gradsync._job.liveness import Heartbeat, MemberInfo
 from gradsync._job.rendezvous import Generation, leave
 from gradsync._step.transport import Transport
-from gradsync._store import files as _fsio
 from gradsync._store.files import (
     Backoff,
     list_names,
@@ -31,10 +30,12 @@ from gradsync._store.files import (
     read_exact_into,
     read_small,
     translate_oserror,
+    warn_if_open,
     write_atomic,
     write_in_place,
     write_note,
 )
+from gradsync._testing import FaultyStore, use_store
 from ranks import run_ranks
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -210,19 +211,18 @@ def test_a_sync_dir_that_links_to_nothing_is_named(tmp_path: Path) -> None:
         gradsync.average_grads_file_sync([np.ones(2)], None, cfg, 0)
 
 
-def test_a_note_without_room_for_its_bytes_is_written_empty(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _full(op: str, name: str) -> OSError | None:
+    """A filesystem with room for names but not for bytes."""
+    return OSError(errno.ENOSPC, "No space left on device") if op == "publish" else None
+
+
+def test_a_note_without_room_for_its_bytes_is_written_empty(tmp_path: Path) -> None:
     write_note(tmp_path / "roomy", b'{"calls": 3}')
     assert (tmp_path / "roomy").read_bytes() == b'{"calls": 3}'
-
-    def full(fd: int, buffers: object) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(os, "writev", full)
-    write_note(tmp_path / "full", b'{"calls": 3}')
+    with use_store(FaultyStore(_full)):
+        write_note(tmp_path / "full", b'{"calls": 3}')
     assert (tmp_path / "full").read_bytes() == b""
-    assert sorted(os.listdir(tmp_path)) == ["full", "roomy"]  # no temporary file left
+    assert sorted(os.listdir(tmp_path)) == ["full", "roomy"]
     # Not even a name: the first error, as the system reported it.
     with pytest.raises(FileNotFoundError, match=r"/gone/\.note\.\d+\.[0-9a-f]+\.tmp'$"):
         write_note(tmp_path / "gone" / "note", b"{}")
@@ -287,19 +287,19 @@ def test_translate_oserror(code: int, hint: str) -> None:
     assert plain.step is None
 
 
-def test_a_directory_that_cannot_be_listed_is_a_sync_dir_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_directory_that_cannot_be_listed_is_a_sync_dir_error(tmp_path: Path) -> None:
     assert list_names(tmp_path / "not-yet") == set()
 
-    def stale(path: object) -> list[str]:
-        raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+    def stale(op: str, name: str) -> OSError | None:
+        return OSError(errno.ESTALE, os.strerror(errno.ESTALE)) if op == "list" else None
 
-    monkeypatch.setattr(os, "listdir", stale)
-    with pytest.raises(
-        SyncDirError,
-        match=exact(f"step 7: listing {tmp_path} failed: {os.strerror(errno.ESTALE)}"),
-    ) as info:
+    with (
+        use_store(FaultyStore(stale)),
+        pytest.raises(
+            SyncDirError,
+            match=exact(f"step 7: listing {tmp_path} failed: {os.strerror(errno.ESTALE)}"),
+        ) as info,
+    ):
         list_names(tmp_path, step=7)
     assert (info.value.errno, info.value.step) == (errno.ESTALE, 7)
 
@@ -397,7 +397,7 @@ def test_wait_for_path_nan_does_not_hang(tmp_path: Path) -> None:
 
 
 class FakeTime:
-    """Stands in for the ``time`` module inside gradsync._store.files."""
+    """A clock for Backoff, and its sleeps."""
 
     def __init__(self) -> None:
         self.now = 100.0
@@ -411,12 +411,16 @@ class FakeTime:
         self.now += seconds
 
 
-def test_backoff_yields_then_sleeps_with_growing_caps(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backoff_yields_then_sleeps_with_growing_caps() -> None:
     clock = FakeTime()
     yields: list[None] = []
-    monkeypatch.setattr(_fsio, "time", clock)
-    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(None))
-    backoff = Backoff(spin_s=0.001, first_sleep_s=5e-5)
+    backoff = Backoff(
+        spin_s=0.001,
+        first_sleep_s=5e-5,
+        clock=clock.monotonic,
+        sleep=clock.sleep,
+        give_way=lambda: yields.append(None),
+    )
     # Within the spin window: yield the CPU, never sleep.
     for _ in range(5):
         backoff.pause()
@@ -785,16 +789,10 @@ def test_write_in_place_refuses_a_fifo_without_blocking(tmp_path: Path) -> None:
     assert info.value.errno == errno.ENXIO
 
 
-def test_a_note_is_not_written_through_a_symbolic_link(
-    tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_note_is_not_written_through_a_symbolic_link(tmp_path: Path, victim: Path) -> None:
     path = _plant_symlink(tmp_path / "sync", "abort-0", victim)
-
-    def full(*args: object, **kwargs: object) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(_fsio, "write_atomic", full)  # the fallback opens the name itself
-    with pytest.raises(OSError, match="No space left") as info:
+    # No room for its bytes: the fallback opens the name itself.
+    with use_store(FaultyStore(_full)), pytest.raises(OSError, match="No space left") as info:
         write_note(path, b"{}")
     assert info.value.errno == errno.ENOSPC
     assert victim.read_bytes() == b"not gradients"
@@ -838,10 +836,10 @@ def test_a_sync_dir_every_user_can_write_is_warned_about(
     shared.mkdir()
     shared.chmod(0o2770)  # a group's directory: no warning
     with caplog.at_level("WARNING", logger="gradsync"):
-        _fsio.warn_if_open(shared)
+        warn_if_open(shared)
     assert caplog.records == []
     shared.chmod(0o1777)
     with caplog.at_level("WARNING", logger="gradsync"):
-        _fsio.warn_if_open(shared)
+        warn_if_open(shared)
     (record,) = caplog.records
     assert f"sync dir {shared} is writable by every user (mode 1777" in record.getMessage()

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradsync._step import transport as _transport
 from gradsync._step.header import CRC_BLOCK
 from gradsync._step.transport import ChecksumError, Transport
 from gradsync._store.dirs import GenDir
+from gradsync._testing import FaultyStore, PosixStore, use_store
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -127,29 +127,17 @@ def test_prune_removes_whatever_is_left(tmp_path: Path, left: tuple[str, ...]) -
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_pages_cached_of_a_file_another_host_wrote_are_dropped_before_reading(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool
+    tmp_path: Path, shared: bool
 ) -> None:
     path = tmp_path / "d-1.in"
     path.write_bytes(b"A" * 100)
-    calls: list[tuple[str, int, int]] = []
-    pread = os.pread
-
-    def reading(fd: int, n: int, offset: int) -> bytes:
-        calls.append(("pread", offset, n))
-        return pread(fd, n, offset)
-
-    def advising(fd: int, offset: int, length: int, advice: int) -> None:
-        assert advice == os.POSIX_FADV_DONTNEED
-        calls.append(("dontneed", offset, length))
-
-    monkeypatch.setattr(os, "pread", reading)
-    monkeypatch.setattr(os, "posix_fadvise", advising)
-    transport = Transport(mapped=False, head_bytes=16, shared=shared)
-    reader = transport.open(path)
-    assert reader.head == b"A" * 16
-    reader.close()
-    dropped = [("dontneed", 0, 0)] if shared else []
-    assert calls == [*dropped, ("pread", 0, 16)]
+    with use_store(FaultyStore()) as store:
+        transport = Transport(mapped=False, head_bytes=16, shared=shared)
+        reader = transport.open(path)
+        assert reader.head == b"A" * 16
+        reader.close()
+    dropped = [("drop_cached", "d-1.in")] if shared else []
+    assert store.calls == [("open_read", "d-1.in"), *dropped, ("read_at", "d-1.in")]
 
 
 def _with_crcs(tmp_path: Path, payload: bytes, offset: int) -> tuple[Path, str]:
@@ -178,67 +166,73 @@ def test_pread_with_checksums_refuses_a_garbled_block(tmp_path: Path) -> None:
     reader.close()
 
 
+class _StalePages(PosixStore):
+    """Shows the second CRC block of a file garbled ``left`` times, as a host's stale
+    cached pages would; records the pages dropped."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+        self.advised: list[tuple[int, int]] = []
+
+    def read_into(
+        self, fd: int, offset: int, buf: memoryview, shown: str | os.PathLike[str]
+    ) -> None:
+        super().read_into(fd, offset, buf, shown)
+        if offset == 8 + CRC_BLOCK and self.left:
+            self.left -= 1
+            buf[17] ^= 0xFF
+
+    def drop_cached(self, fd: int, offset: int, length: int) -> None:
+        self.advised.append((offset, length))
+
+
 @pytest.mark.parametrize("stale_reads", [1, 2])
 def test_a_block_failing_its_crc_on_a_shared_filesystem_is_read_again_past_the_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stale_reads: int
+    tmp_path: Path, stale_reads: int
 ) -> None:
     # A host may be shown a rewritten file's old pages (JuiceFS did): only the pages
     # this host cached can be dropped, so one more read, and a second failure counts.
     payload = bytes(range(256)) * (CRC_BLOCK // 128)  # two blocks
     path, crcs = _with_crcs(tmp_path, payload, 8)
-    real_read = _transport.read_exact_into
-    advised: list[tuple[int, int]] = []
-    garbled = {"left": stale_reads}
-
-    def stale_read(fd: int, offset: int, buf: memoryview, where: Path) -> None:
-        real_read(fd, offset, buf, where)
-        if offset == 8 + CRC_BLOCK and garbled["left"]:
-            garbled["left"] -= 1
-            buf[17] ^= 0xFF
-
-    def advising(fd: int, offset: int, length: int, advice: int) -> None:
-        advised.append((offset, length))
-
-    monkeypatch.setattr(_transport, "read_exact_into", stale_read)
-    monkeypatch.setattr(os, "posix_fadvise", advising)
-    reader = Transport(mapped=False, head_bytes=16, shared=True).open(path)
-    reader.expect_crcs(crcs, 8, len(payload))
-    out = np.empty(2 * CRC_BLOCK, np.uint8)
-    if stale_reads == 1:
-        reader.read_into(8, out)
-        assert out.tobytes() == payload
-    else:
-        message = (
-            f"{path} fails its checksum in bytes {8 + CRC_BLOCK}..{8 + 2 * CRC_BLOCK}, "
-            "read again past this host's cache"
-        )
-        with pytest.raises(ChecksumError, match=f"^{re.escape(message)}$"):
+    with use_store(_StalePages(stale_reads)) as store:
+        reader = Transport(mapped=False, head_bytes=16, shared=True).open(path)
+        reader.expect_crcs(crcs, 8, len(payload))
+        out = np.empty(2 * CRC_BLOCK, np.uint8)
+        if stale_reads == 1:
             reader.read_into(8, out)
-    reader.close()
-    assert advised == [(0, 0), (8 + CRC_BLOCK, CRC_BLOCK)]
+            assert out.tobytes() == payload
+        else:
+            message = (
+                f"{path} fails its checksum in bytes {8 + CRC_BLOCK}..{8 + 2 * CRC_BLOCK}, "
+                "read again past this host's cache"
+            )
+            with pytest.raises(ChecksumError, match=f"^{re.escape(message)}$"):
+                reader.read_into(8, out)
+        reader.close()
+    assert store.advised == [(0, 0), (8 + CRC_BLOCK, CRC_BLOCK)]
 
 
 def test_its_own_file_is_read_back_without_opening_it_until_its_payload_is_needed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     # Unmapped (a shared filesystem): opening, reading and closing its own input to
     # check its header cost a rank three round trips to the server every step.
     path = tmp_path / "d-0.in"
-    transport = Transport(mapped=False, head_bytes=16)
-    transport.write(path, [b"H" * 10, b"P" * 30], None, lambda pairs: None)
-    opened: list[str] = []
-    real_open = os.open
-    monkeypatch.setattr(
-        os, "open", lambda p, *a, **k: opened.append(str(p)) or real_open(p, *a, **k)
-    )
-    reader = transport.open(path)
-    assert (reader.head, reader.size, opened) == (b"H" * 10 + b"P" * 6, 40, [])
-    dst = np.empty(30, np.uint8)
-    reader.read_into(10, dst)  # the payload is read from the file, opened now
-    assert (dst.tobytes(), opened) == (b"P" * 30, [str(path)])
-    reader.close()
-    transport.forget(path)
-    again = transport.open(path)
-    assert again.head == b"H" * 10 + b"P" * 6
-    again.close()
-    assert opened == [str(path)] * 2  # forgotten: opened to be read
+    with use_store(FaultyStore()) as store:
+        transport = Transport(mapped=False, head_bytes=16)
+        transport.write(path, [b"H" * 10, b"P" * 30], None, lambda pairs: None)
+
+        def opened() -> list[str]:
+            return [name for op, name in store.calls if op == "open_read"]
+
+        reader = transport.open(path)
+        assert (reader.head, reader.size, opened()) == (b"H" * 10 + b"P" * 6, 40, [])
+        dst = np.empty(30, np.uint8)
+        reader.read_into(10, dst)  # the payload is read from the file, opened now
+        assert (dst.tobytes(), opened()) == (b"P" * 30, ["d-0.in"])
+        reader.close()
+        transport.forget(path)
+        again = transport.open(path)
+        assert again.head == b"H" * 10 + b"P" * 6
+        again.close()
+        assert opened() == ["d-0.in"] * 2  # forgotten: opened to be read

@@ -1,11 +1,10 @@
-"""Directories below the sync directory, reached only through directory descriptors.
+"""Directories below the sync directory, reached only through the store's handles.
 
 The sync directory itself is opened by its path (the user chose it: links above it
-are theirs). Every directory below it is opened relative to its parent's descriptor
-with ``O_NOFOLLOW``, so no symbolic link below the sync directory is ever followed,
-whoever planted it and whenever. A directory gradsync makes holds the mark
-:data:`OWN_MARK`, written right after its ``mkdir``; gradsync removes a directory only
-where it finds that mark, and never anything else of that name (a user's ``gen-x``).
+are theirs). Every directory below it is opened relative to its parent's handle, never
+through a symbolic link, whoever planted it and whenever. gradsync removes a directory
+only where it finds its mark :data:`OWN_MARK`, never anything else of that name (a
+user's ``gen-x``).
 """
 
 from __future__ import annotations
@@ -13,16 +12,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
 import stat
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from gradsync._errors import SyncDirError
-from gradsync._names import OWN_MARK
+from gradsync._names import OWN_MARK, step_dir_name
 
-from .files import DIR_MODE, FILE_MODE
+from .api import Store, store
+from .posix import link_error
 
 __all__ = [
     "OWN_MARK",
@@ -39,83 +38,35 @@ __all__ = [
 _log = logging.getLogger("gradsync")
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _open_sub(parent_fd: int, name: str, shown: Path) -> int:
-    """The descriptor of directory ``name`` in ``parent_fd``, never through a link.
-
-    Raises:
-        SyncDirError (ELOOP): ``name`` is a symbolic link (naming ``shown``).
-        OSError: as the system reported it (ENOTDIR for a file, ENOENT...).
-    """
-    if "/" in name or name in ("", ".", ".."):  # one name below, nothing else
-        raise OSError(errno.EINVAL, "not a plain name", os.fspath(shown))
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    except OSError as exc:
-        if exc.errno in (errno.ENOTDIR, errno.ELOOP) and _is_link(parent_fd, name):
-            raise _link_error(shown, parent_fd) from exc
-        raise
-
-
-def _is_link(parent_fd: int, name: str) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
-
-
-def _link_error(shown: Path, parent_fd: int | None = None) -> SyncDirError:
-    try:
-        link = shown if parent_fd is None else shown.name
-        target = f" (to {os.readlink(link, dir_fd=parent_fd)})"
-    except OSError:
-        target = ""
-    return SyncDirError(
-        f"{shown} is a symbolic link{target} where gradsync expects a directory of its own: "
-        "refused (gradsync follows no link below its sync dir); remove it",
-        errno=errno.ELOOP,
-        path=shown,
-    )
-
-
 def open_below(sync_dir: Path, *names: str) -> int:
-    """A descriptor of ``sync_dir/names...``: the sync dir by its path, each name below it
-    relative to the last with ``O_NOFOLLOW``. The caller closes it.
+    """A handle of ``sync_dir/names...``: the sync dir by its path, each name below it
+    relative to the last, never through a link. The caller closes it.
 
     Raises:
         SyncDirError (ELOOP): one of ``names`` is a symbolic link.
         OSError: as the system reported it.
     """
-    fd = os.open(sync_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    active = store()
+    fd = active.open_root(sync_dir)
     shown = sync_dir
     for name in names:
         shown = shown / name
         try:
-            sub = _open_sub(fd, name, shown)
+            sub = active.open_dir(fd, name, shown)
         finally:
-            os.close(fd)
+            active.close_dir(fd)
         fd = sub
     return fd
 
 
 @contextlib.contextmanager
 def dir_below(sync_dir: Path, *names: str) -> Iterator[int]:
-    """:func:`open_below` as a context that closes the descriptor."""
+    """:func:`open_below` as a context that closes the handle."""
     fd = open_below(sync_dir, *names)
     try:
         yield fd
     finally:
-        os.close(fd)
-
-
-def _marked(fd: int) -> bool:
-    try:
-        st = os.stat(OWN_MARK, dir_fd=fd, follow_symlinks=False)
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode)
+        store().close_dir(fd)
 
 
 def make_own_dir(sync_dir: Path, name: str) -> None:
@@ -128,19 +79,7 @@ def make_own_dir(sync_dir: Path, name: str) -> None:
         OSError: as the system reported it (EEXIST, ENOSPC...); nothing is left.
     """
     with dir_below(sync_dir) as parent:
-        os.mkdir(name, DIR_MODE, dir_fd=parent)
-        try:
-            fd = _open_sub(parent, name, sync_dir / name)
-            try:
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-                os.close(os.open(OWN_MARK, flags, FILE_MODE, dir_fd=fd))
-            finally:
-                os.close(fd)
-        except BaseException:
-            # Empty, and just made by this process: nobody else's to lose.
-            with contextlib.suppress(OSError):
-                os.rmdir(name, dir_fd=parent)
-            raise
+        store().make_dir(parent, name, own=True)
 
 
 def is_own_dir(sync_dir: Path, name: str, *, strict: bool = False) -> bool:
@@ -148,12 +87,7 @@ def is_own_dir(sync_dir: Path, name: str, *, strict: bool = False) -> bool:
     an error that leaves it untold (EACCES) is raised, not taken for a no."""
     try:
         with dir_below(sync_dir, name) as fd:
-            if not strict:
-                return _marked(fd)
-            try:
-                return stat.S_ISREG(os.stat(OWN_MARK, dir_fd=fd, follow_symlinks=False).st_mode)
-            except FileNotFoundError:
-                return False
+            return store().is_own(fd, strict=strict)
     except OSError as exc:
         if strict and not isinstance(exc, SyncDirError) and exc.errno not in _NOT_OWN:
             raise
@@ -167,74 +101,15 @@ _NOT_OWN = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 def remove_own_dir(sync_dir: Path, name: str) -> bool:
     """Remove the directory ``sync_dir/name`` (a generation) and all it holds, if it
     bears gradsync's mark: never an unmarked one, never through a link. Whether it was
-    removed. Never raises.
-
-    Ranks may remove the same tree at once: the removal goes on past every error (on
-    JuiceFS an ``fstat`` of a directory another host removed meanwhile raised
-    FileNotFoundError in ``shutil.rmtree``).
-    """
+    removed. Never raises."""
     try:
         with dir_below(sync_dir) as base:
-            top = _open_sub(base, name, sync_dir / name)
-            try:
-                if not _marked(top):
-                    _log.debug("not removing %s: gradsync did not make it", sync_dir / name)
-                    return False
-                seen = os.fstat(top)  # removed: only the one whose mark was seen, not a swap
-            finally:
-                os.close(top)
-            _rmtree_at(base, name, seen)
+            if store().remove_own_dir(base, name):
+                return True
+            _log.debug("not removing %s: gradsync did not make it", sync_dir / name)
     except OSError as exc:
         _log.debug("not removing %s: %s", sync_dir / name, exc)
-        return False
-    return True
-
-
-def _rmtree_at(parent: int, name: str, expect: os.stat_result | None = None) -> None:
-    """Remove directory ``name`` of ``parent`` and all it holds, as far as it goes, by
-    descriptors: a link inside is unlinked, never followed (``shutil.rmtree`` has no
-    ``dir_fd`` before Python 3.11). With ``expect``, only if it is still that directory,
-    whose mark goes last: a file written into it meanwhile (a late note) is removed on
-    another pass, or else the mark is put back, so that it never stays unmarked."""
-    try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
-    except OSError:
-        return
-    try:
-        if expect is not None and not os.path.samestat(os.fstat(fd), expect):
-            return
-        for _ in range(3 if expect is not None else 1):
-            _empty(fd, keep=OWN_MARK if expect is not None else None)
-            if expect is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(OWN_MARK, dir_fd=fd)
-            try:
-                os.rmdir(name, dir_fd=parent)
-                return
-            except OSError as exc:
-                if expect is None or exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                    return
-            flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-            os.close(os.open(OWN_MARK, flags, FILE_MODE, dir_fd=fd))
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _empty(fd: int, keep: str | None) -> None:
-    """Remove what directory ``fd`` holds but ``keep``, as far as it goes."""
-    for entry in os.listdir(fd):
-        if entry == keep:
-            continue
-        try:
-            st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                _rmtree_at(fd, entry)
-            else:
-                os.unlink(entry, dir_fd=fd)
-        except OSError:
-            continue
+    return False
 
 
 class GenDir:
@@ -243,12 +118,13 @@ class GenDir:
 
     def __init__(self, gen_path: Path) -> None:
         self.path = gen_path
+        self._store = store()  # the store it opened its handles in, until it closes them
         self.fd = open_below(gen_path.parent, gen_path.name)
         self._steps: dict[int, int] = {}
 
     def step_path(self, seq: int) -> Path:
         """For messages only."""
-        return self.path / f"s-{seq}"
+        return self.path / step_dir_name(seq)
 
     def step_fd(self, seq: int, *, make: bool = False) -> int:
         """The descriptor of ``s-<seq>`` (made first with ``make``, if no peer has).
@@ -259,11 +135,11 @@ class GenDir:
         fd = self._steps.get(seq)
         if fd is not None:
             return fd
-        name = f"s-{seq}"
+        name = step_dir_name(seq)
         if make:
             with contextlib.suppress(FileExistsError):  # a peer was first
-                os.mkdir(name, DIR_MODE, dir_fd=self.fd)
-        fd = self._steps[seq] = _open_sub(self.fd, name, self.step_path(seq))
+                self._store.make_dir(self.fd, name, own=False)
+        fd = self._steps[seq] = self._store.open_dir(self.fd, name, self.step_path(seq))
         return fd
 
     def step_names(self, seq: int, *, fresh: bool = False) -> set[str]:
@@ -276,14 +152,14 @@ class GenDir:
         """
         try:
             if not fresh:
-                return set(os.listdir(self.step_fd(seq)))
-            fd = _open_sub(self.fd, f"s-{seq}", self.step_path(seq))
+                return self._store.list(self.step_fd(seq))
+            fd = self._store.open_dir(self.fd, step_dir_name(seq), self.step_path(seq))
         except FileNotFoundError:
             return set()
         try:
-            return set(os.listdir(fd))
+            return self._store.list(fd)
         finally:
-            os.close(fd)
+            self._store.close_dir(fd)
 
     def has_step(self, seq: int, step: int | None = None) -> bool:
         """Whether ``s-<seq>`` is still a directory here (True where that cannot be told).
@@ -291,14 +167,15 @@ class GenDir:
         Raises:
             SyncDirError (ELOOP): a link is there instead, naming it.
         """
+        name = step_dir_name(seq)
         try:
-            st = os.stat(f"s-{seq}", dir_fd=self.fd, follow_symlinks=False)
+            st = self._store.stat(self.fd, name)
         except FileNotFoundError:
             return False
         except OSError:
             return True
         if stat.S_ISLNK(st.st_mode):
-            exc = _link_error(self.step_path(seq), self.fd)
+            exc = link_error(self.step_path(seq), _target(self._store, self.fd, name))
             exc.step = step
             raise exc
         return stat.S_ISDIR(st.st_mode)
@@ -310,51 +187,28 @@ class GenDir:
     def release_before(self, seq: int) -> None:
         """Close the descriptors of steps before ``seq``."""
         for old in [k for k in self._steps if k < seq]:
-            os.close(self._steps.pop(old))
+            self._store.close_dir(self._steps.pop(old))
 
     def prune(self, seq: int, names: Iterable[str]) -> None:
         """Remove ``s-<seq>``, a finished step's directory: normally empty (one rmdir),
         else its ``names`` are unlinked first, else the rest goes too."""
-        name = f"s-{seq}"
-        try:
-            os.rmdir(name, dir_fd=self.fd)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            pass
-        try:
-            sub = _open_sub(self.fd, name, self.step_path(seq))
-        except OSError:
-            return  # not a directory (a link is never followed): not this job's to remove
-        try:
-            for entry in names:
-                with contextlib.suppress(OSError):
-                    os.unlink(entry, dir_fd=sub)
-        finally:
-            os.close(sub)
-        try:
-            os.rmdir(name, dir_fd=self.fd)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            _rmtree_at(self.fd, name)
+        self._store.remove_dir(self.fd, step_dir_name(seq), names)
 
     def close(self) -> None:
         self.release_before(sys.maxsize)
         with contextlib.suppress(OSError):
-            os.close(self.fd)
+            self._store.close_dir(self.fd)
 
 
 def refuse_link(path: Path, *, step: int | None = None) -> None:
     """Raise SyncDirError (ELOOP) naming ``path`` if it is a symbolic link: one put where
     gradsync's own directory was after it opened it, which its descriptors never see."""
     try:
-        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+        is_link = stat.S_ISLNK(store().stat(None, path).st_mode)
     except OSError:
         return
     if is_link:
-        exc = _link_error(path)
+        exc = link_error(path, _target(store(), None, path))
         exc.step = step
         raise exc
 
@@ -364,3 +218,11 @@ def job_dir(path: Path) -> contextlib.AbstractContextManager[int]:
     ``sync_dir/gen-*/x``), that directory opened below the sync dir without following
     a link."""
     return dir_below(path.parent.parent, path.parent.name)
+
+
+def _target(active: Store, dir_fd: int | None, name: str | Path) -> str | None:
+    """What the link ``name`` says, for a message; None where that cannot be read."""
+    try:
+        return active.link_target(dir_fd, name)
+    except OSError:
+        return None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gradsync._errors import SyncDirError
 
-from .files import DIR_MODE
+from .api import store
 
 __all__ = ["make_sync_dir"]
 
@@ -23,7 +23,7 @@ def make_sync_dir(path: Path, name: str) -> None:
             created (no permission, a read-only or full filesystem); ``errno`` kept.
     """
     try:
-        path.mkdir(DIR_MODE, parents=True, exist_ok=True)
+        store().make_root(path)
     except OSError as exc:
         why, code = _why(path, exc)
         raise SyncDirError(f"{name} {why}", errno=code, path=path) from exc

@@ -7,12 +7,12 @@ without following a link either.
 
 from __future__ import annotations
 
-import os
 import stat
 from pathlib import Path
 
 from gradsync._errors import SyncDirError
 
+from .api import store
 from .dirs import dir_below, job_dir
 from .files import read_small, translate_oserror
 
@@ -46,7 +46,7 @@ def names_below(directory: Path, *, step: int | None = None) -> set[str]:
     """
     try:
         with dir_below(directory.parent, directory.name) as fd:
-            return set(os.listdir(fd))
+            return store().list(fd)
     except FileNotFoundError:
         return set()
     except SyncDirError as exc:
@@ -62,10 +62,10 @@ def file_below(path: Path, *, dir_fd: int | None = None) -> bool:
     False where it cannot be told."""
     try:
         if dir_fd is not None:
-            st = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False)
+            st = store().stat(dir_fd, path.name)
         else:
             with job_dir(path) as fd:
-                st = os.stat(path.name, dir_fd=fd, follow_symlinks=False)
+                st = store().stat(fd, path.name)
     except OSError:
         return False
     return stat.S_ISREG(st.st_mode)
