@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradsync._errors import GradSyncError, MismatchError, RendezvousError
 from gradsync._names import ROSTER, gen_id_of, heartbeat_name, left_name
+from gradsync._store.api import store
 from gradsync._store.dirs import dir_below, remove_own_dir
 
 from . import failures, notes
@@ -103,7 +103,7 @@ def leave(gen: Generation, calls: int, ended: str | None = None) -> None:
     try:
         with dir_below(gen.path.parent, gen.path.name) as fd:
             notes.write_note(gen.left_path(gen.rank), json.dumps(note).encode(), dir_fd=fd)
-            names = set(os.listdir(fd))
+            names = store().list(fd)
     except OSError:
         return  # not knowing who is left, leave the directory to the last rank
     finally:

@@ -43,6 +43,7 @@ from gradsync._names import (
     offer_name,
     rival_name,
 )
+from gradsync._store.api import store
 from gradsync._store.dirs import is_own_dir, job_dir, remove_own_dir
 from gradsync._store.files import Backoff, translate_oserror
 from gradsync._store.read import file_below, names_below
@@ -99,7 +100,7 @@ def _remove_held(lock: UnixFileLock, path: Path) -> None:
     """Remove the file of ``lock``, held, then let it go."""
     # Safe while held: filelock drops a lock it wins on an unlinked file (st_nlink == 0).
     with contextlib.suppress(OSError), job_dir(path) as dir_fd:
-        os.unlink(path.name, dir_fd=dir_fd)
+        store().remove(dir_fd, path.name)
     with contextlib.suppress(OSError):
         lock.release()
 
@@ -129,7 +130,7 @@ def _check_plain(path: Path) -> None:
     """Raise OSError if ``path`` is a hard link or no regular file (filelock 3.x
     truncates the file it locks; filelock itself refuses a symbolic link)."""
     try:
-        st = os.stat(path, follow_symlinks=False)
+        st = store().stat(None, path)
     except FileNotFoundError:
         return
     if not stat.S_ISLNK(st.st_mode) and (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync import _proc
+from gradsync._store.api import store
 from gradsync._store.dirs import job_dir, open_below
 from gradsync._store.files import open_own, open_regular
 
@@ -168,7 +169,7 @@ class Heartbeat:
         try:
             fd = open_own(self._path, os.O_WRONLY, dir_fd=self._dir_fd)
             try:
-                os.pwrite(fd, _COUNTER.pack(self._count), 0)
+                store().write_at(fd, _COUNTER.pack(self._count), 0)
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -200,7 +201,7 @@ def read_counter(path: Path) -> int | None:
     except OSError:
         return None
     try:
-        data = os.pread(fd, _COUNTER.size, 0)
+        data = store().read_at(fd, _COUNTER.size, 0)
     except OSError:
         return None
     finally:

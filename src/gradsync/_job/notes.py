@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from gradsync._errors import SyncDirError
 from gradsync._names import ENDED, RDZV, gen_id_of, leader_name, left_name, lock_name
+from gradsync._store.api import store
 from gradsync._store.dirs import job_dir
 from gradsync._store.files import translate_oserror, write_atomic
 from gradsync._store.files import write_note as _write_note
@@ -54,7 +54,7 @@ def leader_gone(gen_path: Path) -> bool:
     leader = leader_file(gen_path.parent, gen_id_of(gen_path.name) or "")
     try:
         with job_dir(leader) as fd:
-            os.stat(leader.name, dir_fd=fd, follow_symlinks=False)
+            store().stat(fd, leader.name)
     except FileNotFoundError:
         return True
     except OSError:
@@ -184,4 +184,4 @@ def unlink(path: Path) -> None:
         OSError: as the system reported it (FileNotFoundError...).
     """
     with job_dir(path) as fd:
-        os.unlink(path.name, dir_fd=fd)
+        store().remove(fd, path.name)

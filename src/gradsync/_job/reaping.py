@@ -37,6 +37,7 @@ from gradsync._names import (
     offer_name,
     seen_name,
 )
+from gradsync._store.api import store
 from gradsync._store.dirs import dir_below, is_own_dir, remove_own_dir
 from gradsync._store.files import list_names
 from gradsync._store.read import file_below, names_below
@@ -99,7 +100,7 @@ def remove_dead_joins(rdzv: Path) -> None:
         with contextlib.suppress(OSError), dir_below(rdzv.parent, rdzv.name) as fd:
             for name in gone:
                 with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=fd)
+                    store().remove(fd, name)
     remove_free_locks(rdzv, names)
 
 
@@ -221,7 +222,7 @@ def _remove(gen_path: Path) -> None:
         return
     _log.debug("removing %s: every member of that run is gone", gen_path)
     with contextlib.suppress(OSError), dir_below(sync_dir, RDZV) as rdzv:
-        os.unlink(leader_name(gen_id_of(gen_path.name) or ""), dir_fd=rdzv)
+        store().remove(rdzv, leader_name(gen_id_of(gen_path.name) or ""))
     remove_own_dir(sync_dir, gen_path.name)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from gradsync._errors import SyncDirError
 from gradsync._faults import fault_point
 from gradsync._names import shared_input_name
+from gradsync._store.api import store
 from gradsync._store.files import place_marker, translate_oserror
 
 from .buffers import SharedBuffers
@@ -124,9 +125,9 @@ class Publishing(EngineState):
         temp = name.with_name(name.name + ".link")
         try:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp.name, dir_fd=self._dir.fd)
-            os.symlink(target.name, temp.name, dir_fd=self._dir.fd)
-            os.replace(temp.name, name.name, src_dir_fd=self._dir.fd, dst_dir_fd=self._dir.fd)
+                store().remove(self._dir.fd, temp.name)
+            store().symlink(self._dir.fd, target.name, temp.name)
+            store().move(self._dir.fd, temp.name, self._dir.fd, name.name)
         except OSError as exc:
             raise translate_oserror(exc, "publishing", name, step=step) from exc
         self._transport.forget(name)
@@ -138,7 +139,7 @@ class Publishing(EngineState):
             return
         name = self._input_name()
         try:
-            os.unlink(name.name, dir_fd=self._dir.fd)
+            store().remove(self._dir.fd, name.name)
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -186,7 +187,7 @@ class Publishing(EngineState):
             # Arrays handed out before keep their memory (the mapping outlives the name).
             self._transport.forget(old.path)
             with contextlib.suppress(OSError):
-                os.unlink(old.path.name, dir_fd=self._dir.fd)
+                store().remove(self._dir.fd, old.path.name)
         return list(self._shared.arrays)
 
     @property

@@ -28,6 +28,7 @@ from gradsync._names import (
 )
 from gradsync._step.header import HEADER_READ_BYTES, decode_header, header_length
 from gradsync._step.transport import shared_target
+from gradsync._store.api import store
 from gradsync._store.dirs import dir_below
 from gradsync._store.files import open_regular
 from gradsync._store.read import file_below, read_below
@@ -70,7 +71,7 @@ def disk_bytes(path: Path, *below: str) -> int:
         for _root, _dirs, files, fd in os.fwalk(dir_fd=top):
             for name in files:
                 with contextlib.suppress(OSError):
-                    total += os.stat(name, dir_fd=fd, follow_symlinks=False).st_size
+                    total += store().stat(fd, name).st_size
     return total
 
 
