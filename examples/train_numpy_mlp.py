@@ -17,6 +17,11 @@ follow the same trajectory as one rank with ``--batch-size N*B``, up to rounding
 
 The printed loss and accuracy are those of the global batch: they travel through
 gradsync as one extra float64 array of two elements.
+
+With ``--diloco-every H`` the ranks do not average gradients: each trains on its own
+shard and ``gradsync.DiLoCo`` averages their progress every H steps and takes an outer
+Nesterov step (see docs/diloco.md); the printed loss and accuracy are then rank 0's own.
+``--test-fraction`` holds out part of the data, evaluated every ``--eval-every`` steps.
 """
 
 from __future__ import annotations
@@ -136,55 +141,116 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--json-out", type=Path, help="write per-step losses as JSON here (rank 0 only)"
     )
+    parser.add_argument(
+        "--diloco-every", type=int, default=0, help="DiLoCo: sync every H steps (default 0: off)"
+    )
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer lr (0.7)")
+    parser.add_argument(
+        "--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum (0.9)"
+    )
+    parser.add_argument(
+        "--test-fraction", type=float, default=0.0, help="held-out share of the data (default 0)"
+    )
+    parser.add_argument(
+        "--eval-every", type=int, default=0, help="evaluate every N steps, 0: never (default 0)"
+    )
     args = parser.parse_args(argv)
+    if not 0 <= args.test_fraction < 1:
+        parser.error("--test-fraction must be in [0, 1)")
+    if args.eval_every and not args.test_fraction:
+        parser.error("--eval-every needs --test-fraction")
+    for name in ("diloco_every", "eval_every"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0")
     for name in ("steps", "batch_size", "hidden"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
 
 
+def split_data(
+    x: Array, y: npt.NDArray[np.int64], test_fraction: float
+) -> tuple[Array, npt.NDArray[np.int64], Array, npt.NDArray[np.int64]]:
+    """Train and test sets: the test set is the same for every ``--seed``."""
+    n_test = round(x.shape[0] * test_fraction)
+    perm = np.random.default_rng(1234).permutation(x.shape[0])
+    train, test = np.sort(perm[n_test:]), np.sort(perm[:n_test])
+    return x[train], y[train], x[test], y[test]
+
+
+def sgd_momentum(
+    params: list[Array], velocity: list[Array], grads: list[Array], lr: float, momentum: float
+) -> None:
+    """Heavy-ball momentum SGD, in place."""
+    for p, v, g in zip(params, velocity, grads, strict=True):
+        np.multiply(v, momentum, out=v)
+        np.add(v, g, out=v)
+        np.subtract(p, lr * v, out=p)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dtype = np.dtype(args.dtype)
-    x, y = load_data(dtype)
+    x, y, x_test, y_test = split_data(*load_data(dtype), args.test_fraction)
     params = init_params([x.shape[1], args.hidden, 10], args.seed, dtype)
     velocity = [np.zeros_like(p) for p in params]
 
     with gradsync.GradSync(gradsync_config()) as sync:
         rank, world = sync.cfg.rank, sync.cfg.world_size
         global_batch = world * args.batch_size
+        diloco = None
+        if args.diloco_every:
+            diloco = gradsync.DiLoCo(
+                params,
+                sync,
+                every=args.diloco_every,
+                outer_lr=args.outer_lr,
+                outer_momentum=args.outer_momentum,
+            )
         if rank == 0:
+            mode = f", DiLoCo every {args.diloco_every}" if diloco else ""
             print(
                 f"world size {world}, batch {args.batch_size} per rank ({global_batch} global), "
-                f"{sum(p.size for p in params)} {dtype} params, {x.shape[0]} samples",
+                f"{sum(p.size for p in params)} {dtype} params, {x.shape[0]} samples{mode}",
                 flush=True,
             )
         losses: list[float] = []
         accuracies: list[float] = []
         sync_ms: list[float] = []
-        start = time.perf_counter()
+        evals: list[dict[str, float]] = []
+        train_s = 0.0  # wall time outside evaluations
         for step in range(args.steps):
+            start = time.perf_counter()
             batch = batch_indices(step, global_batch, x.shape[0], args.seed)
             mine = batch[gradsync.shard_indices(global_batch, rank, world)]
             loss, accuracy, grads = loss_and_grads(params, x[mine], y[mine])
             metrics = np.array([loss, accuracy], dtype=np.float64)
-
-            stats = sync.average([*grads, metrics], step=step)
-
-            for p, v, g in zip(params, velocity, grads, strict=True):
-                np.multiply(v, args.momentum, out=v)  # heavy-ball momentum, in place
-                np.add(v, g, out=v)
-                np.subtract(p, args.lr * v, out=p)
+            if diloco is None:
+                sync.average([*grads, metrics], step=step)
+                sgd_momentum(params, velocity, grads, args.lr, args.momentum)
+                synced = True
+            else:  # each rank steps alone; DiLoCo averages their progress every H steps
+                sgd_momentum(params, velocity, grads, args.lr, args.momentum)
+                synced = diloco.step()
+            train_s += time.perf_counter() - start
+            ms = sync.last_stats.total_s * 1e3 if synced and sync.last_stats else 0.0
             losses.append(float(metrics[0]))
             accuracies.append(float(metrics[1]))
-            sync_ms.append(stats.total_s * 1e3)
+            sync_ms.append(ms)
             if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
                 print(
                     f"step {step:4d}  loss {metrics[0]:.6f}  acc {metrics[1]:.3f}  "
-                    f"sync {stats.total_s * 1e3:.2f} ms",
+                    f"sync {ms:.2f} ms",
                     flush=True,
                 )
-        elapsed = time.perf_counter() - start
+            if args.eval_every and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+                test_loss, test_acc, _ = loss_and_grads(params, x_test, y_test)
+                evals.append(
+                    {"step": step + 1, "time_s": train_s, "loss": test_loss, "acc": test_acc}
+                )
+                if rank == 0 and args.log_every:
+                    print(f"eval {step + 1:4d}  test loss {test_loss:.6f}  test acc {test_acc:.3f}")
+        elapsed = train_s
 
     if rank == 0:
         print(
@@ -199,9 +265,12 @@ def main(argv: list[str] | None = None) -> int:
                         "world_size": world,
                         "batch_size": args.batch_size,
                         "dtype": str(dtype),
+                        "diloco_every": args.diloco_every,
                         "losses": losses,
                         "accuracies": accuracies,
                         "sync_ms": sync_ms,
+                        "train_s": train_s,
+                        "evals": evals,
                     }
                 )
             )

@@ -227,3 +227,17 @@ def test_torch_gradsync_matches_ddp_gloo(tmp_path: Path) -> None:
             np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7, err_msg=name)
     assert printed_losses(gs_outs[0]) == printed_losses(ddp_outs[0])
     assert printed_losses(gs_outs[0]) == printed_losses(gs_outs[1])
+
+
+@pytest.mark.timeout(60)
+def test_numpy_mlp_diloco_syncs_every_h_steps(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn", reason="the numpy MLP example trains on sklearn's digits")
+    out = tmp_path / "diloco.json"
+    args = ["--steps", "20", "--diloco-every", "5", "--log-every", "0", "--json-out", str(out)]
+    args += ["--test-fraction", "0.25", "--eval-every", "5"]
+    run_ranks(NUMPY_MLP, args, 2, tmp_path, "diloco")
+    result = json.loads(out.read_text())
+    assert result["diloco_every"] == 5
+    assert [i for i, ms in enumerate(result["sync_ms"]) if ms > 0] == [4, 9, 14, 19]
+    assert [e["step"] for e in result["evals"]] == [5, 10, 15, 20]
+    assert result["evals"][-1]["loss"] < result["evals"][0]["loss"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ._api import GradSync
 from ._config import FileGradSyncConfig
+from ._diloco import DiLoCo
 from ._errors import (
     ConfigError,
     CorruptFileError,
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
     "CorruptFileError",
+    "DiLoCo",
     "FileGradSyncConfig",
     "GradSync",
     "GradSyncError",

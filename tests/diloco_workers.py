@@ -1,0 +1,71 @@
+"""Rank bodies for tests/test_diloco.py (importable by spawned children)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import gradsync
+from ranks import config
+
+SHAPES: list[tuple[tuple[int, ...], str]] = [
+    ((3, 5), "float32"),
+    ((7,), "float16"),
+    ((4,), "float64"),
+]
+
+
+def start_params(seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(dtype) for shape, dtype in SHAPES]
+
+
+def inner_step(params: list[np.ndarray], rank: int, step: int) -> None:
+    """A stand-in for the inner optimizer: a rank- and step-dependent move, in place."""
+    rng = np.random.default_rng([rank, step, 99])
+    for p in params:
+        np.subtract(p, (0.01 * rng.standard_normal(p.shape)).astype(p.dtype), out=p)
+
+
+def train(
+    rank: int, world: int, sync_dir: str, every: int, steps: int, stop_at: int | None = None
+) -> dict[str, Any]:
+    """``steps`` inner steps with DiLoCo; the params' bytes before and after every sync.
+
+    With ``stop_at``, the DiLoCo is saved after that many steps and a fresh one,
+    restored from the save, goes on (as after a restart from a checkpoint).
+    """
+    params = start_params()
+    before: list[list[bytes]] = []
+    after: list[list[bytes]] = []
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        dl = gradsync.DiLoCo(params, gs, every=every)
+        for step in range(steps):
+            if step == stop_at:
+                saved = dl.state_dict()
+                dl = gradsync.DiLoCo(params, gs, every=every, check_start=False)
+                dl.load_state_dict(saved)
+            inner_step(params, rank, step)
+            snapshot = [p.tobytes() for p in params]
+            if dl.step():
+                before.append(snapshot)
+                after.append([p.tobytes() for p in params])
+        state = dl.state_dict()
+    return {
+        "before": before,
+        "after": after,
+        "calls": state["calls"],
+        "syncs": state["syncs"],
+        "momentum": [m.tobytes() for m in state["momentum"]],
+    }
+
+
+def start_differently(rank: int, world: int, sync_dir: str) -> str:
+    """Rank 1 starts from other parameters: the error every rank gets."""
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        try:
+            gradsync.DiLoCo(start_params(seed=rank % 2), gs, every=2)
+        except gradsync.MismatchError as exc:
+            return str(exc)
+    return "no error"
