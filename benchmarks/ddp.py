@@ -12,7 +12,8 @@ group, no model: with the default 25 MB cap DDP syncs these models as one bucket
 the step's communication is this call plus DDP's own work around it.
 
 Run: ``python benchmarks/ddp.py [--world 2] [--model cnn|mlp] [--steps 40] [--rounds 3]
-[--bucket-cap-mb 25]``.
+[--bucket-cap-mb 25]
+[--switch-interval 0.005]``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def worker(rank: int, args: argparse.Namespace, tmp: str, out: Any) -> None:
 
     import gradsync.torch  # noqa: F401, PLC0415
 
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
     os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
     init = f"file://{os.path.join(tmp, 'store')}"
@@ -96,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's (default 25)")
+    p.add_argument(
+        "--switch-interval", type=float, default=0.0, help="sys.setswitchinterval in the ranks"
+    )
     args = p.parse_args(argv)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -120,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         f"DDP step, {args.model} ({params} float32 params, {params * 4 / 2**20:.2f} MiB), "
         f"batch {args.batch}/rank, W={args.world}, {args.rounds}x{args.steps} steps, "
         f"bucket_cap_mb {args.bucket_cap_mb:g}, "
+        f"switch interval {args.switch_interval or sys.getswitchinterval():g} s, "
         f"load {os.getloadavg()[0]:.2f}"
     )
     for name in ("none", "gloo", "gradsync"):
