@@ -116,12 +116,16 @@ def main(argv: list[str] | None = None) -> int:
                 proc.join(10)
                 if proc.is_alive():
                     proc.kill()
-    params = results[0][2]
     slowest = {
         name: [max(r[1][name][i] for r in results) for i in range(len(results[0][1][name]))]
         for name in results[0][1]
     }
-    med = {name: statistics.median(ts) for name, ts in slowest.items()}
+    report(args, results[0][2], {n: statistics.median(ts) for n, ts in slowest.items()})
+    return 0
+
+
+def report(args: argparse.Namespace, params: int, med: dict[str, float]) -> None:
+    """Print the medians (seconds) and the ratios."""
     print(
         f"DDP step, {args.model} ({params} float32 params, {params * 4 / 2**20:.2f} MiB), "
         f"batch {args.batch}/rank, W={args.world}, {args.rounds}x{args.steps} steps, "
@@ -141,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  over the compute alone: gradsync +{comm_gs * 1e3:.2f}, gloo +{comm_gloo * 1e3:.2f} ms"
     )
-    return 0
 
 
 if __name__ == "__main__":
