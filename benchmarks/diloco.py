@@ -232,10 +232,7 @@ def main() -> int:
         if args.hosts
         else f"{args.nproc} ranks on one host"
     )
-    title = (
-        f"digits MLP, {where}: DiLoCo (outer lr {args.outer_lr}, "
-        f"momentum {args.outer_momentum}) vs every-step averaging"
-    )
+    title = f"digits MLP, {where}: DiLoCo outer lr {args.outer_lr}, momentum {args.outer_momentum}"
     write_svg(runs, out.with_suffix(".svg"), title)
     print(f"wrote {out.with_suffix('.csv')} and {out.with_suffix('.svg')}")
     return 0
