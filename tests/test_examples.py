@@ -20,6 +20,7 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NUMPY_MLP = EXAMPLES / "train_numpy_mlp.py"
 TORCH = EXAMPLES / "train_torch.py"
+TORCH_DILOCO = EXAMPLES / "train_torch_diloco.py"
 RUN_TIMEOUT_S = 45.0
 
 try:
@@ -241,3 +242,21 @@ def test_numpy_mlp_diloco_syncs_every_h_steps(tmp_path: Path) -> None:
     assert [i for i, ms in enumerate(result["sync_ms"]) if ms > 0] == [4, 9, 14, 19]
     assert [e["step"] for e in result["evals"]] == [5, 10, 15, 20]
     assert result["evals"][-1]["loss"] < result["evals"][0]["loss"]
+
+
+@pytest.mark.timeout(90)
+def test_torch_diloco_syncs_every_h_steps_and_ends_bit_identical(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="torch is only needed by examples/train_torch_diloco.py")
+    pytest.importorskip("sklearn", reason="the torch DiLoCo example trains on sklearn's digits")
+    save = tmp_path / "params"
+    args = ["--steps", "23", "--diloco-every", "5", "--log-every", "1", "--save", str(save)]
+    outs = run_ranks(TORCH_DILOCO, args, 2, tmp_path, "torch-diloco")
+    for out in outs:  # every 5 steps, then once more so that the ranks end on one model
+        assert "5 syncs (after steps 5, 10, 15, 20, 23)" in out, out
+    # Each rank trains on its own shard between syncs, so their losses differ...
+    assert printed_losses(outs[0]) != printed_losses(outs[1])
+    # ...and the last sync leaves the same parameters on both, bit for bit.
+    with np.load(f"{save}-rank0.npz") as a, np.load(f"{save}-rank1.npz") as b:
+        assert sorted(a.files) == sorted(b.files) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        for name in a.files:
+            assert a[name].tobytes() == b[name].tobytes(), name
