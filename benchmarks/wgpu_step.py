@@ -28,8 +28,7 @@ contend alike in all of them.
 
 Reported per size: medians over steps of the slowest rank, and ratios.
 Run: ``python benchmarks/wgpu_step.py --world-sizes 2 4 --sizes-mib 1 16 256``;
-``--rounds N`` repeats it N times, interleaved, and lists each round's ratios;
-``--max-parts N`` sets how many parts the bridge stages large gradients in (1: one).
+``--rounds N`` repeats it N times, interleaved, and lists each round's ratios.
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ def _rank(
     barrier: Any,
     threads: int | None,
     params: int,
-    max_parts: int,
 ) -> None:
     import wgpu  # noqa: PLC0415 - only ranks need a GPU
 
@@ -84,8 +82,6 @@ def _rank(
     name = "_download" if hasattr(bridge_cls, "_download") else "download"
     setattr(bridge_cls, name, timed("download", getattr(bridge_cls, name)))
 
-    if max_parts:
-        _stage_in_parts(max_parts)
     bu = wgpu.BufferUsage
     dev = gradsync.request_device_for_rank(local_rank=rank, backend=os.environ.get("BACKEND"))
     info = dict(dev.adapter.info)
@@ -170,24 +166,6 @@ def _rank(
     report.put((rank, info, rows))
 
 
-def _stage_in_parts(max_parts: int) -> None:
-    """Stage large gradients in at most ``max_parts`` parts, on CPU adapters too (1: in
-    one piece), where this tree's bridge stages in parts at all."""
-    from gradsync._gpu import bridge, layout  # noqa: PLC0415
-
-    if not hasattr(layout, "MAX_PARTS"):
-        print("--max-parts: this gradsync tree stages in one piece", file=sys.stderr)
-        return
-    layout.MAX_PARTS = max_parts
-    init = bridge.WgpuBridge.__init__
-
-    def pipelined_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        self.pipelined = True
-
-    bridge.WgpuBridge.__init__ = pipelined_init  # type: ignore[method-assign]
-
-
 _HOST_PHASES = ("publish", "wait_inputs", "reduce", "wait_outputs", "gather")
 _SERIES = (
     "naive",
@@ -253,13 +231,6 @@ def main() -> None:
         help="run every world size this many times, interleaved, then summarise the "
         "ratios per round (hosts drift between runs: compare within a round)",
     )
-    ap.add_argument(
-        "--max-parts",
-        type=int,
-        default=0,
-        help="stage large gradients in at most this many parts, on CPU adapters too "
-        "(1: in one piece; default: the tree's own choice)",
-    )
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per world size")
     ap.add_argument("--profile", action="store_true", help="also print where gradsync's step goes")
     args = ap.parse_args()
@@ -277,18 +248,7 @@ def main() -> None:
             procs = [
                 ctx.Process(
                     target=_rank,
-                    args=(
-                        r,
-                        world,
-                        d,
-                        sizes,
-                        args.steps,
-                        q,
-                        barrier,
-                        threads,
-                        args.params,
-                        args.max_parts,
-                    ),
+                    args=(r, world, d, sizes, args.steps, q, barrier, threads, args.params),
                 )
                 for r in range(world)
             ]
@@ -299,8 +259,7 @@ def main() -> None:
                 p.join(60)
         infos = {r: info for r, info, _ in results}
         print(
-            f"\nW={world}, threads {args.threads}, {args.params} buffer(s) a rank, "
-            f"max parts {args.max_parts or 'default'}: adapters "
+            f"\nW={world}, threads {args.threads}, {args.params} buffer(s) a rank: adapters "
             + "; ".join(
                 f"rank {r}: {i.get('device')} ({i.get('backend_type')})"
                 for r, i in sorted(infos.items())
