@@ -509,48 +509,6 @@ def test_polled_waits_roundtrip(device: Any) -> None:
 
 
 @pytest.mark.wgpu
-@pytest.mark.parametrize("mapping", ["writable", "host-staged"])
-def test_large_staging_goes_in_parts_that_params_straddle(
-    device: Any, monkeypatch: pytest.MonkeyPatch, mapping: str
-) -> None:
-    # Parts of 64 KiB (the alignment of their cuts): the GPU copies one while the
-    # host copies another; params cross the cuts, one is empty.
-    monkeypatch.setattr(gradsync._gpu.layout, "PIPELINE_MIN_BYTES", 1 << 18)
-    monkeypatch.setattr(gradsync._gpu.layout, "PART_MIN_BYTES", 1 << 16)
-    monkeypatch.setattr(gradsync._gpu.bridge, "DIRECT_MAX_PIECES", 0)
-    if mapping == "host-staged":
-        monkeypatch.setattr(gradsync._gpu.layout, "writable_mapping", lambda buf, nbytes: None)
-    rng = np.random.default_rng(5)
-    specs = [(np.float32, 100_003), (np.float16, 6), (np.float32, 0), (np.float64, 40_001)]
-    data = [rng.standard_normal(n).astype(dt) for dt, n in specs]
-    bufs = [_buffer(device, d, f"p{i}") for i, d in enumerate(data)]
-    dts = [d.dtype for d in data]
-    with WgpuBridge(device, threads=2) as bridge:
-        cpu = device.adapter.info["adapter_type"] == "CPU"
-        assert bridge.pipelined is not cpu
-        bridge.pipelined = True
-        into = tuple(np.zeros_like(d) for d in data)
-        for k in range(2):
-            for got in (bridge.download(bufs, dts), bridge.download(bufs, dts, into)):
-                for g, d in zip(got, data, strict=True):
-                    assert g.tobytes() == d.tobytes()
-            assert bridge._layout is not None
-            assert len(bridge._layout.chunks) == gradsync._gpu.layout.MAX_PARTS
-            want = [d + 1 + k for d in data]
-            # Pieces in any order, a float16 one from element 1 (unaligned).
-            pieces = [(0, 50_000, want[0][50_000:]), (3, 0, want[3]), (0, 0, want[0][:50_000])]
-            pieces += [(1, 1, want[1][1:]), (1, 0, want[1][:1]), (2, 0, want[2])]
-            bridge.upload(bufs, dtypes=dts, pieces=pieces)
-            assert all(ch.remap is not None for ch in bridge._layout.chunks)
-            for buf, w in zip(bufs, want, strict=True):
-                assert _read(device, buf, w.dtype).tobytes() == w.tobytes()
-            data = [w * 2 for w in want]
-            bridge.upload(bufs, data)  # arrays: waited for
-            for buf, d in zip(bufs, data, strict=True):
-                assert _read(device, buf, d.dtype).tobytes() == d.tobytes()
-
-
-@pytest.mark.wgpu
 def test_unaligned_piece_goes_through_the_staging_buffer(device: Any, bridge: WgpuBridge) -> None:
     # write_buffer moves whole 4-byte words: a float16 piece starting at element 1
     # cannot be written directly, so the mean is gathered and uploaded mapped.

@@ -93,16 +93,11 @@ class WgpuBridge:
         self._fence = Fence(device)
         self._closed = False
         # How long a wait for the GPU polls from this thread first (see wait_for).
-        on_cpu = adapter_type(device) == "CPU"
-        self._spin_s = 0.0 if on_cpu else SPIN_S
+        self._spin_s = 0.0 if adapter_type(device) == "CPU" else SPIN_S
         # How upload() of arrays copies: "mapped" (one persistent MAP_WRITE buffer, kept
         # mapped while idle, then one encoder of copies) or "write_buffer" per param,
         # which allocates fresh staging memory on every call. Pieces choose per call.
         self.upload_mode: str = "mapped"
-        # Whether large staging goes in parts (set before the first copy), the GPU copying
-        # one while the host copies another; not on CPU adapters, whose "GPU" copies
-        # take the same cores and memory bus as the host's.
-        self.pipelined = not on_cpu
 
     @property
     def threads(self) -> int:
@@ -150,9 +145,7 @@ class WgpuBridge:
             layout.buffers, layout.dtypes = tuple(buffers), dtypes
             return layout
         self._destroy_staging()
-        self._layout = StagingLayout.build(
-            key, buffers, dtypes, self._max_buffer_size, pipelined=self.pipelined
-        )
+        self._layout = StagingLayout.build(key, buffers, dtypes, self._max_buffer_size)
         return self._layout
 
     def _destroy_staging(self) -> None:

@@ -1,5 +1,5 @@
-"""The bridge's copies through its staging buffers: a command buffer, a submit and a
-mapping per staging chunk and direction."""
+"""The bridge's copies through its staging buffers: one command buffer, one submit and
+one mapping per direction."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy.typing as npt
 
 from gradsync._step.parallel import Workers
 
-from .layout import StagingChunk, StagingLayout, write_staging
+from .layout import StagingLayout, write_staging
 from .wait import import_wgpu, map_for_reading, release, wait_for
 
 __all__ = ["Fence", "download_staged", "upload_staged"]
@@ -26,8 +26,7 @@ def download_staged(
     spin_s: float,
 ) -> None:
     """Copy every buffer into ``layout``'s read buffers, then to the host: ``into``, or
-    the layout's host mirrors. One submit a chunk: the host copies a chunk out while
-    the GPU fills the next one."""
+    the layout's host mirror."""
     wgpu = import_wgpu()
     for ch in layout.chunks:
         if ch.read is None:
@@ -36,22 +35,22 @@ def download_staged(
                 size=ch.nbytes,
                 usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
             )
-    _submit_download(device, buffers, layout.chunks[0])
-    flats = None if into is None else [a.reshape(-1).view(np.uint8) for a in into]
-    for k, ch in enumerate(layout.chunks):
+    enc = device.create_command_encoder(label="gradsync-download")
+    for buf, (c, off, size) in zip(buffers, layout.slots, strict=True):
+        if size:  # an empty buffer has nothing to copy (and cannot be probed)
+            enc.copy_buffer_to_buffer(buf, 0, layout.chunks[c].read, off, size)
+    device.queue.submit([enc.finish()])
+    for c, ch in enumerate(layout.chunks):
         map_for_reading(ch.read, device, spin_s)
-        # The next chunk is submitted only now: a blocking wait for a mapping (wgpu-py's
-        # poll thread) waits for everything submitted before it.
-        if k + 1 < len(layout.chunks):
-            _submit_download(device, buffers, layout.chunks[k + 1])
         try:
             mapped = np.frombuffer(ch.read.read_mapped(0, ch.nbytes, copy=False), np.uint8)
-            if flats is None:
+            if into is None:
                 pairs = [(ch.host, mapped)]
             else:
                 pairs = [
-                    (flats[param][at : at + size], mapped[staged_at : staged_at + size])
-                    for param, at, staged_at, size in ch.copies
+                    (dst.reshape(-1).view(np.uint8), mapped[off : off + size])
+                    for dst, (cc, off, size) in zip(into, layout.slots, strict=True)
+                    if cc == c
                 ]
             workers.copy(pairs)
             # No numpy view of mapped memory may outlive unmap().
@@ -60,30 +59,22 @@ def download_staged(
             ch.read.unmap()
 
 
-def _submit_download(device: Any, buffers: Sequence[Any], ch: StagingChunk) -> None:
-    enc = device.create_command_encoder(label="gradsync-download")
-    for param, at, staged_at, size in ch.copies:
-        enc.copy_buffer_to_buffer(buffers[param], at, ch.read, staged_at, size)
-    device.queue.submit([enc.finish()])
-
-
 def upload_staged(
     device: Any,
     buffers: Sequence[Any],
     layout: StagingLayout,
-    writes: Sequence[Sequence[tuple[int, npt.NDArray[np.uint8]]]],
+    writes: Sequence[tuple[int, int, npt.NDArray[Any]]],
     workers: Workers,
     spin_s: float,
     *,
     wait: bool = True,
 ) -> None:
-    """Upload through ``layout``'s mapped staging buffers: each chunk's ``(byte offset,
-    bytes)`` of ``writes`` are copied there, then the chunk's copies into the buffers
-    are submitted before the next chunk is written. Without ``wait``, return once the
-    copies are submitted; the staging buffers are mapped again in the background and
-    waited for at their next use."""
+    """Upload through ``layout``'s mapped staging buffers: each ``(chunk, byte
+    offset, array)`` of ``writes`` is copied there, then every buffer from its slot.
+    Without ``wait``, return once the copies are submitted; the staging buffers
+    are mapped again in the background and waited for at their next use."""
     wgpu = import_wgpu()
-    for ch, chunk_writes in zip(layout.chunks, writes, strict=True):
+    for ch in layout.chunks:
         if ch.write is None:
             ch.write = device.create_buffer(
                 label="gradsync-upload",
@@ -96,20 +87,22 @@ def upload_staged(
             wait_for(remap, device, spin_s)
         if str(ch.write.map_state) != "mapped":
             ch.write.map_sync(wgpu.MapMode.WRITE)
-        write_staging(ch, chunk_writes, workers)
+    write_staging(layout, writes, workers)
+    for ch in layout.chunks:
         ch.write.unmap()
-        enc = device.create_command_encoder(label="gradsync-upload")
-        for param, at, staged_at, size in ch.copies:
-            enc.copy_buffer_to_buffer(ch.write, staged_at, buffers[param], at, size)
-        device.queue.submit([enc.finish()])
-        # Mapping again waits for the copies (no separate fence needed) and leaves the
-        # buffer ready for the next upload; asked for now and waited for at the next
-        # upload, it costs the step no round trip to the GPU.
-        if not wait:
-            ch.remap = ch.write.map_async(wgpu.MapMode.WRITE)
-    if wait:
-        for ch in layout.chunks:
+    enc = device.create_command_encoder(label="gradsync-upload")
+    for buf, (c, off, size) in zip(buffers, layout.slots, strict=True):
+        if size:
+            enc.copy_buffer_to_buffer(layout.chunks[c].write, off, buf, 0, size)
+    device.queue.submit([enc.finish()])
+    # Mapping again waits for the copies (no separate fence needed) and leaves the
+    # buffer ready for the next upload; asked for now and waited for at the next
+    # upload, it costs the step no round trip to the GPU.
+    for ch in layout.chunks:
+        if wait:
             ch.write.map_sync(wgpu.MapMode.WRITE)
+        else:
+            ch.remap = ch.write.map_async(wgpu.MapMode.WRITE)
 
 
 class Fence:
