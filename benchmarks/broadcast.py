@@ -79,7 +79,8 @@ def main() -> None:
     for size in sizes:
         row = {}
         for way in ("native", "former"):
-            slowest = [max(c) for c in zip(*(results[r][(way, size)] for r in results))]
+            per_rank = [results[r][(way, size)] for r in results]
+            slowest = [max(c) for c in zip(*per_rank, strict=True)]
             row[way] = statistics.median(slowest) * 1e3
         ratio = row["native"] / row["former"]
         print(f"{size:>10} {row['native']:>9.3f} {row['former']:>9.3f} {ratio:>6.2f}")
