@@ -54,8 +54,8 @@ def test_a_mismatched_broadcast_fails_naming_the_param_and_ranks(
     assert out[0].error_type == "MismatchError", out[0].message
     assert message in out[0].message
     assert out[0].attrs["ranks"] == (0, 1)
-    assert not out[1].ok  # and the other rank fails too
-    assert "MismatchError" in out[1].attrs["mro"]
+    assert not out[1].ok, out[1].value  # and the other rank fails too
+    assert "MismatchError" in out[1].attrs["mro"], out[1].message
 
 
 def test_a_failed_broadcast_leaves_the_receivers_arrays_as_they_were(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from gradsync._config import check_int
 from gradsync._errors import CorruptFileError, InvalidGradsError, MismatchError
 from gradsync._stats import StepStats
 
-from .checks import Peer, check_length, reading, unusable
+from .checks import Peer, call_mismatch, check_length, reading, unusable
 from .gather import to_the_end
 from .header import (
     FLAG_CHECKSUMS,
@@ -199,14 +199,10 @@ def _check_peer(
             their_layout = tuple((str(d), tuple(int(x) for x in s)) for d, s in theirs["layout"])
     except (CorruptFileError, KeyError, TypeError, ValueError) as exc:
         raise unusable(step, q, peer.path, f"is unusable: {exc}") from exc
-    lo, hi = sorted((rank, q))
     if theirs is None:
-        what = {rank: "broadcast", q: "average"}
-        detail = (
-            f"rank {lo} called {what[lo]} but rank {hi} called {what[hi]} (every rank must "
-            "make its calls in the same order)"
-        )
-    elif their_root != root:
+        raise call_mismatch(rank, "broadcast", q, step, step_dir)
+    lo, hi = sorted((rank, q))
+    if their_root != root:
         roots = {rank: root, q: their_root}
         detail = (
             f"ranks disagree on the broadcast's root: rank {lo} gives {roots[lo]}, "
