@@ -109,29 +109,9 @@ class Broadcasting(Publishing):
         t0 = time.perf_counter()
         # No plan: data_path gives the two alternating slots (see the module's docstring).
         self._plan = None
-        text = json.dumps(
-            {"root": root, "layout": [[d, list(s)] for d, s in view.layout]},
-            separators=(",", ":"),
-        )
-        digest = layout_text_hash("broadcast:" + text)
         nbytes = view.nbytes
         payload = [d for d in view.data if d.size] if self.rank == root else []
-        crc = None
-        if self.cfg.checksums:
-            crc = block_crcs([p.data for p in payload], nbytes if payload else 0)
-        meta = '{"broadcast":' + text + ("" if crc is None else f',"crc":"{crc}"') + "}"
-        head = encode_header(
-            kind=KIND_INPUT,
-            rank=self.rank,
-            world_size=self.world,
-            seq=self.seq,
-            step=step,
-            generation=self.gen.header_id,
-            layout_digest=digest,
-            meta=meta.encode(),
-            payload_len=nbytes if payload else 0,
-            flags=FLAG_CHECKSUMS if crc is not None else 0,
-        )
+        head, digest = self._broadcast_head(view, root, step, payload)
         self._make_step_dir(step_dir, step)
         self._write(step_dir, "in", [head, *payload], step)
         self._peers_served = True  # its file is all its peers read of it
@@ -160,6 +140,33 @@ class Broadcasting(Publishing):
             total_s=t3 - t0,
             last_rank=last,
         )
+
+    def _broadcast_head(
+        self, view: BroadcastView, root: int, step: int, payload: list[np.ndarray]
+    ) -> tuple[bytes, bytes]:
+        """This rank's header (the root and the layout, for every rank to check) and the
+        digest of both."""
+        text = json.dumps(
+            {"root": root, "layout": [[d, list(s)] for d, s in view.layout]},
+            separators=(",", ":"),
+        )
+        digest = layout_text_hash("broadcast:" + text)
+        nbytes = sum(p.nbytes for p in payload)
+        crc = block_crcs([p.data for p in payload], nbytes) if self.cfg.checksums else None
+        meta = '{"broadcast":' + text + ("" if crc is None else f',"crc":"{crc}"') + "}"
+        head = encode_header(
+            kind=KIND_INPUT,
+            rank=self.rank,
+            world_size=self.world,
+            seq=self.seq,
+            step=step,
+            generation=self.gen.header_id,
+            layout_digest=digest,
+            meta=meta.encode(),
+            payload_len=nbytes,
+            flags=FLAG_CHECKSUMS if crc is not None else 0,
+        )
+        return head, digest
 
     def _copy_from(self, peer: Peer, root: int, view: BroadcastView, step: int) -> None:
         """Copy the root's payload into the arrays: all of it read (and checked) first, so
