@@ -16,16 +16,17 @@ import numpy as np
 import numpy.typing as npt
 
 from ._async import Background, StepHandle
+from ._calls import alone, check_config, checked_step
 from ._config import FileGradSyncConfig
-from ._errors import ConfigError, GradSyncError, name_the_step
+from ._errors import GradSyncError, name_the_step
 from ._session import Session, closing_reason, forget
 from ._stats import StepStats
+from ._step.broadcast import broadcast_root, broadcast_view
 from ._step.engine import StepEngine
-from ._step.grads import host_view, layout_like, nonfinite_params
-from ._step.peers import nonfinite_error
+from ._step.grads import host_view, layout_like
 from ._testing import fixed_wait
 
-__all__ = ["GradSync", "check_config"]
+__all__ = ["GradSync"]
 
 _log = logging.getLogger("gradsync")
 
@@ -147,7 +148,7 @@ class GradSync:
         with self._call():
             self._check_usable()
             with self._before_step():  # peers would wait max_wait_s for a rank failing here
-                step = _checked_step(self._next_step if step is None else step)
+                step = checked_step(self._next_step if step is None else step)
             self._next_step = step + 1
             try:
                 if device is None:
@@ -229,6 +230,33 @@ class GradSync:
                 self._failed(exc, None)
                 raise
 
+    def broadcast(self, arrays: Sequence[np.ndarray], root: int | None = None) -> None:
+        """Copy ``root``'s arrays (default: the lowest-numbered rank) bit for bit into every
+        other rank's, in place: one call, ordered with :meth:`average` (docs/api.md)."""
+        self._check_process()
+        if self._background.busy() and not self._background.on_thread():
+            self._broadcast_async(arrays, root).wait()  # behind the calls in flight
+        else:
+            self._broadcast(arrays, root)
+
+    def _broadcast_async(self, arrays: Sequence[np.ndarray], root: int | None) -> StepHandle:
+        return self._background.submit(lambda: self._broadcast(arrays, root))
+
+    def _broadcast(self, arrays: Sequence[np.ndarray], root: int | None) -> StepStats:
+        with self._call():
+            self._check_usable()
+            step = self._next_step  # the next average's: errors name it
+            with self._before_step():
+                chosen = broadcast_root(root, range(self.cfg.world_size))
+                view = broadcast_view(arrays, receiving=chosen != self.cfg.rank)
+            if not self.cfg.enabled:
+                return StepStats(step=step, world_size=1, bytes_per_rank=view.nbytes)
+            try:
+                return self._started().broadcast(view, chosen, step)
+            except BaseException as exc:
+                self._failed(exc, step)
+                raise
+
     @contextlib.contextmanager
     def _call(self, *, closing: bool = False) -> Iterator[None]:
         """Hold the lock for one call; a close() that a signal handler made during it
@@ -293,7 +321,7 @@ class GradSync:
             with self._before_step():
                 view = host_view(grads)
             if not self.cfg.enabled:
-                return self._alone(view.arrays, step, sum(a.nbytes for a in view.arrays))
+                return alone(self.cfg, view.arrays, step, sum(a.nbytes for a in view.arrays))
             return self._started().step(view, step)
         return self._session.engine.step(grads, step)
 
@@ -305,19 +333,10 @@ class GradSync:
             dtypes = gpu.dtypes(buffers, device, dtype)
             if not self.cfg.enabled:
                 arrays = gpu.alone(buffers, dtypes, check_finite=self.cfg.check_finite)
-                return self._alone(arrays, step, sum(int(b.size) for b in buffers))
+                return alone(self.cfg, arrays, step, sum(int(b.size) for b in buffers))
             view, download_s = gpu.host_view(buffers, dtypes, self._session.engine)
         stats = self._started().step(view, step, gpu.sink(buffers, dtypes))
         return dataclasses.replace(stats, download_s=download_s, total_s=stats.total_s + download_s)
-
-    def _alone(self, arrays: Sequence[np.ndarray] | None, step: int, nbytes: int) -> StepStats:
-        """A step of a job of one rank: nothing to average, but check_finite still stops a
-        step with NaN/Inf in ``arrays``, as it would with peers."""
-        if self.cfg.check_finite and arrays is not None:
-            bad = nonfinite_params(arrays)
-            if bad:
-                raise nonfinite_error([(self.cfg.rank, i) for i in bad], step, None)
-        return StepStats(step=step, world_size=1, bytes_per_rank=nbytes)
 
     @contextlib.contextmanager
     def _before_step(self) -> Iterator[None]:
@@ -389,19 +408,3 @@ class GradSync:
         is closed, or even if it never is."""
         self._failure = exc
         self._session.leave()
-
-
-def _checked_step(step: object) -> int:
-    """``step`` as an int, or ConfigError: headers keep it as a signed 64-bit integer."""
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-        raise ConfigError(f"step must be an int, got {step!r}")
-    value = int(step)
-    if not -(2**63) <= value < 2**63:
-        raise ConfigError(f"step must fit in a signed 64-bit integer, got {value}")
-    return value
-
-
-def check_config(cfg: object) -> None:
-    """Raise ConfigError unless ``cfg`` is a FileGradSyncConfig."""
-    if not isinstance(cfg, FileGradSyncConfig):
-        raise ConfigError(f"cfg must be a FileGradSyncConfig, got {type(cfg).__name__}")

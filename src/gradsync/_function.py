@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy.typing as npt
 
-from ._api import GradSync, check_config
+from ._api import GradSync
+from ._calls import check_config
 from ._config import FileGradSyncConfig
 from ._session import forget, registered
 from ._stats import StepStats

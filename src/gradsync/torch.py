@@ -6,7 +6,8 @@ the order it was called (the same on every rank, as torch requires of every back
 its work's future completes from that thread. Float allreduce (SUM, AVG) is gradsync's
 mean (times the world size for SUM); everything else (broadcast, allgather, integer or
 MIN/MAX/PRODUCT/bitwise allreduce, barrier) travels as bytes encoded exactly in
-float64 steps, so it is bit-exact for any dtype. See docs/pytorch-backend.md.
+float64 steps, or (broadcast) as a gradsync broadcast of bytes, so it is bit-exact for any
+dtype. See docs/pytorch-backend.md.
 """
 
 from __future__ import annotations
@@ -80,19 +81,16 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         return self._work(handle, lambda: finish(_decode(buf, self._world, payload.size)))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
-        """The root's tensors, bit for bit, on every rank."""
+        """The root's tensors, bit for bit, on every rank: a gradsync broadcast of their
+        bytes."""
         _check_cpu(tensors)
-        root = opts.rootRank
-        payload = _bytes_of(tensors)
-        if self._rank != root:
-            payload = np.zeros_like(payload)
-        handle, buf = self._exchange(payload, slot=0, slots=1)
+        staged = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+        handle = self.sync._broadcast_async([_byte_view(s) for s in staged], opts.rootRank)
 
         def finish() -> list[torch.Tensor]:
-            if self._rank != root:
-                got = _decode(buf, self._world, payload.size)[0]
-                for t, part in zip(tensors, _split(got, tensors), strict=True):
-                    t.copy_(part)
+            for t, s in zip(tensors, staged, strict=True):
+                if s.data_ptr() != t.data_ptr():
+                    t.copy_(s)
             return tensors
 
         return self._work(handle, finish)
@@ -200,6 +198,11 @@ def _bytes_of(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     """The tensors' bytes, one after another, as a uint8 array (a copy)."""
     parts = [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy() for t in tensors]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+
+
+def _byte_view(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous tensor as a writeable uint8 array sharing its memory."""
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def _split(data: np.ndarray, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -24,14 +24,17 @@ Start N ranks of `python SCRIPT ARGS` on this node, in the spirit of torchrun.
 Each rank sees GRADSYNC_RANK, GRADSYNC_WORLD_SIZE, GRADSYNC_SYNC_DIR, GRADSYNC_RUN_ID,
 GRADSYNC_MAX_WAIT_S (if given), RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE.
 Their output lines are prefixed with `[rank N] `. When a rank fails, the others are
-stopped (SIGTERM, then SIGKILL after the grace period) and the failure is summarized.
+stopped (SIGTERM, then SIGKILL after the grace period) and the failure is summarized,
+unless it has restarts left (--max-restarts, with --elastic): then it alone is started
+again, with GRADSYNC_RESTART_COUNT one more, and rejoins the job.
 Everything from SCRIPT on is passed to the script untouched; `--` may precede SCRIPT."""
 
 _LAUNCH_EPILOG = """\
-exit status: 0 if every rank exited 0; else the exit code of the rank that failed
-first, or 128+N if signal N killed it; 128+N if the launcher got signal N (SIGINT: 130,
-SIGTERM: 143, SIGHUP: 129); 2 for invalid arguments; 1 if the ranks could not be
-started (the Python interpreter could not be run, no temporary sync directory)."""
+exit status: 0 if every rank exited 0 (its last run, if restarted); else the exit code
+of the rank that failed first, or 128+N if signal N killed it; 128+N if the launcher got
+signal N (SIGINT: 130, SIGTERM: 143, SIGHUP: 129); 2 for invalid arguments; 1 if the
+ranks could not be started (the Python interpreter could not be run, no temporary sync
+directory)."""
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -94,6 +97,19 @@ def _add_launch(commands: _Commands) -> argparse.ArgumentParser:
         default=5.0,
         metavar="S",
         help="seconds between SIGTERM and SIGKILL when stopping ranks (default: 5)",
+    )
+    launch.add_argument(
+        "--elastic",
+        action="store_true",
+        help="the job goes on without a lost rank and lets a restarted one rejoin "
+        "(sets GRADSYNC_ELASTIC=1 and GRADSYNC_RESTART_COUNT)",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="times each rank may be restarted after failing; needs --elastic (default: 0)",
     )
     launch.add_argument(
         "-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)"
@@ -222,6 +238,8 @@ def _launch(ns: argparse.Namespace, script_argv: list[str], parser: argparse.Arg
             grace_period_s=ns.grace_period_s,
             run_id=ns.run_id,
             module=ns.module,
+            max_restarts=ns.max_restarts,
+            elastic=ns.elastic,
         )
     except ConfigError as exc:
         parser.print_usage(sys.stderr)

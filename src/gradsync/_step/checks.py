@@ -34,6 +34,7 @@ __all__ = [
     "Peer",
     "StaleError",
     "abort_error",
+    "call_mismatch",
     "check_inputs",
     "check_length",
     "header_problem",
@@ -194,6 +195,8 @@ def check_inputs(plan: Plan, rank: int, peers: dict[int, Peer], step: int, step_
                     peers[q].path,
                     f"{peers[q].path} has a layout digest that is not its layout's",
                 )
+            if not theirs and "broadcast" in _checked_meta(peers[q], q, step, Header.full_meta):
+                raise call_mismatch(rank, "average", q, step, step_dir)
             raise _mismatch(plan.layout, theirs, rank, q, step, step_dir)
         check_length(peers[q], q, plan.in_len, step)
     bad: list[tuple[int, int]] = []
@@ -234,6 +237,21 @@ def nonfinite_error(
         step=step,
         ranks=ranks,
         path=path,
+    )
+
+
+def call_mismatch(rank: int, call: str, q: int, step: int, step_dir: Path) -> MismatchError:
+    """The error of rank ``rank`` making ``call`` ("average" or "broadcast") where rank
+    ``q`` made the other."""
+    lo, hi = sorted((rank, q))
+    other = "broadcast" if call == "average" else "average"
+    calls = {rank: call, q: other}
+    return MismatchError(
+        f"step {step}: rank {lo} called {calls[lo]} but rank {hi} called {calls[hi]} (every "
+        "rank must make its calls in the same order)",
+        step=step,
+        ranks=[lo, hi],
+        path=step_dir,
     )
 
 

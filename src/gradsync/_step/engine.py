@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +27,13 @@ from gradsync._names import abort_marker, data_name, step_dir_name
 from gradsync._stats import StepStats
 from gradsync._store.files import write_note
 
+from .broadcast import Broadcasting, BroadcastView
 from .buffers import SharedBuffers
 from .gather import Gathering, Piece, Sink
 from .grads import HostView, host_view, nonfinite_params, validate_grads
 from .header import KIND_OUTPUT, MAX_PARAMS, block_crcs, crc_placeholder
 from .peers import Peer, check_inputs, check_length
 from .plan import Plan
-from .publish import Publishing
 from .stale import StaleWatch
 
 __all__ = [
@@ -50,7 +50,7 @@ __all__ = [
 _log = logging.getLogger("gradsync")
 
 
-class StepEngine(Publishing, Gathering):
+class StepEngine(Broadcasting, Gathering):
     """Runs averaging steps for one rank of one generation."""
 
     def step(
@@ -67,12 +67,32 @@ class StepEngine(Publishing, Gathering):
         On any error this rank tells its peers (``abort-<rank>``) before raising, so
         they fail at once with the same error instead of waiting for it.
         """
+
+        def call(step_dir: Path) -> StepStats:
+            view = grads if isinstance(grads, HostView) else host_view(grads)
+            return self._step(view, step, step_dir, sink)
+
+        return self._run(call)
+
+    def broadcast(self, view: BroadcastView, root: int, step: int) -> StepStats:
+        """Copy ``root``'s arrays of ``view`` into every other rank's, in place: one call
+        of the same sequence as :meth:`step`."""
+
+        def call(step_dir: Path) -> StepStats:
+            stats = self._broadcast(view, root, step, step_dir)
+            self._prune()
+            return stats
+
+        return self._run(call)
+
+    def _run(self, call: Callable[[Path], StepStats]) -> StepStats:
+        """Run the next call (its sequence number, its step directory), telling the peers
+        of its failure before raising."""
         self.seq += 1
         step_dir = self.gen.path / step_dir_name(self.seq)
         self._has_mean = self._peers_served = False
         try:
-            view = grads if isinstance(grads, HostView) else host_view(grads)
-            stats = self._step(view, step, step_dir, sink)
+            stats = call(step_dir)
         except BaseException as exc:
             # A rank interrupted once it has the whole mean lets its peers, which had all
             # they needed of it, finish the call too (whether they would see a note now

@@ -40,14 +40,7 @@ class Publishing(EngineState):
         shared: SharedBuffers | None,
     ) -> None:
         """Publish this rank's input: only the header when ``shared`` holds the arrays."""
-        try:
-            self._dir.step_fd(self.seq, make=True)
-        except SyncDirError:
-            raise
-        except OSError as exc:
-            raise translate_oserror(
-                exc, "creating the step directory", step_dir, step=step
-            ) from exc
+        self._make_step_dir(step_dir, step)
 
         def payload() -> list[np.ndarray]:
             return [flats[i] for i in plan.ordered_params() if flats[i].size]
@@ -80,6 +73,16 @@ class Publishing(EngineState):
                 packs.append((dst, [flats[p][a:b] for p, a, b, _ in group.segments(lo, hi)]))
         self.workers.pack(packs)
         self._write(step_dir, "in", [], step)
+
+    def _make_step_dir(self, step_dir: Path, step: int) -> None:
+        try:
+            self._dir.step_fd(self.seq, make=True)
+        except SyncDirError:
+            raise
+        except OSError as exc:
+            raise translate_oserror(
+                exc, "creating the step directory", step_dir, step=step
+            ) from exc
 
     def _write(
         self,

@@ -43,6 +43,8 @@ def validate(
     run_id: str | None,
     sync_dir: str | os.PathLike[str] | None,
     module: bool,
+    max_restarts: int = 0,
+    elastic: bool = False,
 ) -> None:
     """Raise :class:`ConfigError` naming the first invalid argument and its value."""
     # The config's own checks: a value the launcher passes on is one the ranks accept.
@@ -66,6 +68,13 @@ def validate(
         )
     if sync_dir is not None:
         check_path("--sync-dir", sync_dir)
+    check_int("--max-restarts", max_restarts, minimum=0)
+    if max_restarts and not elastic:
+        # A restarted rank can only rejoin a job whose survivors went on without it.
+        raise ConfigError(
+            f"--max-restarts {max_restarts} needs --elastic: a restarted rank rejoins "
+            "only an elastic job"
+        )
     _check_command(script_argv, python, module=module)
 
 
@@ -90,6 +99,7 @@ def rank_envs(
     sync_dir: Path,
     run_id: str,
     max_wait_s: float | None,
+    elastic: bool = False,
 ) -> list[tuple[int, dict[str, str]]]:
     """``(global rank, environment)`` of each rank of this node, by local rank."""
     world_size = nnodes * nproc
@@ -110,6 +120,8 @@ def rank_envs(
         )
         if max_wait_s is not None:
             env["GRADSYNC_MAX_WAIT_S"] = repr(float(max_wait_s))
+        if elastic:
+            env.update(GRADSYNC_ELASTIC="1", GRADSYNC_RESTART_COUNT="0")
         envs.append((rank, env))
     return envs
 

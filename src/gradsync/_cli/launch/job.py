@@ -42,6 +42,7 @@ class Rank:
     # Its leader was reaped and its group seen empty: the pid may now be reused by an
     # unrelated process group, which must never be signalled.
     group_gone: bool = False
+    restarts: int = 0  # times this rank was started again after failing (--max-restarts)
 
     @property
     def pid(self) -> int:
@@ -81,14 +82,19 @@ class Job:
         sync_dir: Path,
         *,
         own_dir: bool,
+        max_restarts: int = 0,
         leave: Callable[[Path, int, int, str], object] = leave_for_ended,
         reap: Callable[[Rank], int] = _reap,
         killpg: Callable[[int, int], None] = os.killpg,
     ) -> None:
         self.signals = signals
         self.grace_period_s = grace_period_s
+        self.max_restarts = max_restarts  # per rank
         self.output = Output()
-        self.ranks: list[Rank] = []
+        self.ranks: list[Rank] = []  # the last process of each rank
+        self.replaced: list[Rank] = []  # failed processes of restarted ranks
+        self._argv: list[str] = []
+        self._envs: dict[int, dict[str, str]] = {}
         self._sync_dir = sync_dir
         self._leave = leave
         self._reap = reap
@@ -100,19 +106,39 @@ class Job:
     def start(self, argv: list[str], envs: list[tuple[int, dict[str, str]]]) -> None:
         """Start one rank per ``(rank, env)``; stop early if the launcher got a signal."""
         self._watchdog.start()
+        self._argv = argv
         for local_rank, (rank, env) in enumerate(envs):
             if self.signals.received:
                 return
+            self._envs[rank] = env
             try:
-                proc = _spawn(argv, env)
+                self.ranks.append(self._start_rank(rank, local_rank, env, 0))
             except OSError:
                 logger.error("could not start rank %d; stopping the ranks already started", rank)
                 self._stop_now()
                 self.release_watchdog(done=True)
                 raise
-            self._watchdog.tell(f"add {proc.pid} {rank}")
-            self.ranks.append(self._follow(Rank(rank=rank, local_rank=local_rank, proc=proc)))
-            logger.debug("started rank %d as pid %d", rank, proc.pid)
+
+    def restart(self, info: Rank) -> Rank:
+        """Start ``info``'s rank again, with its environment and
+        ``GRADSYNC_RESTART_COUNT`` one more; its new process replaces it in :attr:`ranks`.
+
+        Raises:
+            OSError: the process could not be started.
+        """
+        count = info.restarts + 1
+        env = {**self._envs[info.rank], "GRADSYNC_RESTART_COUNT": str(count)}
+        new = self._start_rank(info.rank, info.local_rank, env, count)
+        self.ranks[self.ranks.index(info)] = new
+        self.replaced.append(info)
+        return new
+
+    def _start_rank(self, rank: int, local_rank: int, env: dict[str, str], restarts: int) -> Rank:
+        proc = _spawn(self._argv, env)
+        self._watchdog.tell(f"add {proc.pid} {rank}")
+        logger.debug("started rank %d as pid %d", rank, proc.pid)
+        info = Rank(rank=rank, local_rank=local_rank, proc=proc, restarts=restarts)
+        return self._follow(info)
 
     def _follow(self, info: Rank) -> Rank:
         """Start the threads that copy the rank's output and wait for its exit."""
@@ -156,7 +182,7 @@ class Job:
         """Mark the groups of reaped ranks that have no process left. Linux reuses no pid
         still naming a group, so a group seen empty here (every poll) can only come
         back as an unrelated process that got the pid after the pids wrapped around."""
-        for info in self.ranks:
+        for info in (*self.ranks, *self.replaced):
             # returncode first: a leader not yet reaped keeps its group alive.
             if not info.group_gone and info.proc.returncode is not None:
                 info.group_gone = not group_alive(info.proc.pid)
@@ -166,7 +192,7 @@ class Job:
     def signal_all(self, signum: int) -> None:
         # Also the groups whose leader already exited: what the rank started may live on.
         self.note_gone_groups()
-        for info in self.ranks:
+        for info in (*self.ranks, *self.replaced):
             if not info.group_gone:
                 self._signal_group(info.proc.pid, signum)
 
@@ -221,7 +247,7 @@ class Job:
         """Give the ranks' pipes time to reach EOF, and the notes left for them time to
         be written, each within its bound."""
         drain_until = time.monotonic() + _DRAIN_S
-        for info in self.ranks:
+        for info in (*self.replaced, *self.ranks):
             for reader in info.readers:
                 reader.join(timeout=max(0.0, drain_until - time.monotonic()))
         leave_until = time.monotonic() + _LEAVE_S

@@ -41,6 +41,8 @@ def launch(
     grace_period_s: float = 5.0,
     run_id: str | None = None,
     module: bool = False,
+    max_restarts: int = 0,
+    elastic: bool = False,
 ) -> int:
     """Run ``nproc`` ranks of ``python SCRIPT ARGS`` on this node and wait for all of them.
 
@@ -60,6 +62,10 @@ def launch(
     it ended: its peers on other nodes learn it at once instead of after their heartbeat
     timeout.
 
+    A rank that fails with restarts left (``max_restarts``, counted per rank) is started
+    again instead, alone, with the same environment and ``GRADSYNC_RESTART_COUNT`` one
+    more; the others go on.
+
     Args:
         script_argv: ``SCRIPT`` (a path, or a module name if ``module``) and its arguments.
         nproc: Ranks to start on this node, >= 1.
@@ -74,9 +80,14 @@ def launch(
         run_id: Job name shared by all nodes (required when ``nnodes > 1``);
             ``None``: a fresh random one.
         module: Run ``python -m SCRIPT`` instead of ``python SCRIPT``.
+        max_restarts: Times each rank of this node may be restarted after failing, >= 0;
+            more than 0 needs ``elastic``.
+        elastic: Export ``GRADSYNC_ELASTIC=1`` and ``GRADSYNC_RESTART_COUNT=0`` to the
+            ranks: their job goes on without a lost rank, and a restarted one rejoins it.
 
     Returns:
-        The launcher's exit code: 0 if every rank exited 0; else the exit code of the
+        The launcher's exit code: 0 if every rank exited 0 (its last process, when
+        restarted); else the exit code of the
         rank that failed first, or 128 + N if signal N killed it; 128 + N if the launcher
         itself was stopped by signal N (130 for SIGINT, 143 for SIGTERM).
 
@@ -96,6 +107,8 @@ def launch(
         run_id=run_id,
         sync_dir=sync_dir,
         module=module,
+        max_restarts=max_restarts,
+        elastic=elastic,
     )
     if run_id is None:
         run_id = uuid.uuid4().hex[:16]
@@ -117,6 +130,7 @@ def launch(
             sync_dir=directory,
             run_id=run_id,
             max_wait_s=max_wait_s,
+            elastic=elastic,
         )
         argv = [python, "-m", *script_argv] if module else [python, *script_argv]
         first = node_rank * nproc
@@ -128,7 +142,14 @@ def launch(
             run_id,
             directory,
         )
-        code = run(Job(signals, grace_period_s, directory, own_dir=own_dir is not None), argv, envs)
+        job = Job(
+            signals,
+            grace_period_s,
+            directory,
+            own_dir=own_dir is not None,
+            max_restarts=max_restarts,
+        )
+        code = run(job, argv, envs)
         if own_dir is None:
             # Ranks stopped by a signal or a peer's failure leave their files; ranks that
             # finished removed theirs. What is left of dead ranks of this host goes now,

@@ -15,7 +15,15 @@ from typing import Protocol
 
 from gradsync._errors import clip
 
-__all__ = ["Tail", "announce", "describe", "failure_summary", "signal_name", "stopped_by_launcher"]
+__all__ = [
+    "Tail",
+    "announce",
+    "describe",
+    "failure_summary",
+    "restarts_summary",
+    "signal_name",
+    "stopped_by_launcher",
+]
 
 _TAIL_LINES = 10  # lines of the failing rank's stderr shown in the failure summary
 # How soon after its traceback a rank must end for the exception to count as what
@@ -156,15 +164,30 @@ class RankEnd(Protocol):
     def stopped(self) -> bool: ...
     @property
     def stderr_tail(self) -> Tail: ...
+    @property
+    def restarts(self) -> int: ...
 
 
 def _ended(info: RankEnd) -> str:
     """How a rank other than the first to fail ended."""
     if info.returncode is None:
-        return "still running"  # it survived SIGKILL
-    if stopped_by_launcher(info.stopped, info.returncode):
-        return f"stopped by the launcher ({signal_name(-info.returncode)})"
-    return describe(info.returncode)
+        how = "still running"  # it survived SIGKILL
+    elif stopped_by_launcher(info.stopped, info.returncode):
+        how = f"stopped by the launcher ({signal_name(-info.returncode)})"
+    else:
+        how = describe(info.returncode)
+    return how + _after_restarts(info)
+
+
+def _after_restarts(info: RankEnd) -> str:
+    n = info.restarts
+    return f", after {n} restart{'s' if n != 1 else ''}" if n else ""
+
+
+def restarts_summary(ranks: Sequence[RankEnd]) -> str:
+    """The line printed when every rank exited 0 in the end, some after restarts."""
+    restarted = [f"rank {i.rank} ({i.restarts})" for i in ranks if i.restarts]
+    return "gradsync launch: every rank exited 0; restarted (times): " + ", ".join(restarted) + "\n"
 
 
 def failure_summary(failed: RankEnd, ranks: Sequence[RankEnd]) -> str:
@@ -173,7 +196,7 @@ def failure_summary(failed: RankEnd, ranks: Sequence[RankEnd]) -> str:
     raised = failed.stderr_tail.exception(failed.returncode)
     lines = [
         f"gradsync launch: rank {failed.rank} failed first: {describe(failed.returncode)}"
-        f" (local rank {failed.local_rank}, pid {failed.pid})"
+        f" (local rank {failed.local_rank}, pid {failed.pid}{_after_restarts(failed)})"
         + (f", raising {raised}" if raised else "")
     ]
     others = [f"rank {info.rank}: {_ended(info)}" for info in ranks if info is not failed]

@@ -1,6 +1,6 @@
-"""Supervising a node's ranks: one poll loop that waits for every rank, and stops all of
-them at the first failure or launcher signal (SIGTERM, then SIGKILL after the grace
-period), with each way out of it explicit."""
+"""Supervising a node's ranks: one poll loop that waits for every rank, restarts a failed
+one that has restarts left, and stops all of them at the first other failure or launcher
+signal (SIGTERM, then SIGKILL after the grace period), with each way out of it explicit."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 import time
 
 from .job import Job, Rank
-from .report import describe, failure_summary, signal_name
+from .report import describe, failure_summary, restarts_summary, signal_name
 from .watchdoglink import ABANDON_S
 
 __all__ = ["run", "supervise"]
@@ -33,7 +33,8 @@ def run(job: Job, argv: list[str], envs: list[tuple[int, dict[str, str]]]) -> in
 
 
 def supervise(job: Job) -> int:
-    """Wait for every rank, stopping all of them at the first failure or signal.
+    """Wait for every rank, restarting a failed one with restarts left, stopping all of
+    them at the first other failure or signal.
 
     Returns:
         The launcher's exit code, as documented in :func:`launch`.
@@ -52,7 +53,7 @@ def supervise(job: Job) -> int:
             if not running:
                 break  # every rank exited 0
         elif stop.abandon_at is None:
-            if not running and all(i.group_gone for i in job.ranks):
+            if not running and all(i.group_gone for i in (*job.ranks, *job.replaced)):
                 break  # stopped, and so is every process they started
             hurry = stop.hurried()
             if hurry or time.monotonic() >= stop.kill_at:
@@ -67,6 +68,8 @@ def supervise(job: Job) -> int:
     job.wait_for_helpers()
     if stop.first_failure is not None:
         job.output.write("stderr", failure_summary(stop.first_failure, job.ranks))
+    elif stop.signal is None and job.replaced:
+        job.output.write("stderr", restarts_summary(job.ranks))
     return stop.exit_code()
 
 
@@ -87,14 +90,36 @@ class _Stop:
         self._begin(f"received {signal_name(self.signal)}")
 
     def exited(self, info: Rank) -> None:
-        """Note a rank's exit: a failure stops the others; leave its jobs for it."""
+        """Note a rank's exit: leave its jobs for it; a failure restarts it if it has
+        restarts left, else stops the others."""
         code = info.returncode
         assert code is not None
         logger.info("rank %d exited: %s", info.rank, describe(code))
-        if code != 0 and not self.begun:
+        self._job.leave_for(info)
+        if code != 0 and not self.begun and not self._restarted(info):
             self.first_failure = info
             self._begin(f"rank {info.rank} failed ({describe(code)})")
-        self._job.leave_for(info)
+
+    def _restarted(self, info: Rank) -> bool:
+        """Start a failed rank again if it has restarts left and no signal came."""
+        job = self._job
+        if info.restarts >= job.max_restarts or job.signals.received:
+            return False
+        assert info.returncode is not None
+        job.output.settle()
+        logger.warning(
+            "rank %d failed (%s); restarting it (restart %d of %d)",
+            info.rank,
+            describe(info.returncode),
+            info.restarts + 1,
+            job.max_restarts,
+        )
+        try:
+            job.restart(info)
+        except OSError as exc:
+            logger.error("could not restart rank %d: %s", info.rank, exc)
+            return False
+        return True
 
     def hurried(self) -> bool:
         """Whether the launcher got another signal since stopping began."""
