@@ -43,6 +43,8 @@ def roundtrip(x: np.ndarray, codec: str) -> np.ndarray:
         _, exp = np.frexp(np.maximum(amax, TINY))
         inv = np.ldexp(np.float32(1), 15 - exp).astype(np.float32)
         codes = (x * _per_element(inv, len(x))).astype(np.float16)
+        tiny = np.abs(codes) < 2.0**-14
+        codes[tiny] = np.copysign(0, codes[tiny])  # no subnormals: signed zeros
         scale = np.ldexp(np.float32(1), exp - 15).astype(np.float32)
         return codes.astype(np.float32) * _per_element(scale, len(x))
     small = amax < TINY

@@ -19,8 +19,9 @@ __all__ = ["BLOCK", "CODECS", "Codec", "Compression", "codec_for"]
 
 Compression = Literal["bf16", "fp16", "int8"]
 BLOCK = 256
-# Elements per chunk of an encode or decode: its temporaries stay in cache.
-_CHUNK = 1 << 15
+# Elements per chunk of an encode or decode (a multiple of BLOCK): its temporaries
+# stay in cache.
+_CHUNK = 1 << 16
 # Blocks whose largest finite magnitude is below this encode as zeros: their inverse
 # scale would overflow float32.
 _TINY = np.float32(2.0**-100)
@@ -47,121 +48,145 @@ class Codec:
 
     def encode(self, x: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
         """Encode the float array ``x`` into ``scales`` (float32) and ``codes``."""
-        for a in range(0, len(x), _CHUNK):
-            b = min(a + _CHUNK, len(x))
-            part = x[a:b] if x.dtype == np.float32 else x[a:b].astype(np.float32)
-            s = scales[a // BLOCK : -(-b // BLOCK)] if self.scaled else scales
-            _ENCODERS[self.name](part, s, codes[a:b])
+        full = len(x) // BLOCK * BLOCK
+        with np.errstate(all="ignore"):
+            for a in range(0, full, _CHUNK):
+                b = min(a + _CHUNK, full)
+                part = x[a:b] if x.dtype == np.float32 else x[a:b].astype(np.float32)
+                s = scales[a // BLOCK : b // BLOCK] if self.scaled else scales
+                _ENCODERS[self.name](part.reshape(-1, BLOCK), s, codes[a:b].reshape(-1, BLOCK))
+            if full < len(x):
+                # The last, partial block: padded with zeros, which change no scale.
+                tail = np.zeros((1, BLOCK), np.float32)
+                tail[0, : len(x) - full] = x[full:]
+                out = np.empty((1, BLOCK), self.code)
+                s = scales[full // BLOCK :] if self.scaled else scales
+                _ENCODERS[self.name](tail, s, out)
+                codes[full:] = out[0, : len(x) - full]
 
     def decode(self, scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
         """Decode ``codes`` (and their ``scales``) into the float array ``out``."""
-        buf = None if out.dtype == np.float32 else np.empty(min(_CHUNK, len(out)), np.float32)
-        for a in range(0, len(out), _CHUNK):
-            b = min(a + _CHUNK, len(out))
-            dst = out[a:b] if buf is None else buf[: b - a]
-            s = scales[a // BLOCK : -(-b // BLOCK)] if self.scaled else scales
-            _DECODERS[self.name](s, codes[a:b], dst)
-            if buf is not None:
-                np.copyto(out[a:b], dst, casting="unsafe")
+        full = len(out) // BLOCK * BLOCK
+        direct = out.dtype == np.float32
+        with np.errstate(all="ignore"):
+            for a in range(0, full, _CHUNK):
+                b = min(a + _CHUNK, full)
+                dst = out[a:b] if direct else np.empty(b - a, np.float32)
+                s = scales[a // BLOCK : b // BLOCK] if self.scaled else scales
+                _DECODERS[self.name](s, codes[a:b].reshape(-1, BLOCK), dst.reshape(-1, BLOCK))
+                if not direct:
+                    np.copyto(out[a:b], dst, casting="unsafe")
+            if full < len(out):
+                padded = np.zeros((1, BLOCK), self.code)
+                padded[0, : len(out) - full] = codes[full:]
+                dst = np.empty((1, BLOCK), np.float32)
+                s = scales[full // BLOCK :] if self.scaled else scales
+                _DECODERS[self.name](s, padded, dst)
+                np.copyto(out[full:], dst[0, : len(out) - full], casting="unsafe")
 
 
-def _blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """``x`` as rows of ``BLOCK`` elements, and its last partial block (or None)."""
-    full = len(x) // BLOCK * BLOCK
-    return x[:full].reshape(-1, BLOCK), (x[full:] if full < len(x) else None)
-
-
-def _amax(x: np.ndarray) -> np.ndarray:
-    """The largest finite magnitude of each block of ``x`` (0 for a block of none)."""
-    rows, tail = _blocks(np.abs(x))
-    parts = [np.max(rows, axis=1)] if len(rows) else []
-    if tail is not None:
-        parts.append(np.max(tail, keepdims=True))
-    amax = np.concatenate(parts) if len(parts) > 1 else parts[0]
+def _amax(rows: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The largest finite magnitude of each row (0 for a row of none), and whether
+    every element is finite."""
+    amax = np.max(np.abs(rows), axis=1)
     bad = ~np.isfinite(amax)
-    if bad.any():
-        for k in np.flatnonzero(bad):
-            block = np.abs(x[k * BLOCK : (k + 1) * BLOCK])
-            finite = block[np.isfinite(block)]
-            amax[k] = finite.max() if finite.size else 0
-    return amax
+    if not bad.any():
+        return amax, True
+    for k in np.flatnonzero(bad):
+        row = np.abs(rows[k])
+        finite = row[np.isfinite(row)]
+        amax[k] = finite.max() if finite.size else 0
+    return amax, False
 
 
-def _per_element(x: np.ndarray, per_block: np.ndarray) -> np.ndarray:
-    """``x`` multiplied by its block's factor from ``per_block``."""
-    rows, tail = _blocks(x)
-    out = np.empty_like(x)
-    full = rows.size
-    np.multiply(rows, per_block[: len(rows), None], out=out[:full].reshape(rows.shape))
-    if tail is not None:
-        np.multiply(tail, per_block[-1], out=out[full:])
-    return out
+def _flag(scales: np.ndarray, rows: np.ndarray) -> None:
+    """Mark the rows holding a non-finite element by a negative scale."""
+    marked = ~np.isfinite(rows).all(axis=1)
+    scales[marked] = np.copysign(scales[marked], -1)
 
 
-def _encode_int8(x: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
-    amax = _amax(x)
+def _encode_int8(rows: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
+    amax, finite = _amax(rows)
     small = amax < _TINY
-    with np.errstate(divide="ignore"):
-        inv = np.where(small, np.float32(0), np.float32(127) / amax).astype(np.float32)
-    scaled = _per_element(x, inv)
-    with np.errstate(invalid="ignore"):
-        np.rint(scaled, out=scaled)
-        finite = np.isfinite(scaled)
-        whole = bool(finite.all())
-        if not whole:
-            scaled[~finite] = _INT8_NONFINITE
-        codes[:] = scaled.astype(np.int8)
+    inv = np.float32(127) / amax
+    inv[small] = 0
+    scaled = rows * inv[:, None]
+    np.rint(scaled, out=scaled)
+    if not finite:
+        scaled[~np.isfinite(scaled)] = _INT8_NONFINITE
+    np.copyto(codes, scaled, casting="unsafe")
     np.divide(amax, np.float32(127), out=scales)
     scales[small] = 0
-    if not whole:
-        # A negative scale marks a block holding a non-finite element.
-        rows = np.flatnonzero(~finite) // BLOCK
-        scales[rows] = np.copysign(scales[rows], -1)
+    if not finite:
+        _flag(scales, rows)
 
 
 def _decode_int8(scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
-    np.copyto(out, codes, casting="unsafe")
-    magnitude = np.abs(scales)
-    rows, tail = _blocks(out)
-    np.multiply(rows, magnitude[: len(rows), None], out=rows)
-    if tail is not None:
-        np.multiply(tail, magnitude[-1], out=tail)
-    flagged = np.flatnonzero(np.signbit(scales))
-    for k in flagged:
-        block = slice(k * BLOCK, (k + 1) * BLOCK)
-        out[block][codes[block] == _INT8_NONFINITE] = np.nan
+    np.multiply(codes, np.abs(scales)[:, None], out=out)
+    for k in np.flatnonzero(np.signbit(scales)):
+        out[k][codes[k] == _INT8_NONFINITE] = np.nan
 
 
-def _encode_fp16(x: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
-    amax = _amax(x)
+def _encode_fp16(rows: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
+    amax, finite = _amax(rows)
     # A power of two putting the block's largest value in [2^14, 2^15): exact to apply,
     # and far below float16's largest, 65504.
     _, exp = np.frexp(np.maximum(amax, _TINY))
     np.ldexp(np.float32(1), exp - 15, out=scales)
     inv = np.ldexp(np.float32(1), 15 - exp).astype(np.float32)
-    with np.errstate(invalid="ignore", over="ignore"):
-        codes[:] = _per_element(x, inv).astype(np.float16)
+    scaled = rows * inv[:, None]
+    _float16_bits(scaled, codes.view(np.uint16))
+    if not finite:
+        bad = ~np.isfinite(scaled)
+        codes[bad] = scaled[bad].astype(np.float16)
+        _flag(scales, rows)
+
+
+def _float16_bits(x: np.ndarray, out: np.ndarray) -> None:
+    """float32 ``x`` (finite, below 2^15 in magnitude) as float16 bits in ``out``,
+    rounded to nearest even; magnitudes below float16's smallest normal become 0."""
+    bits = x.view(np.uint32)
+    sign = bits >> 16
+    sign &= 0x8000
+    magnitude = bits & 0x7FFFFFFF
+    up = magnitude >> 13
+    up &= 1
+    up += 0xFFF
+    magnitude += up
+    magnitude >>= 13
+    # float32's exponent bias is 127, float16's 15: 112 << 10 apart.
+    half = magnitude.view(np.int32)
+    half -= 112 << 10
+    half[half < 1 << 10] = 0  # under float16's smallest normal (2^-14)
+    half |= sign.view(np.int32)
+    np.copyto(out, half, casting="unsafe")
 
 
 def _decode_fp16(scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
-    np.copyto(out, codes)
-    rows, tail = _blocks(out)
-    with np.errstate(invalid="ignore"):
-        np.multiply(rows, scales[: len(rows), None], out=rows)
-        if tail is not None:
-            np.multiply(tail, scales[-1], out=tail)
+    bits = out.view(np.uint32)
+    np.copyto(bits, codes.view(np.uint16))
+    sign = bits & 0x8000
+    sign <<= 16
+    bits &= 0x7FFF
+    bits <<= 13
+    bits |= sign
+    # The float16's bits in a float32, times 2^112, are its value (zero stays zero).
+    out *= np.float32(2.0**112)
+    out *= np.abs(scales)[:, None]
+    for k in np.flatnonzero(np.signbit(scales)):
+        out[k] = codes[k].astype(np.float32) * -scales[k]
 
 
-def _encode_bf16(x: np.ndarray, _scales: np.ndarray, codes: np.ndarray) -> None:
-    bits = x.view(np.uint32)
+def _encode_bf16(rows: np.ndarray, _scales: np.ndarray, codes: np.ndarray) -> None:
+    bits = rows.view(np.uint32)
     # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, keep the top half.
     up = bits >> 16
     up &= 1
     up += 0x7FFF
     up += bits
     up >>= 16
-    codes[:] = up
-    nan = np.isnan(x)
+    np.copyto(codes, up, casting="unsafe")
+    nan = np.isnan(rows)
     if nan.any():
         # Rounding a NaN's bits can carry into Inf or the sign: keep a quiet NaN.
         codes[nan] = (bits[nan] >> 16) | 0x7FC0

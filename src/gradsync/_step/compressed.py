@@ -166,7 +166,7 @@ class Compressing(Publishing):
         self.workers.run(jobs)
         if not self.cfg.error_feedback and kind == "in":
             return x
-        decoded = np.empty(len(x), dtype=_work_dtype(group.dtype))
+        decoded = self._scratch(f"decoded-{kind}-{key}", len(x), _work_dtype(group.dtype))
         self._decode(codec, (scales, codes), decoded)
         if self.cfg.error_feedback:
             with np.errstate(invalid="ignore"):
@@ -186,13 +186,14 @@ class Compressing(Publishing):
         ]
         self.workers.run(jobs)
 
-    def _scratch(self, name: str, size: int) -> np.ndarray:
-        """A kept byte buffer of ``size`` bytes (reused: fresh pages cost faults)."""
+    def _scratch(self, name: str, count: int, dtype: Any = np.uint8) -> np.ndarray:
+        """A kept array of ``count`` elements, reused from call to call (fresh pages
+        cost a fault each); its contents are valid until the next call."""
         if self._scratches is None:
             self._scratches = {}
         buf = self._scratches.get(name)
-        if buf is None or len(buf) != size:
-            buf = self._scratches[name] = np.empty(size, dtype=np.uint8)
+        if buf is None or len(buf) != count or buf.dtype != dtype:
+            buf = self._scratches[name] = np.empty(count, dtype=dtype)
         return buf
 
     # -- reducing ---------------------------------------------------------------------
@@ -223,7 +224,7 @@ class Compressing(Publishing):
                 else _peer_run(codec, group, peers[q], q, wire.inputs[k], lo, hi, step)
                 for q in range(self.world)
             ]
-            mean = np.empty(hi - lo, dtype=group.dtype)
+            mean = self._scratch(f"mean-{k}", hi - lo, group.dtype)
             fetch = [_decoding(codec, run) for run in runs]
             self.workers.run(
                 [
@@ -256,24 +257,24 @@ class Compressing(Publishing):
 
         Every shard's bytes are read (and checked) first, so only an interrupt can
         stop the writing half-way, and it is then finished (``to_the_end``)."""
-        runs: list[tuple[Group, int, int, Codec | None, Run | None, np.ndarray | None]] = []
+        runs: list[tuple[str, Group, int, int, Codec | None, Run | None, np.ndarray | None]] = []
         for q in range(self.world) if not plan.replicated else [self.rank]:
             for k, group in enumerate(plan.groups):
                 lo, hi = group.shards[q]
                 if lo == hi:
                     continue
                 if q == self.rank:
-                    runs.append((group, lo, hi, None, None, means[k]))
+                    runs.append(("", group, lo, hi, None, None, means[k]))
                     continue
                 codec = wire.codecs[k]
                 section = wire.outputs[q][k]
                 run = _peer_run(codec, group, outs[q], q, section, 0, hi - lo, step)
-                runs.append((group, lo, hi, codec, run, None))
+                runs.append((f"gather-{q}-{k}", group, lo, hi, codec, run, None))
         pieces: list[Piece] = []
 
         def write_back() -> None:
             pieces.clear()
-            for group, lo, hi, codec, run, own in runs:
+            for name, group, lo, hi, codec, run, own in runs:
                 segments = group.segments(lo, hi)
                 mean = own
                 if mean is None and run is not None:
@@ -281,7 +282,7 @@ class Compressing(Publishing):
                         p, a, b, _ = segments[0]
                         self._decode(codec, run, flats[p][a:b])
                         continue
-                    mean = np.empty(hi - lo, dtype=group.dtype)
+                    mean = self._scratch(name, hi - lo, group.dtype)
                     self._decode(codec, run, mean)
                 assert mean is not None
                 for p, a, b, at in segments:
