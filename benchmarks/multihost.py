@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -53,8 +54,11 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--bytes", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--checksums", action="store_true")
+    p.add_argument("--compression", default=None)
     args = p.parse_args(argv)
-    cfg = gradsync.FileGradSyncConfig.from_env(checksums=args.checksums)
+    cfg = gradsync.FileGradSyncConfig.from_env(
+        checksums=args.checksums, compression=args.compression
+    )
     rng = np.random.default_rng(cfg.rank)
     base = rng.standard_normal(args.bytes // 4).astype(np.float32)
     grads = [base.copy()]
@@ -131,6 +135,11 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--keep-up", action="store_true", help="leave the cluster up afterwards")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--compression",
+        help="comma-separated, e.g. none,bf16,fp16,int8: instead of the default configs, "
+        "each of these on 2 hosts x 2 (JuiceFS) and 1 host x 2 (tmpfs), in the same run",
+    )
     args = p.parse_args()
     steps = args.steps * len(args.sizes) if len(args.steps) == 1 else args.steps
     if len(steps) != len(args.sizes):
@@ -150,6 +159,15 @@ def main() -> int:
         ("1 host x 4, tmpfs", {"h1": 0}, 4, "/dev/shm", []),
         ("2 hosts x 2, JuiceFS, checksums", {"h1": 0, "h2": 1}, 2, MOUNT, ["--checksums"]),
     ]
+    mount = os.environ.get("MH_MOUNT", MOUNT)
+    if args.compression:
+        configs = []
+        for codec in args.compression.split(","):
+            extra = [] if codec == "none" else ["--compression", codec]
+            configs += [
+                (f"2 hosts x 2, JuiceFS, {codec}", {"h1": 0, "h2": 1}, 2, mount, extra),
+                (f"1 host x 2, tmpfs, {codec}", {"h1": 0}, 2, "/dev/shm", extra),
+            ]
     rows = []
     try:
         cluster.up()

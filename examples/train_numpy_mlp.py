@@ -42,7 +42,7 @@ import gradsync
 Array = npt.NDArray[np.floating]
 
 
-def gradsync_config() -> gradsync.FileGradSyncConfig:
+def gradsync_config(compression: str | None = None) -> gradsync.FileGradSyncConfig:
     """The job's config from the environment, as ``gradsync launch`` (or torchrun) sets it.
 
     Run directly without it, the script is a world of one rank: averaging is a no-op
@@ -51,6 +51,8 @@ def gradsync_config() -> gradsync.FileGradSyncConfig:
     env = dict(os.environ)
     if "GRADSYNC_WORLD_SIZE" not in env and "WORLD_SIZE" not in env:
         env.update(GRADSYNC_WORLD_SIZE="1", GRADSYNC_RANK="0")
+    if compression is not None:
+        env["GRADSYNC_COMPRESSION"] = compression
     return gradsync.FileGradSyncConfig.from_env(env)
 
 
@@ -149,6 +151,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum (0.9)"
     )
     parser.add_argument(
+        "--compression",
+        choices=["none", "bf16", "fp16", "int8"],
+        help="compress the published gradients (docs/compression.md; default: the environment)",
+    )
+    parser.add_argument(
         "--test-fraction", type=float, default=0.0, help="held-out share of the data (default 0)"
     )
     parser.add_argument(
@@ -195,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     params = init_params([x.shape[1], args.hidden, 10], args.seed, dtype)
     velocity = [np.zeros_like(p) for p in params]
 
-    with gradsync.GradSync(gradsync_config()) as sync:
+    with gradsync.GradSync(gradsync_config(args.compression)) as sync:
         rank, world = sync.cfg.rank, sync.cfg.world_size
         global_batch = world * args.batch_size
         diloco = None

@@ -476,8 +476,9 @@ def test_settings_mismatch_at_rendezvous(
         (
             {"world_size": 2},
             r"rendezvous: rank 1 \(pid \d+ on \S+\) sent no settings \(strategy, wide_sum, "
-            r"check_finite, checksums, heartbeat_interval_s, heartbeat_timeout_s\) in \S+: it "
-            r"runs an older gradsync; every rank must run the same gradsync version",
+            r"compression, check_finite, checksums, heartbeat_interval_s, "
+            r"heartbeat_timeout_s\) in \S+: it runs an older gradsync; every rank must run "
+            r"the same gradsync version",
         ),
         # Settings without one of the keys this gradsync needs agreed on.
         (

@@ -16,10 +16,12 @@ import numpy as np
 
 from ._errors import ConfigError
 
-__all__ = ["FileGradSyncConfig", "Strategy"]
+__all__ = ["Compression", "FileGradSyncConfig", "Strategy"]
 
 Strategy = Literal["sharded", "root"]
 _STRATEGIES: tuple[str, ...] = ("sharded", "root")
+Compression = Literal["bf16", "fp16", "int8"]
+_COMPRESSIONS: tuple[str | None, ...] = (None, "bf16", "fp16", "int8")
 _MAX_THREADS = 256
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _MAX_WAIT_SECONDS = 1e9  # about 31 years
@@ -83,6 +85,16 @@ class FileGradSyncConfig:
             same bits. float16 is always summed in float32, float64 in float64.
             Every rank must use the same value (the first call fails with
             MismatchError otherwise).
+        compression: ``None`` (default), ``"bf16"``, ``"fp16"`` or ``"int8"``: what the
+            published files hold of each float32/float64 gradient (and float16 under
+            ``"int8"``), and of each shard of the mean: half the bytes, or a quarter
+            plus a float32 scale per 256 elements. Lossy; every rank still gets the
+            same bits (docs/compression.md). Every rank must use the same value (the
+            first call raises MismatchError otherwise).
+        error_feedback: With ``compression``, keep what compressing this rank's
+            gradient (and its shards of the mean) lost, and add it to the next call's
+            before compressing, so the losses do not add up over steps. Kept per
+            layout: a call with another layout starts afresh.
         run_id: Optional name of the job. Ranks only join peers with the same run_id,
             so concurrent jobs sharing one sync_dir stay apart. ``gradsync launch`` sets
             one; without it, a fresh rendezvous still keeps earlier runs' files out.
@@ -109,6 +121,8 @@ class FileGradSyncConfig:
     checksums: bool = False
     threads: int | None = None
     wide_sum: bool = False
+    compression: Compression | None = None
+    error_feedback: bool = False
 
     if TYPE_CHECKING:
         # What __init__ takes: sync_dir as a str or path-like, kept as an absolute Path.
@@ -128,6 +142,8 @@ class FileGradSyncConfig:
             checksums: bool = ...,
             threads: int | None = ...,
             wide_sum: bool = ...,
+            compression: Compression | None = ...,
+            error_feedback: bool = ...,
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -151,8 +167,14 @@ class FileGradSyncConfig:
             )
         if self.strategy not in _STRATEGIES:
             raise ConfigError(f"strategy must be one of {_STRATEGIES}, got {self.strategy!r}")
-        for name in ("check_finite", "checksums", "wide_sum"):
+        for name in ("check_finite", "checksums", "wide_sum", "error_feedback"):
             self._set(name, _check_bool(name, getattr(self, name)))
+        if self.compression not in _COMPRESSIONS:
+            raise ConfigError(
+                f"compression must be one of {_COMPRESSIONS}, got {self.compression!r}"
+            )
+        if self.error_feedback and self.compression is None:
+            raise ConfigError("error_feedback=True needs a compression, got compression=None")
         if self.use_mmap is not None:
             self._set("use_mmap", _check_bool("use_mmap", self.use_mmap, " or None"))
         if self.threads is not None:
@@ -178,7 +200,8 @@ class FileGradSyncConfig:
         one variable per other field: ``GRADSYNC_MAX_WAIT_S``, ``GRADSYNC_STRATEGY``,
         ``GRADSYNC_HEARTBEAT_INTERVAL_S``, ``GRADSYNC_HEARTBEAT_TIMEOUT_S``,
         ``GRADSYNC_WARN_AFTER_S``, ``GRADSYNC_CHECK_FINITE``, ``GRADSYNC_USE_MMAP``,
-        ``GRADSYNC_CHECKSUMS``, ``GRADSYNC_THREADS``, ``GRADSYNC_WIDE_SUM`` (flags:
+        ``GRADSYNC_CHECKSUMS``, ``GRADSYNC_THREADS``, ``GRADSYNC_WIDE_SUM``,
+        ``GRADSYNC_COMPRESSION`` (``none`` or empty: None), ``GRADSYNC_ERROR_FEEDBACK`` (flags:
         ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off``) and
         ``GRADSYNC_RUN_ID`` (falling back to ``TORCHELASTIC_RUN_ID``). A leading ``~``
         of the sync dir is expanded. Keyword ``overrides`` win over the environment
@@ -381,6 +404,10 @@ def _parse_str(name: str, raw: str) -> str:
     return raw  # checked by the field's own rule, which names the variable's value
 
 
+def _parse_compression(name: str, raw: str) -> str | None:
+    return None if raw.strip().lower() in ("", "none") else raw
+
+
 # (field, environment variable, parser) for each field a launcher may set, beyond
 # world size, rank, sync dir and run id.
 _OPTIONAL_VARS: tuple[tuple[str, str, Callable[[str, str], object]], ...] = (
@@ -394,4 +421,6 @@ _OPTIONAL_VARS: tuple[tuple[str, str, Callable[[str, str], object]], ...] = (
     ("checksums", "GRADSYNC_CHECKSUMS", _parse_bool),
     ("threads", "GRADSYNC_THREADS", _parse_int),
     ("wide_sum", "GRADSYNC_WIDE_SUM", _parse_bool),
+    ("compression", "GRADSYNC_COMPRESSION", _parse_compression),
+    ("error_feedback", "GRADSYNC_ERROR_FEEDBACK", _parse_bool),
 )

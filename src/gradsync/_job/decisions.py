@@ -144,14 +144,15 @@ def decide_confirmation(
 
 
 def settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
-    """The config fields every rank must share: they decide the file layout (strategy),
-    the maths (wide_sum), what a reader can check, which only its publisher can make
+    """The config fields every rank must share: they decide the file layout (strategy,
+    compression), the maths (wide_sum), what a reader can check, which only its publisher can make
     possible (check_finite: the publisher flags NaN/Inf; checksums: it writes the CRCs),
     and when a silent peer counts as lost: a rank that beats every 20 s was declared
     lost by a peer waiting 15 s for a beat. The rest may differ between ranks."""
     return {
         "strategy": cfg.strategy,
         "wide_sum": cfg.wide_sum,
+        "compression": cfg.compression,
         "check_finite": cfg.check_finite,
         "checksums": cfg.checksums,
         "heartbeat_interval_s": cfg.heartbeat_interval_s,

@@ -29,6 +29,7 @@ from gradsync._store.files import write_note
 
 from .broadcast import Broadcasting, BroadcastView
 from .buffers import SharedBuffers
+from .compressed import Compressing
 from .gather import Gathering, Piece, Sink
 from .grads import HostView, host_view, nonfinite_params, validate_grads
 from .header import KIND_OUTPUT, MAX_PARAMS, block_crcs, crc_placeholder
@@ -50,7 +51,7 @@ __all__ = [
 _log = logging.getLogger("gradsync")
 
 
-class StepEngine(Broadcasting, Gathering):
+class StepEngine(Broadcasting, Compressing, Gathering):
     """Runs averaging steps for one rank of one generation."""
 
     def step(
@@ -130,6 +131,8 @@ class StepEngine(Broadcasting, Gathering):
         flats = view.flats
         plan = self._plan_of(view, step)
         nonfinite = nonfinite_params(flats) if self.cfg.check_finite else []
+        if plan.wire is not None:
+            return self._compressed_step(flats, plan, step, step_dir, sink, nonfinite)
         shared, watch, work, runs, publishers = self._route(plan, view, step, sink)
         fault_point("before_publish", self.rank, self.seq)
         self._publish(step_dir, plan, flats, step, nonfinite, shared)

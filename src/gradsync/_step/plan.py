@@ -17,8 +17,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .codec import BLOCK, Codec
 from .header import Layout, layout_json, layout_text_hash
 from .reduce import shard_range
+from .wire import Wire
 
 __all__ = ["Group", "Plan", "Segment"]
 
@@ -85,10 +87,19 @@ class Plan:
     # Every rank reduces everything itself and publishes no shard (small payloads).
     replicated: bool = False
     layout_text: str = ""  # the layout as input headers carry it (format.layout_json)
+    # Compressed payloads: where each group's scales and codes lie (in_len and out_lens
+    # are then its lengths), shards on multiples of the codec's block.
+    wire: Wire | None = None
 
     @classmethod
     def build(
-        cls, layout: Layout, world_size: int, root_only: bool, *, replicate_below: int = 0
+        cls,
+        layout: Layout,
+        world_size: int,
+        root_only: bool,
+        *,
+        replicate_below: int = 0,
+        codec: Codec | None = None,
     ) -> Plan:
         """The plan for ``layout``.
 
@@ -96,6 +107,7 @@ class Plan:
         ``replicate_below`` bytes are reduced whole by every rank, which skips a round
         of files and waiting; larger ones are split into one shard per rank. The mean
         of every element is computed alike in all three, so the bits are the same.
+        With ``codec``, files hold the compressed payloads that ``wire`` lays out.
         """
         order: list[str] = []
         members: dict[str, list[int]] = {}
@@ -123,21 +135,24 @@ class Plan:
             elif root_only:
                 shards = tuple((0, size) if q == 0 else (size, size) for q in range(world_size))
             else:
-                shards = tuple(shard_range(size, q, world_size) for q in range(world_size))
+                align = BLOCK if codec is not None else 16
+                shards = tuple(shard_range(size, q, world_size, align) for q in range(world_size))
             out_offsets = tuple(out_lens)
             for q, (lo, hi) in enumerate(shards):
                 out_lens[q] += (hi - lo) * dtype.itemsize
             groups.append(Group(dtype, tuple(params), size, in_offset, shards, out_offsets))
             in_offset += size * dtype.itemsize
         text = layout_json(layout)
+        wire = None if codec is None else Wire.build(codec, groups, world_size)
         return cls(
             layout,
             layout_text_hash(text),
             tuple(groups),
-            in_offset,
-            tuple(out_lens),
+            in_offset if wire is None else wire.in_len,
+            tuple(out_lens) if wire is None else wire.out_lens,
             replicate,
             text,
+            wire,
         )
 
     @functools.cached_property

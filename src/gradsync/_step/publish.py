@@ -164,7 +164,8 @@ class Publishing(EngineState):
             SyncDirError: the file could not be created or sized.
         """
         plan = self._plan_for(layout)
-        if not (self._transport.mapped and one_slot(plan)):
+        # Compressed payloads are encoded from the arrays: nothing to publish in place.
+        if not (self._transport.mapped and one_slot(plan)) or plan.wire is not None:
             arrays = [np.zeros(shape, dtype=np.dtype(dtype)) for dtype, shape in layout]
             if watch:
                 self._watch = StaleWatch.for_arrays(arrays, self.rank)

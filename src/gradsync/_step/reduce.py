@@ -62,19 +62,20 @@ def check_dtype(dtype: npt.DTypeLike, where: str) -> np.dtype[Any]:
     return native
 
 
-def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
+def shard_range(n: int, rank: int, world_size: int, align: int = _SHARD_ALIGN) -> tuple[int, int]:
     """The contiguous element range ``[lo, hi)`` of ``n`` elements that ``rank`` reduces.
 
     Ranges of ranks 0..world_size-1 tile ``[0, n)`` in order and start on multiples
-    of 16 elements: whole blocks of 16 are dealt out evenly (the first ranks take
-    one more when they do not divide), and the last rank also takes the tail.
+    of ``align`` (16) elements: whole blocks of ``align`` are dealt out evenly (the
+    first ranks take one more when they do not divide), and the last rank also takes
+    the tail.
     """
-    blocks, extra = divmod(n // _SHARD_ALIGN, world_size)
+    blocks, extra = divmod(n // align, world_size)
 
     def boundary(q: int) -> int:
         if q >= world_size:
             return n
-        return _SHARD_ALIGN * (q * blocks + min(q, extra))
+        return align * (q * blocks + min(q, extra))
 
     return boundary(rank), boundary(rank + 1)
 

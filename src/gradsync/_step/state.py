@@ -17,6 +17,7 @@ from gradsync._store.dirs import GenDir
 from gradsync._store.files import translate_oserror
 
 from .buffers import SharedBuffers
+from .codec import codec_for
 from .header import (
     FLAG_CHECKSUMS,
     FLAG_NONFINITE,
@@ -109,6 +110,7 @@ class EngineState:
                 self.world,
                 self.cfg.strategy == "root",
                 replicate_below=REPLICATE_BELOW_BYTES,
+                codec=codec_for(self.cfg.compression),
             )
             if len(self._plans) >= _PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]

@@ -1,0 +1,213 @@
+"""Gradient compression codecs: what a compressed file holds, encoded and decoded.
+
+A run of ``n`` elements is encoded as blocks of ``BLOCK`` elements from its first
+one: a float32 scale per block (none for bf16), then one code per element. Runs
+start on block boundaries (shards are aligned to ``BLOCK``), so a shard of a run is
+a contiguous range of its scales and codes. Everything is computed in float32:
+float64 gradients are compressed from their float32 rounding. docs/compression.md
+says what each codec keeps of a value, and what becomes of NaN and Inf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+__all__ = ["BLOCK", "CODECS", "Codec", "Compression", "codec_for"]
+
+Compression = Literal["bf16", "fp16", "int8"]
+BLOCK = 256
+# Elements per chunk of an encode or decode (a multiple of BLOCK): its temporaries
+# stay in cache.
+_CHUNK = 1 << 16
+# Blocks whose largest finite magnitude is below this encode as zeros: their inverse
+# scale would overflow float32.
+_TINY = np.float32(2.0**-100)
+# An int8 code meaning "not finite" (decoded as NaN); finite values use -127..127.
+_INT8_NONFINITE = -128
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One compression scheme: its code dtype and whether blocks carry a scale."""
+
+    name: str
+    code: np.dtype[Any]
+    scaled: bool
+
+    def scale_count(self, n: int) -> int:
+        """Scales of a run of ``n`` elements."""
+        return -(-n // BLOCK) if self.scaled else 0
+
+    def compresses(self, dtype: np.dtype[Any]) -> bool:
+        """Whether gradients of ``dtype`` are compressed (else they pass through as they
+        are: float16 under bf16 or fp16, which would not shrink them)."""
+        return dtype.itemsize > self.code.itemsize
+
+    def encode(self, x: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
+        """Encode the float array ``x`` into ``scales`` (float32) and ``codes``."""
+        full = len(x) // BLOCK * BLOCK
+        with np.errstate(all="ignore"):
+            for a in range(0, full, _CHUNK):
+                b = min(a + _CHUNK, full)
+                part = x[a:b] if x.dtype == np.float32 else x[a:b].astype(np.float32)
+                s = scales[a // BLOCK : b // BLOCK] if self.scaled else scales
+                _ENCODERS[self.name](part.reshape(-1, BLOCK), s, codes[a:b].reshape(-1, BLOCK))
+            if full < len(x):
+                # The last, partial block: padded with zeros, which change no scale.
+                tail = np.zeros((1, BLOCK), np.float32)
+                tail[0, : len(x) - full] = x[full:]
+                out = np.empty((1, BLOCK), self.code)
+                s = scales[full // BLOCK :] if self.scaled else scales
+                _ENCODERS[self.name](tail, s, out)
+                codes[full:] = out[0, : len(x) - full]
+
+    def decode(self, scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
+        """Decode ``codes`` (and their ``scales``) into the float array ``out``."""
+        full = len(out) // BLOCK * BLOCK
+        direct = out.dtype == np.float32
+        with np.errstate(all="ignore"):
+            for a in range(0, full, _CHUNK):
+                b = min(a + _CHUNK, full)
+                dst = out[a:b] if direct else np.empty(b - a, np.float32)
+                s = scales[a // BLOCK : b // BLOCK] if self.scaled else scales
+                _DECODERS[self.name](s, codes[a:b].reshape(-1, BLOCK), dst.reshape(-1, BLOCK))
+                if not direct:
+                    np.copyto(out[a:b], dst, casting="unsafe")
+            if full < len(out):
+                padded = np.zeros((1, BLOCK), self.code)
+                padded[0, : len(out) - full] = codes[full:]
+                dst = np.empty((1, BLOCK), np.float32)
+                s = scales[full // BLOCK :] if self.scaled else scales
+                _DECODERS[self.name](s, padded, dst)
+                np.copyto(out[full:], dst[0, : len(out) - full], casting="unsafe")
+
+
+def _amax(rows: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The largest finite magnitude of each row (0 for a row of none), and whether
+    every element is finite."""
+    amax = np.max(np.abs(rows), axis=1)
+    bad = ~np.isfinite(amax)
+    if not bad.any():
+        return amax, True
+    for k in np.flatnonzero(bad):
+        row = np.abs(rows[k])
+        finite = row[np.isfinite(row)]
+        amax[k] = finite.max() if finite.size else 0
+    return amax, False
+
+
+def _flag(scales: np.ndarray, rows: np.ndarray) -> None:
+    """Mark the rows holding a non-finite element by a negative scale."""
+    marked = ~np.isfinite(rows).all(axis=1)
+    scales[marked] = np.copysign(scales[marked], -1)
+
+
+def _encode_int8(rows: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
+    amax, finite = _amax(rows)
+    small = amax < _TINY
+    inv = np.float32(127) / amax
+    inv[small] = 0
+    scaled = rows * inv[:, None]
+    np.rint(scaled, out=scaled)
+    if not finite:
+        scaled[~np.isfinite(scaled)] = _INT8_NONFINITE
+    np.copyto(codes, scaled, casting="unsafe")
+    np.divide(amax, np.float32(127), out=scales)
+    scales[small] = 0
+    if not finite:
+        _flag(scales, rows)
+
+
+def _decode_int8(scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
+    np.multiply(codes, np.abs(scales)[:, None], out=out)
+    for k in np.flatnonzero(np.signbit(scales)):
+        out[k][codes[k] == _INT8_NONFINITE] = np.nan
+
+
+def _encode_fp16(rows: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
+    amax, finite = _amax(rows)
+    # A power of two putting the block's largest value in [2^14, 2^15): exact to apply,
+    # and far below float16's largest, 65504.
+    _, exp = np.frexp(np.maximum(amax, _TINY))
+    np.ldexp(np.float32(1), exp - 15, out=scales)
+    inv = np.ldexp(np.float32(1), 15 - exp).astype(np.float32)
+    scaled = rows * inv[:, None]
+    _float16_bits(scaled, codes.view(np.uint16))
+    if not finite:
+        bad = ~np.isfinite(scaled)
+        codes[bad] = scaled[bad].astype(np.float16)
+        _flag(scales, rows)
+
+
+def _float16_bits(x: np.ndarray, out: np.ndarray) -> None:
+    """float32 ``x`` (finite, below 2^15 in magnitude) as float16 bits in ``out``,
+    rounded to nearest even; magnitudes below float16's smallest normal become 0."""
+    bits = x.view(np.uint32)
+    sign = bits >> 16
+    sign &= 0x8000
+    magnitude = bits & 0x7FFFFFFF
+    up = magnitude >> 13
+    up &= 1
+    up += 0xFFF
+    magnitude += up
+    magnitude >>= 13
+    # float32's exponent bias is 127, float16's 15: 112 << 10 apart.
+    half = magnitude.view(np.int32)
+    half -= 112 << 10
+    half[half < 1 << 10] = 0  # under float16's smallest normal (2^-14)
+    half |= sign.view(np.int32)
+    np.copyto(out, half, casting="unsafe")
+
+
+def _decode_fp16(scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
+    bits = out.view(np.uint32)
+    np.copyto(bits, codes.view(np.uint16))
+    sign = bits & 0x8000
+    sign <<= 16
+    bits &= 0x7FFF
+    bits <<= 13
+    bits |= sign
+    # The float16's bits in a float32, times 2^112, are its value (zero stays zero).
+    out *= np.float32(2.0**112)
+    out *= np.abs(scales)[:, None]
+    for k in np.flatnonzero(np.signbit(scales)):
+        out[k] = codes[k].astype(np.float32) * -scales[k]
+
+
+def _encode_bf16(rows: np.ndarray, _scales: np.ndarray, codes: np.ndarray) -> None:
+    bits = rows.view(np.uint32)
+    # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, keep the top half.
+    up = bits >> 16
+    up &= 1
+    up += 0x7FFF
+    up += bits
+    up >>= 16
+    np.copyto(codes, up, casting="unsafe")
+    nan = np.isnan(rows)
+    if nan.any():
+        # Rounding a NaN's bits can carry into Inf or the sign: keep a quiet NaN.
+        codes[nan] = (bits[nan] >> 16) | 0x7FC0
+
+
+def _decode_bf16(_scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
+    bits = out.view(np.uint32)
+    np.copyto(bits, codes)
+    bits <<= 16
+
+
+_ENCODERS = {"int8": _encode_int8, "fp16": _encode_fp16, "bf16": _encode_bf16}
+_DECODERS = {"int8": _decode_int8, "fp16": _decode_fp16, "bf16": _decode_bf16}
+
+CODECS: dict[str, Codec] = {
+    "bf16": Codec("bf16", np.dtype(np.uint16), scaled=False),
+    "fp16": Codec("fp16", np.dtype(np.float16), scaled=True),
+    "int8": Codec("int8", np.dtype(np.int8), scaled=True),
+}
+
+
+def codec_for(name: str | None) -> Codec | None:
+    """The codec called ``name`` (None: no compression)."""
+    return None if name is None else CODECS[name]

@@ -1,0 +1,384 @@
+"""An averaging step over compressed files (``compression``): the same pipeline as an
+uncompressed step, with every published payload encoded.
+
+Each rank encodes its gradient into its input file; the owner of a shard decodes
+every rank's part of it, takes the mean in rank order, encodes the mean into its
+output file, and uses the decoded mean itself, as every peer does: every rank gets
+the same bits. With ``error_feedback`` what encoding lost is added to the next call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gradsync._faults import fault_point
+from gradsync._stats import StepStats
+
+from .codec import BLOCK, Codec
+from .gather import Piece, Sink, to_the_end
+from .header import KIND_INPUT, KIND_OUTPUT, Layout, block_crcs, crc_placeholder
+from .parallel import split_range
+from .peers import Peer, check_inputs, check_length, reading
+from .plan import Group, Plan
+from .publish import Publishing
+from .reduce import CHUNK_ELEMS, Fetch, mean_into
+from .wire import Section, Wire, code_dtype
+
+__all__ = ["Compressing"]
+
+# (scales, codes) of a run, as arrays.
+Run = tuple[np.ndarray, np.ndarray]
+
+
+class Compressing(Publishing):
+    """The part of a step engine that runs compressed steps."""
+
+    # Error feedback: what encoding lost, per kind ("in", "out") and group, and the
+    # layout it belongs to; kept byte buffers of unmapped payloads.
+    _residuals: dict[str, dict[int, np.ndarray]]
+    _residual_layout: Layout | None = None
+    _scratches: dict[str, np.ndarray] | None = None
+
+    def _compressed_step(
+        self,
+        flats: list[np.ndarray],
+        plan: Plan,
+        step: int,
+        step_dir: Path,
+        sink: Sink | None,
+        nonfinite: list[int],
+    ) -> StepStats:
+        """Publish, reduce and gather as :meth:`StepEngine._step` does, compressed."""
+        assert plan.wire is not None
+        wire = plan.wire
+        t0 = time.perf_counter()
+        self._keep_residuals(plan)
+        fault_point("before_publish", self.rank, self.seq)
+        payload = self._publish_encoded(step_dir, plan, wire, flats, step, nonfinite)
+        fault_point("after_publish", self.rank, self.seq)
+        self._peers_served = plan.replicated or not plan.out_lens[self.rank]
+        t1 = time.perf_counter()
+        peers: dict[int, Peer] = {}
+        outs: dict[int, Peer] = {}
+        try:
+            last_in = self._peers.wait_for(step_dir, "in", range(self.world), step, self.seq, peers)
+            check_inputs(plan, self.rank, peers, step, step_dir)
+            t2 = time.perf_counter()
+            means = self._reduce_encoded(plan, wire, payload, peers, step, step_dir)
+            self._peers_served = True
+            fault_point("after_output", self.rank, self.seq)
+            t3 = time.perf_counter()
+            self._peers.wait_for(step_dir, "out", self._publishers, step, self.seq, outs)
+            for q, peer in outs.items():
+                check_length(peer, q, plan.out_lens[q], step)
+            t4 = time.perf_counter()
+            self._gather_encoded(plan, wire, flats, means, outs, step, sink)
+            if self.rank == 0 and self.seq > 2:
+                self._dir.prune(self.seq - 2, self._marker_names)
+            t5 = time.perf_counter()
+        finally:
+            for peer in (*peers.values(), *outs.values()):
+                peer.reader.close()
+        return StepStats(
+            step=step,
+            world_size=self.world,
+            bytes_per_rank=plan.in_len,
+            publish_s=t1 - t0,
+            wait_inputs_s=t2 - t1,
+            reduce_s=t3 - t2,
+            wait_outputs_s=t4 - t3,
+            gather_s=t5 - t4,
+            total_s=t5 - t0,
+            last_rank=last_in,
+        )
+
+    def _keep_residuals(self, plan: Plan) -> None:
+        """Start the error feedback afresh when the layout changes."""
+        if self._residual_layout != plan.layout:
+            self._residuals = {"in": {}, "out": {}}
+            self._residual_layout = plan.layout
+
+    # -- publishing -------------------------------------------------------------------
+
+    def _publish_encoded(
+        self,
+        step_dir: Path,
+        plan: Plan,
+        wire: Wire,
+        flats: list[np.ndarray],
+        step: int,
+        nonfinite: list[int],
+    ) -> np.ndarray:
+        """Encode this rank's gradient into its input file and publish it; return the
+        encoded payload."""
+        self._dir.step_fd(self.seq, make=True)
+        crc = crc_placeholder(plan.in_len) if self.cfg.checksums else None
+        size = len(self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite, crc))
+        mapped = self._transport.mapped
+        if mapped:
+            buf = self._reserve(self.data_path(self.rank, "in"), size + plan.in_len, step)
+        else:
+            buf = self._scratch("in", size + plan.in_len)
+        payload = buf[size:]
+        for k, group in enumerate(plan.groups):
+            x = _group_input(group, flats)
+            self._encode(wire.codecs[k], group, x, payload, wire.inputs[k], 0, "in", k)
+        if self.cfg.checksums:
+            crc = block_crcs([payload.data], plan.in_len)
+        head = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite, crc)
+        buf[:size] = np.frombuffer(head, dtype=np.uint8)
+        self._write(step_dir, "in", [] if mapped else [buf], step)
+        return payload
+
+    def _encode(
+        self,
+        codec: Codec | None,
+        group: Group,
+        x: np.ndarray,
+        payload: np.ndarray,
+        at: Section,
+        first: int,
+        kind: str,
+        key: int,
+    ) -> np.ndarray:
+        """Encode ``x`` (elements from ``first`` of ``group``) into the run at ``at``
+        (adding and updating the residual of ``kind``/``key`` with error feedback);
+        return its decoded value when the encoding is lossy, else ``x``."""
+        scales, codes = _run_arrays(codec, group, payload, at, len(x))
+        if codec is None:
+            np.copyto(codes, x)
+            return x
+        residual = self._residuals[kind].get(key) if self.cfg.error_feedback else None
+        if self.cfg.error_feedback:
+            wanted = x.astype(_work_dtype(group.dtype))
+            if residual is not None:
+                wanted += residual
+            x = wanted
+        jobs = [
+            _job(codec.encode, x[a:b], scales[a // BLOCK :], codes[a:b])
+            for a, b in split_range(len(x), self.workers.pieces(x.nbytes), CHUNK_ELEMS)
+        ]
+        self.workers.run(jobs)
+        if not self.cfg.error_feedback and kind == "in":
+            return x
+        decoded = self._scratch(f"decoded-{kind}-{key}", len(x), _work_dtype(group.dtype))
+        self._decode(codec, (scales, codes), decoded)
+        if self.cfg.error_feedback:
+            with np.errstate(invalid="ignore"):
+                lost = np.subtract(x, decoded, out=x)  # x is this call's own copy
+            lost[~np.isfinite(lost)] = 0  # a NaN or Inf is not carried over
+            self._residuals[kind][key] = lost
+        return decoded
+
+    def _decode(self, codec: Codec | None, run: Run, out: np.ndarray) -> None:
+        scales, codes = run
+        if codec is None:
+            np.copyto(out, codes)
+            return
+        jobs = [
+            _job(codec.decode, scales[a // BLOCK :], codes[a:b], out[a:b])
+            for a, b in split_range(len(out), self.workers.pieces(out.nbytes), CHUNK_ELEMS)
+        ]
+        self.workers.run(jobs)
+
+    def _scratch(self, name: str, count: int, dtype: Any = np.uint8) -> np.ndarray:
+        """A kept array of ``count`` elements, reused from call to call (fresh pages
+        cost a fault each); its contents are valid until the next call."""
+        if self._scratches is None:
+            self._scratches = {}
+        buf = self._scratches.get(name)
+        if buf is None or len(buf) != count or buf.dtype != dtype:
+            buf = self._scratches[name] = np.empty(count, dtype=dtype)
+        return buf
+
+    # -- reducing ---------------------------------------------------------------------
+
+    def _reduce_encoded(
+        self,
+        plan: Plan,
+        wire: Wire,
+        payload: np.ndarray,
+        peers: dict[int, Peer],
+        step: int,
+        step_dir: Path,
+    ) -> dict[int, np.ndarray]:
+        """This rank's shard of each group's mean, decoded as every rank decodes it;
+        published (encoded) unless every rank reduces all."""
+        out_len = plan.out_lens[self.rank]
+        publishes = bool(out_len) and not plan.replicated
+        out = self._scratch("out", out_len)
+        means: dict[int, np.ndarray] = {}
+        for k, group in enumerate(plan.groups):
+            lo, hi = group.shards[self.rank]
+            if lo == hi:
+                continue
+            codec = wire.codecs[k]
+            runs = [
+                _own_run(codec, group, payload, wire.inputs[k], lo, hi)
+                if q == self.rank
+                else _peer_run(codec, group, peers[q], q, wire.inputs[k], lo, hi, step)
+                for q in range(self.world)
+            ]
+            mean = self._scratch(f"mean-{k}", hi - lo, group.dtype)
+            fetch = [_decoding(codec, run) for run in runs]
+            self.workers.run(
+                [
+                    _mean_job(fetch, a, b, mean, self.cfg.wide_sum)
+                    for a, b in split_range(hi - lo, self.workers.pieces(mean.nbytes), CHUNK_ELEMS)
+                ]
+            )
+            section = wire.outputs[self.rank][k]
+            decoded = self._encode(codec, group, mean, out, section, lo, "out", k)
+            means[k] = decoded if decoded.dtype == group.dtype else decoded.astype(group.dtype)
+        if publishes:
+            crc = block_crcs([out.data], out_len) if self.cfg.checksums else None
+            head = self._header(KIND_OUTPUT, step, plan, out_len, (), crc)
+            self._write(step_dir, "out", [head, out], step)
+        return means
+
+    # -- gathering --------------------------------------------------------------------
+
+    def _gather_encoded(
+        self,
+        plan: Plan,
+        wire: Wire,
+        flats: list[np.ndarray],
+        means: dict[int, np.ndarray],
+        outs: dict[int, Peer],
+        step: int,
+        sink: Sink | None,
+    ) -> None:
+        """Decode every rank's shard of the mean into the arrays, or hand it to ``sink``.
+
+        Every shard's bytes are read (and checked) first, so only an interrupt can
+        stop the writing half-way, and it is then finished (``to_the_end``)."""
+        runs: list[tuple[str, Group, int, int, Codec | None, Run | None, np.ndarray | None]] = []
+        for q in range(self.world) if not plan.replicated else [self.rank]:
+            for k, group in enumerate(plan.groups):
+                lo, hi = group.shards[q]
+                if lo == hi:
+                    continue
+                if q == self.rank:
+                    runs.append(("", group, lo, hi, None, None, means[k]))
+                    continue
+                codec = wire.codecs[k]
+                section = wire.outputs[q][k]
+                run = _peer_run(codec, group, outs[q], q, section, 0, hi - lo, step)
+                runs.append((f"gather-{q}-{k}", group, lo, hi, codec, run, None))
+        pieces: list[Piece] = []
+
+        def write_back() -> None:
+            pieces.clear()
+            for name, group, lo, hi, codec, run, own in runs:
+                segments = group.segments(lo, hi)
+                mean = own
+                if mean is None and run is not None:
+                    if sink is None and len(segments) == 1:
+                        p, a, b, _ = segments[0]
+                        self._decode(codec, run, flats[p][a:b])
+                        continue
+                    mean = self._scratch(name, hi - lo, group.dtype)
+                    self._decode(codec, run, mean)
+                assert mean is not None
+                for p, a, b, at in segments:
+                    if sink is None:
+                        np.copyto(flats[p][a:b], mean[at : at + b - a])
+                    else:
+                        pieces.append((p, a, mean[at : at + b - a]))
+            if sink is not None:
+                sink(pieces)
+            self._has_mean = True
+
+        to_the_end(write_back)
+
+
+def _work_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """What a group's error feedback is kept in: float64 for float64, else float32."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def _group_input(group: Group, flats: list[np.ndarray]) -> np.ndarray:
+    """The group's elements as one array (a view when it is one param)."""
+    if len(group.params) == 1:
+        index, _, count = group.params[0]
+        return flats[index][:count]
+    return np.concatenate([flats[index] for index, _, _ in group.params])
+
+
+def _run_arrays(codec: Codec | None, group: Group, payload: np.ndarray, at: Section, n: int) -> Run:
+    """The scales and codes of a run of ``n`` elements at ``at`` of ``payload``."""
+    dtype = code_dtype(codec, group)
+    count = 0 if codec is None else codec.scale_count(n)
+    scales = payload[at.scales : at.scales + 4 * count].view(np.float32)
+    return scales, payload[at.codes : at.codes + n * dtype.itemsize].view(dtype)
+
+
+def _own_run(
+    codec: Codec | None, group: Group, payload: np.ndarray, at: Section, lo: int, hi: int
+) -> Run:
+    scales, codes = _run_arrays(codec, group, payload, at, group.size)
+    return scales[lo // BLOCK :], codes[lo:hi]
+
+
+def _peer_run(
+    codec: Codec | None,
+    group: Group,
+    peer: Peer,
+    q: int,
+    at: Section,
+    lo: int,
+    hi: int,
+    step: int,
+) -> Run:
+    """Elements ``[lo, hi)`` of the run at ``at`` of rank q's file: views of its mapping,
+    or read into memory."""
+    dtype = code_dtype(codec, group)
+    count = 0 if codec is None else codec.scale_count(hi - lo)
+    base = peer.header.payload_offset
+    parts = (
+        (base + at.scales + 4 * (lo // BLOCK), count, np.dtype(np.float32)),
+        (base + at.codes + lo * dtype.itemsize, hi - lo, dtype),
+    )
+    arrays: list[np.ndarray] = []
+    with reading(peer, q, step):
+        for offset, n, dt in parts:
+            view = peer.reader.view(offset, n, dt)
+            if view is None:
+                view = np.empty(n, dtype=dt)
+                peer.reader.read_into(offset, view)
+            arrays.append(view)
+    return arrays[0], arrays[1]
+
+
+def _decoding(codec: Codec | None, run: Run) -> Fetch:
+    """Elements of ``run`` decoded into the fetch buffer, chunk by chunk."""
+    scales, codes = run
+
+    def fetch(start: int, stop: int, buf: np.ndarray) -> np.ndarray:
+        out = buf[: stop - start]
+        if codec is None:
+            return codes[start:stop]
+        codec.decode(scales[start // BLOCK :], codes[start:stop], out)
+        return out
+
+    return fetch
+
+
+def _job(fn: Callable[..., None], *args: np.ndarray) -> Callable[[], None]:
+    return lambda: fn(*args)
+
+
+def _mean_job(
+    fetch: list[Fetch], a: int, b: int, out: np.ndarray, wide: bool
+) -> Callable[[], None]:
+    """Elements ``[a, b)`` of the mean of ``fetch`` into ``out``."""
+
+    def shifted(f: Fetch) -> Fetch:
+        return lambda start, stop, buf: f(start + a, stop + a, buf)
+
+    return lambda: mean_into([shifted(f) for f in fetch], b - a, out[a:b], wide=wide)

@@ -1,0 +1,95 @@
+"""Rank bodies for tests/test_compression.py (importable by spawned children)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import gradsync
+from gradsync._names import data_name, gen_id_of
+from ranks import config
+
+# Sharded (over 256 KiB per rank): three dtype groups, params crossing shard and block
+# boundaries, one param far past float16's largest value (65504).
+SHAPES: list[tuple[tuple[int, ...], str]] = [
+    ((3, 5), "float32"),
+    ((7,), "float16"),
+    ((70_001,), "float32"),
+    ((2, 2, 3), "float64"),
+    ((3, 20_000), "float16"),
+    ((5_000,), "float64"),
+    ((1_000,), "float32"),
+]
+# Under 256 KiB: every rank reduces all.
+SMALL = [*SHAPES[:2], ((1000,), "float32"), ((300,), "float64")]
+LARGE_PARAM = 6  # of SHAPES: values around 1e6
+
+
+def grads_for(rank: int, step: int, shapes: list[tuple[tuple[int, ...], str]]) -> list[np.ndarray]:
+    """Deterministic, rank- and step-dependent gradients (the last float32 param of
+    SHAPES around 1e6)."""
+    rng = np.random.default_rng([rank, step, 777])
+    out = []
+    for k, (shape, dtype) in enumerate(shapes):
+        scale = 1e6 if shapes is SHAPES and k == LARGE_PARAM else 10.0 ** rng.integers(-3, 2)
+        out.append((rng.standard_normal(shape) * scale).astype(dtype))
+    return out
+
+
+def steps(rank: int, world: int, sync_dir: str, count: int, small: bool, kw: dict[str, Any]) -> Any:
+    """Average ``count`` steps; return each step's inputs and results (bytes)."""
+    shapes = SMALL if small else SHAPES
+    out = []
+    with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
+        for step in range(count):
+            grads = grads_for(rank, step, shapes)
+            before = [g.copy() for g in grads]
+            gs.average(grads, step=step)
+            out.append((before, grads))
+    return out
+
+
+def function_form(rank: int, world: int, sync_dir: str, compression: str) -> Any:
+    """One step through ``average_grads_file_sync``."""
+    grads = grads_for(rank, 0, SHAPES)
+    cfg = config(rank, world, sync_dir, compression=compression)
+    gradsync.average_grads_file_sync(grads, None, cfg, step=0)
+    return grads
+
+
+def file_sizes(rank: int, world: int, sync_dir: str, compression: str | None) -> dict[str, int]:
+    """One step of a 4 MiB float32 gradient; the sizes of this rank's input and output
+    files, read before closing."""
+    grads = [np.random.default_rng(rank).standard_normal(1 << 20).astype(np.float32)]
+    with gradsync.GradSync(config(rank, world, sync_dir, compression=compression)) as gs:
+        gs.average(grads, step=0)
+        (gen,) = [p for p in Path(sync_dir).iterdir() if gen_id_of(p.name) is not None]
+        return {kind: os.stat(gen / data_name(rank, kind)).st_size for kind in ("in", "out")}
+
+
+def constant_steps(rank: int, world: int, sync_dir: str, count: int, feedback: bool) -> Any:
+    """The same gradient ``count`` times under int8; the sum of the results."""
+    grad = (np.random.default_rng([rank, 5]).standard_normal(100_000) * 1e-2).astype(np.float32)
+    total = np.zeros(grad.shape, np.float64)
+    cfg = config(rank, world, sync_dir, compression="int8", error_feedback=feedback)
+    with gradsync.GradSync(cfg) as gs:
+        for step in range(count):
+            g = grad.copy()
+            gs.average([g], step=step)
+            total += g
+    return grad, total
+
+
+def nonfinite(rank: int, world: int, sync_dir: str, compression: str, check: bool) -> Any:
+    """Rank 1 sends Inf and NaN in one param; the results (or the error)."""
+    grads = grads_for(rank, 0, SHAPES)
+    if rank == 1:
+        grads[2][10] = np.inf
+        grads[2][20] = np.nan
+    cfg = config(rank, world, sync_dir, compression=compression, check_finite=check)
+    with gradsync.GradSync(cfg) as gs:
+        gs.average(grads, step=0)
+    return grads
