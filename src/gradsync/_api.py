@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -17,6 +18,7 @@ import numpy.typing as npt
 
 from ._async import Background, StepHandle
 from ._config import FileGradSyncConfig
+from ._elastic import run_elastic
 from ._errors import ConfigError, GradSyncError, name_the_step
 from ._session import Session, closing_reason, forget
 from ._stats import StepStats
@@ -146,14 +148,20 @@ class GradSync:
             return self.average_async(grads, step=step, device=device, dtype=dtype).wait()
         with self._call():
             self._check_usable()
+            if step is None and self.cfg.elastic and self.cfg.enabled:
+                self._meet()  # a joiner's first step is the job's next one
             with self._before_step():  # peers would wait max_wait_s for a rank failing here
                 step = _checked_step(self._next_step if step is None else step)
             self._next_step = step + 1
             try:
                 if device is None:
-                    stats = self._average_host(grads, step)
+                    call = functools.partial(self._average_host, grads, step)
                 else:
-                    stats = self._average_device(grads, device, dtype, step)
+                    call = functools.partial(self._average_device, grads, device, dtype, step)
+                if self.cfg.elastic and self.cfg.enabled:
+                    stats = run_elastic(self._session, self.cfg, self._closing, call, step + 1)
+                else:
+                    stats = call()
             except BaseException as exc:
                 self._failed(exc, step)
                 raise
@@ -284,7 +292,45 @@ class GradSync:
     def _started(self, max_wait_s: float | None = None) -> StepEngine:
         """The step engine, meeting the other ranks first if this is the first call
         (waiting ``max_wait_s`` for them, default ``cfg.max_wait_s``)."""
-        return self._session.start(self.cfg, self._closing, max_wait_s)
+        fresh = self._session.engine is None
+        engine = self._session.start(self.cfg, self._closing, max_wait_s)
+        joined = self._session.membership
+        if fresh and joined is not None and joined.next_step is not None:
+            self._next_step = joined.next_step  # it joined a running job
+        return engine
+
+    def _meet(self) -> None:
+        """Meet the other ranks now (an elastic joiner learns the job's next step)."""
+        if self._session.engine is None:
+            try:
+                self._started()
+            except BaseException as exc:
+                self._failed(exc, None)
+                raise
+
+    @property
+    def rank(self) -> int:
+        """This process's rank now: ``cfg.rank``, until an elastic job renumbers it."""
+        member = self._session.membership
+        return self.cfg.rank if member is None else member.gen.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks now: ``cfg.world_size``, until an elastic job changes it."""
+        member = self._session.membership
+        return self.cfg.world_size if member is None else len(member.gen.members)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Each rank's ``cfg.rank`` as it was started, in the order of the ranks now."""
+        member = self._session.membership
+        return tuple(range(self.cfg.world_size)) if member is None else member.launch
+
+    @property
+    def epoch(self) -> int:
+        """How many times the membership of an elastic job has changed (0: never)."""
+        member = self._session.membership
+        return 0 if member is None else member.epoch
 
     def _average_host(self, grads: Sequence[Any], step: int) -> StepStats:
         if self._session.engine is None:

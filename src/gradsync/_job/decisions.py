@@ -156,6 +156,7 @@ def settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
         "checksums": cfg.checksums,
         "heartbeat_interval_s": cfg.heartbeat_interval_s,
         "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
+        "elastic": cfg.elastic,
     }
 
 

@@ -1,0 +1,61 @@
+"""Rank bodies for tests/test_elastic.py (importable by spawned children)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import gradsync
+from ranks import WarningLog, config
+from workers import SHAPES, SHAPES_BIG, grads_for
+
+_log = logging.getLogger("gradsync")
+
+
+def train(
+    rank: int,
+    world: int,
+    sync_dir: str,
+    steps: int,
+    kw: dict[str, Any],
+    big: bool = False,
+    pause_s: float = 0.0,
+    late: dict[int, tuple[int, float]] | None = None,
+) -> dict[str, Any]:
+    """Average ``grads_for(rank, step)`` in an elastic job until step ``steps``; every
+    call's members, ranks, inputs' seed and results, how long each took, and the
+    warnings logged. ``late``: process -> (rank it is started as, seconds it starts late)."""
+    shapes = SHAPES_BIG if big else SHAPES
+    handler = WarningLog()
+    _log.addHandler(handler)
+    records = []
+    as_rank, delay_s = (late or {}).get(rank, (rank, 0.0))
+    time.sleep(delay_s)
+    cfg = config(as_rank, world, sync_dir, elastic=True, **kw)
+    try:
+        with gradsync.GradSync(cfg) as gs:
+            step = 0
+            while step < steps:
+                grads = grads_for(as_rank, step, shapes)
+                start = time.monotonic()
+                stats = gs.average(grads)
+                records.append(
+                    {
+                        "step": stats.step,
+                        "members": stats.members,
+                        "seed": (as_rank, step),
+                        "lost": stats.lost,
+                        "joined": stats.joined,
+                        "epoch": stats.epoch,
+                        "rank": gs.rank,
+                        "world": gs.world_size,
+                        "elapsed_s": time.monotonic() - start,
+                        "after": [g.tobytes() for g in grads],
+                    }
+                )
+                step = stats.step + 1
+                time.sleep(pause_s)
+    finally:
+        _log.removeHandler(handler)
+    return {"records": records, "warnings": handler.messages}
