@@ -32,7 +32,7 @@ def train(
     records = []
     as_rank, delay_s = (late or {}).get(rank, (rank, 0.0))
     time.sleep(delay_s)
-    cfg = config(as_rank, world, sync_dir, elastic=True, **kw)
+    cfg = config(as_rank, max(world, as_rank + 1), sync_dir, elastic=True, **kw)
     try:
         with gradsync.GradSync(cfg) as gs:
             step = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,14 @@ import pytest
 
 import elastic_workers
 import gradsync
+from gradsync._job.membership import (
+    Reform,
+    ReformLook,
+    Standing,
+    decide_reform,
+    refusal,
+    survivors,
+)
 from ranks import run_ranks
 from test_faults import fault
 from workers import SHAPES, SHAPES_BIG, grads_for
@@ -72,3 +81,107 @@ def test_survivors_of_a_sigkilled_rank_redo_the_step_and_go_on(
         assert recs[-1]["epoch"] == 1
         assert any("rank 2" in w for w in results[proc].value["warnings"])
     assert [r["rank"] for r in results[3].value["records"]][-1] == 2  # renumbered densely
+
+
+def test_a_late_joiner_comes_in_at_a_step_boundary_and_averages_with_the_others(
+    tmp_path: Path,
+) -> None:
+    late = {3: (3, 1.5)}  # process 3 starts as rank 3, 1.5 s after the others formed a job of 3
+    results = run_ranks(
+        elastic_workers.train,
+        4,
+        (3, str(tmp_path), 40, FAST, False, 0.05, late),
+        timeout_s=60,
+    )
+    parts = _check_means(results)
+    assert parts[0] == (0, 1, 2)
+    assert parts[39] == (0, 1, 2, 3)
+    first = results[3].value["records"][0]
+    assert first["members"] == (0, 1, 2, 3)
+    assert first["rank"] == 3  # joiners come after the members that were there
+    boundary = [r for r in results[0].value["records"] if r["joined"]]
+    assert len(boundary) == 1
+    assert boundary[0]["joined"] == (3,)
+    assert boundary[0]["members"] == (0, 1, 2)  # the call itself ran without the joiner
+    assert boundary[0]["step"] + 1 == first["step"]
+
+
+def test_below_min_world_size_the_survivors_wait_then_fail_naming_the_lost_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kw = {**FAST, "max_wait_s": 1.0, "min_world_size": 3}
+    with fault("after_publish@2@3=sigkill", monkeypatch):
+        results = run_ranks(
+            elastic_workers.train, 3, (3, str(tmp_path), 6, kw), expect=[0, 1], timeout_s=60
+        )
+    for proc in (0, 1):
+        assert results[proc].error_type == "PeerLostError", results[proc].value
+        assert "min_world_size 3" in results[proc].message
+        assert results[proc].attrs["ranks"] == (2,)
+
+
+def _look(standings: list[Standing], **kw: Any) -> ReformLook:
+    return ReformLook(closing=False, decided=False, me=0, standings=tuple(standings), **kw)
+
+
+def test_the_lowest_live_member_decides_once_every_member_stayed_or_is_gone() -> None:
+    stayed = [Standing(0, stayed=4), Standing(1, stayed=4)]
+    assert decide_reform(_look([*stayed, Standing(2)])) is Reform.WAIT  # 2 not known yet
+    gone = Standing(2, gone="has exited", certain=True)
+    assert decide_reform(_look([*stayed, gone])) is Reform.DECIDE
+    assert decide_reform(dataclasses.replace(_look([*stayed, gone]), me=1)) is Reform.WAIT
+    assert decide_reform(dataclasses.replace(_look([*stayed, gone]), decided=True)) is Reform.ADOPT
+
+
+def test_a_member_gone_before_deciding_passes_the_lead_to_the_next() -> None:
+    look = ReformLook(
+        closing=False,
+        decided=False,
+        me=1,
+        standings=(Standing(0, gone="has exited", certain=True), Standing(1, 3), Standing(2, 3)),
+    )
+    assert decide_reform(look) is Reform.DECIDE
+
+
+def test_half_of_the_members_never_go_on_when_the_others_may_live() -> None:
+    # Two halves cut apart: each sees the other's heartbeats stop.
+    half = [
+        Standing(0, stayed=7),
+        Standing(1, stayed=7),
+        Standing(2, gone="stopped its heartbeat 5.0 s ago"),
+        Standing(3, gone="stopped its heartbeat 5.0 s ago"),
+    ]
+    other_half = [
+        Standing(0, gone="stopped its heartbeat 5.0 s ago"),
+        Standing(1, gone="stopped its heartbeat 5.0 s ago"),
+        Standing(2, stayed=7),
+        Standing(3, stayed=7),
+    ]
+    assert "not a majority" in (refusal(tuple(half), 0, 1) or "")
+    assert "not a majority" in (refusal(tuple(other_half), 0, 1) or "")
+    assert decide_reform(_look(half)) is Reform.WAIT
+    assert decide_reform(_look(half, timed_out=True)) is Reform.FAIL
+
+
+def test_members_known_dead_for_sure_do_not_count_against_the_majority() -> None:
+    dead = [Standing(q, gone="has exited", certain=True) for q in (2, 3)]
+    assert refusal((Standing(0, 7), Standing(1, 7), *dead), 0, 1) is None
+    assert "min_world_size 3" in (refusal((Standing(0, 7), Standing(1, 7), *dead), 0, 3) or "")
+    assert refusal((Standing(0, 7), Standing(1, 7), *dead), 1, 3) is None  # a joiner makes up
+
+
+def test_a_member_behind_the_others_is_left_out() -> None:
+    standings = (Standing(0, stayed=5), Standing(1, stayed=6), Standing(2, stayed=6))
+    assert survivors(standings) == (1, 2)
+
+
+def test_a_live_member_that_never_stays_is_left_out_once_max_wait_s_is_over() -> None:
+    standings = [Standing(0, 2), Standing(1, 2), Standing(2, 2), Standing(3)]
+    assert decide_reform(_look(standings)) is Reform.WAIT
+    assert decide_reform(_look(standings, timed_out=True)) is Reform.DECIDE
+    assert survivors(tuple(standings)) == (0, 1, 2)
+
+
+def test_a_closed_session_stops_re_forming() -> None:
+    look = dataclasses.replace(_look([Standing(0, 1)]), closing=True, decided=True)
+    assert decide_reform(look) is Reform.CLOSED

@@ -77,13 +77,13 @@ def run_elastic(
                 _log.warning("gradsync elastic: %s; %d ranks go on", why, len(new.launch))
             continue
         break
+    took_part = session.membership
+    assert took_part is not None
     joined: tuple[int, ...] = ()
     if session.engine is not None and session.engine.joins_due:
         new = session.reform(cfg, closing, admit=True, next_step=next_step)
         joined, lost = new.joined, lost + list(new.lost)
         _log.info("gradsync elastic: ranks %s joined; %d ranks now", joined, len(new.launch))
-    membership = session.membership
-    assert membership is not None
     return dataclasses.replace(
-        stats, members=membership.launch, epoch=membership.epoch, lost=tuple(lost), joined=joined
+        stats, members=took_part.launch, epoch=took_part.epoch, lost=tuple(lost), joined=joined
     )
