@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import gradsync
+from gradsync import _proc
 from ranks import WarningLog, config
 from workers import SHAPES, SHAPES_BIG, grads_for
 
@@ -22,10 +25,14 @@ def train(
     big: bool = False,
     pause_s: float = 0.0,
     late: dict[int, tuple[int, float]] | None = None,
+    own_host: bool = False,
 ) -> dict[str, Any]:
     """Average ``grads_for(rank, step)`` in an elastic job until step ``steps``; every
     call's members, ranks, inputs' seed and results, how long each took, and the
-    warnings logged. ``late``: process -> (rank it is started as, seconds it starts late)."""
+    warnings logged. ``late``: process -> (rank it is started as, seconds it starts late).
+    ``own_host``: this process acts as the one rank of a host of its own."""
+    if own_host:
+        _act_as_own_host(Path(sync_dir).parent / f"host-{rank}")
     shapes = SHAPES_BIG if big else SHAPES
     handler = WarningLog()
     _log.addHandler(handler)
@@ -59,3 +66,14 @@ def train(
     finally:
         _log.removeHandler(handler)
     return {"records": records, "warnings": handler.messages}
+
+
+def _act_as_own_host(root: Path) -> None:
+    """Read process information below ``root``: this process's own ``/proc`` entries and
+    a boot id of its own, so its peers count as on other hosts (judged by heartbeats)."""
+    me = str(os.getpid())
+    (root / "sys" / "kernel" / "random").mkdir(parents=True)
+    (root / "sys" / "kernel" / "random" / "boot_id").write_text(f"boot-{root.name}\n")
+    (root / me).symlink_to(f"/proc/{me}")
+    (root / "self").symlink_to(me)
+    _proc.set_root(root)

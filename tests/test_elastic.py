@@ -185,3 +185,25 @@ def test_a_live_member_that_never_stays_is_left_out_once_max_wait_s_is_over() ->
 def test_a_closed_session_stops_re_forming() -> None:
     look = dataclasses.replace(_look([Standing(0, 1)]), closing=True, decided=True)
     assert decide_reform(look) is Reform.CLOSED
+
+
+def test_a_host_that_stops_beating_is_left_behind_within_the_heartbeat_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each rank acts as a host of its own: a peer's death shows only in its heartbeat.
+    kw = {**FAST, "heartbeat_timeout_s": 2.0}
+    sync_dir = tmp_path / "sync"
+    with fault("after_publish@1@4=sigkill", monkeypatch):
+        results = run_ranks(
+            elastic_workers.train,
+            4,
+            (4, str(sync_dir), 6, kw, False, 0.0, None, True),
+            expect=[0, 2, 3],
+            timeout_s=60,
+        )
+    parts = _check_means(results)
+    assert parts[5] == (0, 2, 3)
+    for proc in (0, 2, 3):
+        (lost,) = [r for r in results[proc].value["records"] if r["lost"]]
+        assert "stopped its heartbeat" in lost["lost"][0]
+        assert lost["elapsed_s"] < 2 * kw["heartbeat_timeout_s"]

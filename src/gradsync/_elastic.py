@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._config import FileGradSyncConfig
-from ._errors import GradSyncError, PeerAbortedError, PeerLostError, PeerTimeoutError
+from ._errors import GradSyncError, PeerAbortedError, PeerLostError, PeerTimeoutError, clip
 from ._job import notes
 from ._job.reform import Membership, join_running, running_job
 from ._job.rendezvous import rendezvous
@@ -71,7 +71,10 @@ def run_elastic(
                 raise
             engine.give_up(exc)  # a peer one call ahead hears it too
             _log.info("rank %d re-forms the job after: %s", engine.rank, exc)
-            new = session.reform(cfg, closing, admit=False)
+            known = {q: f"was lost ({clip(str(exc))})" for q in exc.ranks}
+            if not isinstance(exc, PeerLostError):
+                known = {}
+            new = session.reform(cfg, closing, admit=False, known_lost=known)
             lost += new.lost
             for why in new.lost:
                 _log.warning("gradsync elastic: %s; %d ranks go on", why, len(new.launch))

@@ -98,6 +98,7 @@ class Reformer:
         *,
         admit: bool,
         next_step: int | None = None,
+        known_lost: dict[int, str] | None = None,
     ) -> None:
         self.cfg = cfg
         self.cur = current
@@ -108,6 +109,9 @@ class Reformer:
         self._next_step = next_step
         self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
         self._stays: dict[int, int] = {self.gen.rank: completed}
+        # Ranks the failed step found lost already: their heartbeats need not be
+        # waited out again (a member on this host is judged by its process anyway).
+        self._known_lost = known_lost or {}
 
     def run(self) -> Membership:
         """The next membership, once decided.
@@ -164,6 +168,8 @@ class Reformer:
             elif left_name(q) in names:
                 why = notes.how_it_ended(self.gen.path, q) or "closed its gradsync session"
                 found.append(Standing(q, gone=why, certain=True))
+            elif q in self._known_lost and not member.same_host:
+                found.append(Standing(q, gone=self._known_lost[q]))
             else:
                 verdict = judge(member, self._watch, self.gen.heartbeat_path(q))
                 gone = None if verdict.alive is not False else verdict.why
@@ -294,6 +300,17 @@ def running_job(cfg: FileGradSyncConfig) -> Path | None:
         if not notes.has_left(gen_path, member.rank) and judge(member).alive is not False:
             return gen_path
     return None
+
+
+def forget_job(cfg: FileGradSyncConfig, gen: Generation) -> None:
+    """Remove the note naming ``gen`` as the running job once ``gen`` is gone (its last
+    member left). Never raises: it only tidies."""
+    pointer = cfg.sync_dir / RDZV / current_name(cfg.run_id)
+    named = notes.load(pointer)
+    if named is None or named.get("gen") != gen.gen_id or names_below(gen.path):
+        return
+    with contextlib.suppress(OSError):
+        notes.unlink(pointer)
 
 
 def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Membership:
