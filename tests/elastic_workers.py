@@ -77,3 +77,10 @@ def _act_as_own_host(root: Path) -> None:
     (root / me).symlink_to(f"/proc/{me}")
     (root / "self").symlink_to(me)
     _proc.set_root(root)
+
+
+def first_call(rank: int, world: int, sync_dir: str, elastic_ranks: list[int]) -> None:
+    """One averaging call, elastic only on ``elastic_ranks``."""
+    cfg = config(rank, world, sync_dir, elastic=rank in elastic_ranks, max_wait_s=10.0)
+    with gradsync.GradSync(cfg) as gs:
+        gs.average(grads_for(rank, 0))

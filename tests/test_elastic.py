@@ -207,3 +207,13 @@ def test_a_host_that_stops_beating_is_left_behind_within_the_heartbeat_timeout(
         (lost,) = [r for r in results[proc].value["records"] if r["lost"]]
         assert "stopped its heartbeat" in lost["lost"][0]
         assert lost["elapsed_s"] < 2 * kw["heartbeat_timeout_s"]
+
+
+@pytest.mark.parametrize("elastic_ranks", [[0], [1]])
+def test_ranks_that_disagree_on_elastic_fail_the_first_call_naming_it(
+    tmp_path: Path, elastic_ranks: list[int]
+) -> None:
+    results = run_ranks(elastic_workers.first_call, 2, (2, str(tmp_path), elastic_ranks))
+    for outcome in results.values():
+        assert outcome.error_type == "MismatchError", outcome.value
+        assert "elastic" in outcome.message

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from ._async import Background, StepHandle
 from ._config import FileGradSyncConfig
-from ._elastic import run_elastic
+from ._elastic import MembershipView, run_elastic
 from ._errors import ConfigError, GradSyncError, name_the_step
 from ._session import Session, closing_reason, forget
 from ._stats import StepStats
@@ -38,7 +38,7 @@ _log = logging.getLogger("gradsync")
 TELL_WAIT_S = 10.0
 
 
-class GradSync:
+class GradSync(MembershipView):
     """Averages gradients with the other ranks of a job, once per optimizer step.
 
     The ranks meet on the first :meth:`average` call (a rendezvous that ignores
@@ -307,30 +307,6 @@ class GradSync:
             except BaseException as exc:
                 self._failed(exc, None)
                 raise
-
-    @property
-    def rank(self) -> int:
-        """This process's rank now: ``cfg.rank``, until an elastic job renumbers it."""
-        member = self._session.membership
-        return self.cfg.rank if member is None else member.gen.rank
-
-    @property
-    def world_size(self) -> int:
-        """The number of ranks now: ``cfg.world_size``, until an elastic job changes it."""
-        member = self._session.membership
-        return self.cfg.world_size if member is None else len(member.gen.members)
-
-    @property
-    def members(self) -> tuple[int, ...]:
-        """Each rank's ``cfg.rank`` as it was started, in the order of the ranks now."""
-        member = self._session.membership
-        return tuple(range(self.cfg.world_size)) if member is None else member.launch
-
-    @property
-    def epoch(self) -> int:
-        """How many times the membership of an elastic job has changed (0: never)."""
-        member = self._session.membership
-        return 0 if member is None else member.epoch
 
     def _average_host(self, grads: Sequence[Any], step: int) -> StepStats:
         if self._session.engine is None:

@@ -20,7 +20,7 @@ from ._stats import StepStats
 if TYPE_CHECKING:
     from ._session import Session
 
-__all__ = ["member_config", "run_elastic", "start_elastic"]
+__all__ = ["MembershipView", "member_config", "run_elastic", "start_elastic"]
 
 _log = logging.getLogger("gradsync")
 
@@ -90,3 +90,34 @@ def run_elastic(
     return dataclasses.replace(
         stats, members=took_part.launch, epoch=took_part.epoch, lost=tuple(lost), joined=joined
     )
+
+
+class MembershipView:
+    """A GradSync's rank, world size and members now (an elastic job changes them)."""
+
+    cfg: FileGradSyncConfig
+    _session: Session
+
+    @property
+    def rank(self) -> int:
+        """This process's rank now: ``cfg.rank``, until an elastic job renumbers it."""
+        member = self._session.membership
+        return self.cfg.rank if member is None else member.gen.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks now: ``cfg.world_size``, until an elastic job changes it."""
+        member = self._session.membership
+        return self.cfg.world_size if member is None else len(member.gen.members)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Each rank's ``cfg.rank`` as it was started, in the order of the ranks now."""
+        member = self._session.membership
+        return tuple(range(self.cfg.world_size)) if member is None else member.launch
+
+    @property
+    def epoch(self) -> int:
+        """How many times the membership of an elastic job has changed (0: never)."""
+        member = self._session.membership
+        return 0 if member is None else member.epoch
