@@ -26,11 +26,13 @@ def train(
     pause_s: float = 0.0,
     late: dict[int, tuple[int, float]] | None = None,
     own_host: bool = False,
+    pid_dir: str | None = None,
 ) -> dict[str, Any]:
     """Average ``grads_for(rank, step)`` in an elastic job until step ``steps``; every
     call's members, ranks, inputs' seed and results, how long each took, and the
     warnings logged. ``late``: process -> (rank it is started as, seconds it starts late).
-    ``own_host``: this process acts as the one rank of a host of its own."""
+    ``own_host``: this process acts as the one rank of a host of its own. ``pid_dir``:
+    where it writes its pid, after its first call (for a test to kill it)."""
     if own_host:
         _act_as_own_host(Path(sync_dir).parent / f"host-{rank}")
     shapes = SHAPES_BIG if big else SHAPES
@@ -62,6 +64,8 @@ def train(
                     }
                 )
                 step = stats.step + 1
+                if pid_dir is not None and len(records) == 1:
+                    (Path(pid_dir) / f"pid-{rank}").write_text(str(os.getpid()))
                 time.sleep(pause_s)
     finally:
         _log.removeHandler(handler)

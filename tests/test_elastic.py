@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -217,3 +221,30 @@ def test_ranks_that_disagree_on_elastic_fail_the_first_call_naming_it(
     for outcome in results.values():
         assert outcome.error_type == "MismatchError", outcome.value
         assert "elastic" in outcome.message
+
+
+def _kill_when_running(pid_file: Path, after_s: float) -> None:
+    while not pid_file.exists():
+        time.sleep(0.01)
+    time.sleep(after_s)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_killed_rank_started_again_rejoins_and_averages_with_the_others(
+    tmp_path: Path,
+) -> None:
+    # Process 2 is killed at whatever point of a step it is in 0.5 s after its first
+    # call; process 4, started as rank 2 again, joins the survivors.
+    late = {4: (2, 2.5)}
+    killer = threading.Thread(target=_kill_when_running, args=(tmp_path / "pid-2", 0.5))
+    killer.start()
+    sync_dir = tmp_path / "sync"
+    args = (4, str(sync_dir), 80, FAST, False, 0.05, late, False, str(tmp_path))
+    try:
+        results = run_ranks(elastic_workers.train, 5, args, expect=[0, 1, 3, 4], timeout_s=90)
+    finally:
+        killer.join(timeout=30)
+    parts = _check_means(results)
+    assert parts[0] == (0, 1, 2, 3)
+    assert parts[79] == (0, 1, 3, 2)  # the restarted rank 2 comes after the survivors
+    assert results[4].value["records"][0]["rank"] == 3
