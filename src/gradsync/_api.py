@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -18,7 +19,8 @@ import numpy.typing as npt
 from ._async import Background, StepHandle
 from ._calls import alone, check_config, checked_step
 from ._config import FileGradSyncConfig
-from ._errors import GradSyncError, name_the_step
+from ._elastic import MembershipView, run_elastic
+from ._errors import ConfigError, GradSyncError, name_the_step
 from ._session import Session, closing_reason, forget
 from ._stats import StepStats
 from ._step.broadcast import broadcast_root, broadcast_view
@@ -37,7 +39,7 @@ _log = logging.getLogger("gradsync")
 TELL_WAIT_S = 10.0
 
 
-class GradSync:
+class GradSync(MembershipView):
     """Averages gradients with the other ranks of a job, once per optimizer step.
 
     The ranks meet on the first :meth:`average` call (a rendezvous that ignores
@@ -147,14 +149,20 @@ class GradSync:
             return self.average_async(grads, step=step, device=device, dtype=dtype).wait()
         with self._call():
             self._check_usable()
+            if step is None and self.cfg.elastic and self.cfg.enabled:
+                self._meet()  # a joiner's first step is the job's next one
             with self._before_step():  # peers would wait max_wait_s for a rank failing here
                 step = checked_step(self._next_step if step is None else step)
             self._next_step = step + 1
             try:
                 if device is None:
-                    stats = self._average_host(grads, step)
+                    call = functools.partial(self._average_host, grads, step)
                 else:
-                    stats = self._average_device(grads, device, dtype, step)
+                    call = functools.partial(self._average_device, grads, device, dtype, step)
+                if self.cfg.elastic and self.cfg.enabled:
+                    stats = run_elastic(self._session, self.cfg, self._closing, call, step + 1)
+                else:
+                    stats = call()
             except BaseException as exc:
                 self._failed(exc, step)
                 raise
@@ -312,7 +320,21 @@ class GradSync:
     def _started(self, max_wait_s: float | None = None) -> StepEngine:
         """The step engine, meeting the other ranks first if this is the first call
         (waiting ``max_wait_s`` for them, default ``cfg.max_wait_s``)."""
-        return self._session.start(self.cfg, self._closing, max_wait_s)
+        fresh = self._session.engine is None
+        engine = self._session.start(self.cfg, self._closing, max_wait_s)
+        joined = self._session.membership
+        if fresh and joined is not None and joined.next_step is not None:
+            self._next_step = joined.next_step  # it joined a running job
+        return engine
+
+    def _meet(self) -> None:
+        """Meet the other ranks now (an elastic joiner learns the job's next step)."""
+        if self._session.engine is None:
+            try:
+                self._started()
+            except BaseException as exc:
+                self._failed(exc, None)
+                raise
 
     def _average_host(self, grads: Sequence[Any], step: int) -> StepStats:
         if self._session.engine is None:

@@ -98,6 +98,13 @@ class FileGradSyncConfig:
         run_id: Optional name of the job. Ranks only join peers with the same run_id,
             so concurrent jobs sharing one sync_dir stay apart. ``gradsync launch`` sets
             one; without it, a fresh rendezvous still keeps earlier runs' files out.
+        elastic: When a rank is lost, the others redo the step without it and go on,
+            renumbered (``GradSync.rank``, ``GradSync.world_size``); a process started
+            later with the same config joins at a step boundary. See docs/elastic.md.
+            Every rank must set the same (the first call raises MismatchError otherwise).
+        min_world_size: With ``elastic``, the fewest ranks the job goes on with, 1 to
+            ``world_size``; below it, the survivors wait ``max_wait_s`` for ranks to
+            join, then fail.
 
     Integer fields take any integer (``numpy.int64`` too), stored as ``int``; flags
     any bool (``numpy.bool_`` too), stored as ``bool``; seconds any ``numbers.Real``
@@ -123,6 +130,8 @@ class FileGradSyncConfig:
     wide_sum: bool = False
     compression: Compression | None = None
     error_feedback: bool = False
+    elastic: bool = False
+    min_world_size: int = 1
 
     if TYPE_CHECKING:
         # What __init__ takes: sync_dir as a str or path-like, kept as an absolute Path.
@@ -144,6 +153,8 @@ class FileGradSyncConfig:
             wide_sum: bool = ...,
             compression: Compression | None = ...,
             error_feedback: bool = ...,
+            elastic: bool = ...,
+            min_world_size: int = ...,
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -167,7 +178,7 @@ class FileGradSyncConfig:
             )
         if self.strategy not in _STRATEGIES:
             raise ConfigError(f"strategy must be one of {_STRATEGIES}, got {self.strategy!r}")
-        for name in ("check_finite", "checksums", "wide_sum", "error_feedback"):
+        for name in ("check_finite", "checksums", "wide_sum", "error_feedback", "elastic"):
             self._set(name, _check_bool(name, getattr(self, name)))
         if self.compression not in _COMPRESSIONS:
             raise ConfigError(
@@ -175,6 +186,13 @@ class FileGradSyncConfig:
             )
         if self.error_feedback and self.compression is None:
             raise ConfigError("error_feedback=True needs a compression, got compression=None")
+        least = check_int("min_world_size", self.min_world_size, minimum=1)
+        if least > self.world_size:
+            raise ConfigError(
+                f"min_world_size must be at most world_size, got min_world_size={least!r} "
+                f"with world_size={self.world_size!r}"
+            )
+        self._set("min_world_size", least)
         if self.use_mmap is not None:
             self._set("use_mmap", _check_bool("use_mmap", self.use_mmap, " or None"))
         if self.threads is not None:
@@ -201,7 +219,8 @@ class FileGradSyncConfig:
         ``GRADSYNC_HEARTBEAT_INTERVAL_S``, ``GRADSYNC_HEARTBEAT_TIMEOUT_S``,
         ``GRADSYNC_WARN_AFTER_S``, ``GRADSYNC_CHECK_FINITE``, ``GRADSYNC_USE_MMAP``,
         ``GRADSYNC_CHECKSUMS``, ``GRADSYNC_THREADS``, ``GRADSYNC_WIDE_SUM``,
-        ``GRADSYNC_COMPRESSION`` (``none`` or empty: None), ``GRADSYNC_ERROR_FEEDBACK`` (flags:
+        ``GRADSYNC_COMPRESSION`` (``none`` or empty: None), ``GRADSYNC_ERROR_FEEDBACK``,
+        ``GRADSYNC_ELASTIC``, ``GRADSYNC_MIN_WORLD_SIZE`` (flags:
         ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off``) and
         ``GRADSYNC_RUN_ID`` (falling back to ``TORCHELASTIC_RUN_ID``). A leading ``~``
         of the sync dir is expanded. Keyword ``overrides`` win over the environment
@@ -423,4 +442,6 @@ _OPTIONAL_VARS: tuple[tuple[str, str, Callable[[str, str], object]], ...] = (
     ("wide_sum", "GRADSYNC_WIDE_SUM", _parse_bool),
     ("compression", "GRADSYNC_COMPRESSION", _parse_compression),
     ("error_feedback", "GRADSYNC_ERROR_FEEDBACK", _parse_bool),
+    ("elastic", "GRADSYNC_ELASTIC", _parse_bool),
+    ("min_world_size", "GRADSYNC_MIN_WORLD_SIZE", _parse_int),
 )

@@ -9,6 +9,8 @@ Standard library only (the launcher's watchdog reads it without numpy)::
         leader-<gen>.json            rank 0's registration of generation <gen>
         lock-0[-<run id>].lock       rank 0's lock for its job's life
         ended-<rank>-<nonce>.json    the launcher: a waiting joiner's process ended
+        ejoin-<nonce>.json           elastic: a process asks to join the running job
+        current[-<run id>].json      elastic: the running job's generation
       gen-<gen>/                     one job
         .gradsync-own                gradsync made this directory (only such are removed)
         roster.json, abort.json      rank 0's roster; why the job failed to form
@@ -20,7 +22,10 @@ Standard library only (the launcher's watchdog reads it without numpy)::
         seen-<host key>.json         a rank 0's look at the heartbeats of a dead job
         d-<rank>[-<slot>].in|.out    a rank's input and its shard of the mean
         d-<rank>-b<n>.in             a rank's buffers_like file
-        s-<seq>/                     call <seq>: in-<rank>, out-<rank>, abort-<rank>
+        s-<seq>/                     call <seq>: in-<rank>, out-<rank>, abort-<rank>,
+                                     joins (elastic: rank 0 admits joiners after it)
+        stay-<rank>.json             elastic: rank <rank> goes on into a new membership
+        next.claim, next.json        elastic: the one decision of the next membership
 """
 
 from __future__ import annotations
@@ -29,16 +34,22 @@ import re
 
 __all__ = [
     "ABORT",
+    "EJOIN_PREFIX",
     "ENDED",
     "GAVE_UP",
     "GEN_PREFIX",
+    "JOINS",
     "LOCK_PREFIX",
+    "NEXT",
+    "NEXT_CLAIM",
     "OWN_MARK",
     "RDZV",
     "RIVAL",
     "ROSTER",
     "abort_marker",
+    "current_name",
     "data_name",
+    "ejoin_name",
     "ended_name",
     "gave_up_name",
     "gen_id_of",
@@ -61,6 +72,7 @@ __all__ = [
     "seen_name",
     "shared_input_name",
     "shared_input_rank",
+    "stay_name",
     "step_dir_name",
 ]
 
@@ -73,6 +85,10 @@ GAVE_UP = "gave-up-"
 ENDED = "ended-"
 LOCK_PREFIX = "lock-0"
 RIVAL = "rival-0-"
+EJOIN_PREFIX = "ejoin-"
+JOINS = "joins"
+NEXT = "next.json"
+NEXT_CLAIM = "next.claim"
 _SHARED_INPUT = re.compile(r"d-(\d+)-b\d+\.in")
 
 
@@ -186,3 +202,15 @@ def output_marker(rank: int) -> str:
 
 def abort_marker(rank: int) -> str:
     return f"abort-{rank}"
+
+
+def stay_name(rank: int) -> str:
+    return f"stay-{rank}.json"
+
+
+def ejoin_name(nonce: str) -> str:
+    return f"{EJOIN_PREFIX}{nonce}.json"
+
+
+def current_name(run_id: str | None) -> str:
+    return "current.json" if run_id is None else f"current-{run_id}.json"

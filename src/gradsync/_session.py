@@ -13,8 +13,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._config import FileGradSyncConfig
+from ._elastic import member_config, start_elastic
 from ._errors import ConfigError, GradSyncError, clip
 from ._gpu.source import DeviceGrads
+from ._job.reform import Membership, Reformer, forget_job
 from ._job.rendezvous import Generation, leave, rendezvous
 from ._step.engine import StepEngine
 
@@ -53,6 +55,8 @@ class Session:
     def __init__(self, rank: int) -> None:
         self.gen: Generation | None = None
         self.engine: StepEngine | None = None
+        self.membership: Membership | None = None  # elastic only
+        self._cfg: FileGradSyncConfig | None = None  # elastic only
         self.gpu = DeviceGrads(rank)
         self.forks = _forks_seen
         self.left = False
@@ -72,10 +76,52 @@ class Session:
             meet = cfg
             if max_wait_s is not None and max_wait_s < cfg.max_wait_s:
                 meet = dataclasses.replace(cfg, max_wait_s=max_wait_s)
+            if cfg.elastic:
+                self._cfg = cfg
+                self.membership = start_elastic(meet, closing)
+                self.gen = self.membership.gen
+                self.engine = StepEngine(member_config(cfg, self.membership), self.gen, closing)
+                return self.engine
             self.gen = rendezvous(meet, closing)
             # From here on, a failure (an interrupt too) leaves the generation.
             self.engine = StepEngine(cfg, self.gen, closing)
         return self.engine
+
+    def reform(
+        self,
+        cfg: FileGradSyncConfig,
+        closing: threading.Event,
+        *,
+        admit: bool,
+        next_step: int | None = None,
+        known_lost: dict[int, str] | None = None,
+    ) -> Membership:
+        """Elastic: go on in the next membership (leaving this one), as decided with the
+        other members that go on; ``admit``: joiners come in; ``known_lost``: ranks
+        found lost already, and why."""
+        old, engine = self.membership, self.engine
+        assert old is not None
+        assert engine is not None
+        reformer = Reformer(
+            cfg,
+            old,
+            engine.completed,
+            closing,
+            admit=admit,
+            next_step=next_step,
+            known_lost=known_lost,
+        )
+        new = reformer.run()
+        # Rank 0's hold on the run id stays with the process that is rank 0 again.
+        lock = old.gen.lock if new.gen.rank == 0 else None
+        self.engine = None
+        engine.close()
+        kept = dataclasses.replace(old.gen, lock=None) if lock is not None else old.gen
+        leave(kept, engine.completed, f"went on in generation {new.gen.gen_id}")
+        self.gen = dataclasses.replace(new.gen, lock=lock)
+        self.membership = dataclasses.replace(new, gen=self.gen)
+        self.engine = StepEngine(member_config(cfg, new), self.gen, closing)
+        return new
 
     def abandon(self) -> None:
         """Leave, for a GradSync dropped without close() or still open at exit, unless a
@@ -101,6 +147,8 @@ class Session:
                 if self.gen is not None:
                     calls = 0 if self.engine is None else self.engine.completed
                     leave(self.gen, calls, f"closed its gradsync session ({why})" if why else None)
+                    if self._cfg is not None:
+                        forget_job(self._cfg, self.gen)
             finally:
                 self.gpu.close()
 

@@ -19,6 +19,12 @@ class StepStats:
     buffers: queues the copies of every shard into the buffers). ``total_s`` is the
     call from the download (or publish) to the end of the gather: it excludes the
     first call's rendezvous and the argument checks.
+
+    With ``elastic``: ``members`` are the ranks that took part, each as it was started
+    (``cfg.rank``), in the order of their ranks now; ``epoch`` counts the changes of
+    membership so far; ``lost`` says who left during this call and why (the step was
+    then redone without them); ``joined`` lists those admitted after it (call
+    ``broadcast`` before the next step). Without ``elastic`` they stay empty.
     """
 
     step: int
@@ -32,6 +38,10 @@ class StepStats:
     gather_s: float = 0.0
     total_s: float = 0.0
     last_rank: int | None = None
+    members: tuple[int, ...] = ()
+    epoch: int = 0
+    lost: tuple[str, ...] = ()
+    joined: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         return (

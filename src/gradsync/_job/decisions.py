@@ -148,7 +148,8 @@ def settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
     compression), the maths (wide_sum), what a reader can check, which only its publisher can make
     possible (check_finite: the publisher flags NaN/Inf; checksums: it writes the CRCs),
     and when a silent peer counts as lost: a rank that beats every 20 s was declared
-    lost by a peer waiting 15 s for a beat. The rest may differ between ranks."""
+    lost by a peer waiting 15 s for a beat; and whether the job is elastic. The rest
+    may differ between ranks."""
     return {
         "strategy": cfg.strategy,
         "wide_sum": cfg.wide_sum,
@@ -157,6 +158,7 @@ def settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
         "checksums": cfg.checksums,
         "heartbeat_interval_s": cfg.heartbeat_interval_s,
         "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
+        **({"elastic": True} if cfg.elastic else {}),
     }
 
 
@@ -177,8 +179,9 @@ def disagreement(
             ranks=[0, member.rank],
             path=cfg.sync_dir,
         )
-    theirs = {**theirs, "world_size": data.get("world_size")}
-    for key, value in {"world_size": cfg.world_size, **mine}.items():
+    # Sent only where set: a rank without elastic says what it always said.
+    theirs = {"elastic": False, **theirs, "world_size": data.get("world_size")}
+    for key, value in {"world_size": cfg.world_size, **mine, "elastic": cfg.elastic}.items():
         if theirs.get(key) != value:
             return MismatchError(
                 f"rendezvous: rank 0 has {key} {value!r} but rank {member.rank} "

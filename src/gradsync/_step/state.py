@@ -59,6 +59,9 @@ class EngineState:
         # Every file the peers read of this rank in this call is published: they can
         # finish the call without it.
         self._peers_served = False
+        # Elastic: rank 0 said in this call that joiners come in after it.
+        self.joins_due = False
+        self._next_join_look = 0.0
         self._plan: Plan | None = None
         self._publishers: list[int] = []
         # The last few layouts' plans, most recent last: a loop that alternates layouts

@@ -1,0 +1,366 @@
+"""Elastic membership over files: re-forming the job after a rank is lost or before
+joiners are admitted, and a late process joining the running job.
+
+The members of generation G that go on each write ``G/stay-<rank>.json``; the lowest
+of them that lives waits until every member stayed or is gone, decides
+(:mod:`gradsync._job.membership`), claims the decision (``G/next.claim``, created
+exclusively: one decision per membership), makes the next generation with its roster
+and writes ``G/next.json``, then ``rdzv/current[-<run id>].json`` naming it. Every
+member reads ``next.json`` and takes its new, dense rank. A joiner writes
+``rdzv/ejoin-<nonce>.json`` and waits for a roster of the current generation that
+lists it. docs/elastic.md says why and what is guaranteed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gradsync._config import FileGradSyncConfig
+from gradsync._errors import GradSyncError, PeerLostError, PeerTimeoutError
+from gradsync._names import (
+    EJOIN_PREFIX,
+    NEXT,
+    NEXT_CLAIM,
+    RDZV,
+    ROSTER,
+    current_name,
+    ejoin_name,
+    gen_name,
+    left_name,
+    stay_name,
+)
+from gradsync._store.api import store
+from gradsync._store.dirs import dir_below, make_own_dir
+from gradsync._store.read import names_below
+
+from . import notes
+from .decisions import settings
+from .generation import Generation
+from .liveness import HeartbeatWatch, MemberInfo, judge
+from .membership import Reform, ReformLook, Standing, decide_reform, refusal, survivors
+
+__all__ = ["Membership", "Reformer", "join_running", "joins_waiting", "running_job"]
+
+_log = logging.getLogger("gradsync")
+_LOOK_EVERY_S = 0.002
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A generation of an elastic job, with who its members were started as."""
+
+    gen: Generation
+    launch: tuple[int, ...]  # each member's rank as started (cfg.rank), in rank order
+    epoch: int = 0
+    next_step: int | None = None  # the step of the members' next call (for joiners)
+    lost: tuple[str, ...] = ()  # who left at this change, and why
+    joined: tuple[int, ...] = ()  # launch ranks admitted at this change
+
+
+def _decision(data: dict[str, Any], sync_dir: Path, me: MemberInfo) -> Membership | None:
+    """The membership ``data`` (a decision, or a new generation's roster) gives ``me``;
+    None if it does not list ``me``. Raises ValueError for a garbled one."""
+    members = [MemberInfo.from_json(m) for m in data["members"]]
+    launch = tuple(int(r) for r in data["launch"])
+    for rank, member in enumerate(members):
+        if member.nonce == me.nonce:
+            gen_id = str(data["gen"])
+            gen = Generation(sync_dir / gen_name(gen_id), gen_id, tuple(members), rank)
+            step = data.get("next_step")
+            return Membership(
+                gen,
+                launch,
+                int(data["epoch"]),
+                step if isinstance(step, int) else None,
+                tuple(str(x) for x in data.get("lost", ())),
+                tuple(int(r) for r in data.get("joined", ())),
+            )
+    return None
+
+
+class Reformer:
+    """One member's part in re-forming the job: stay, decide if it leads, adopt."""
+
+    def __init__(
+        self,
+        cfg: FileGradSyncConfig,
+        current: Membership,
+        completed: int,
+        closing: threading.Event | None,
+        *,
+        admit: bool,
+        next_step: int | None = None,
+        known_lost: dict[int, str] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.cur = current
+        self.gen = current.gen
+        self.completed = completed
+        self._closing = closing
+        self._admit = admit  # a change at a step boundary: joiners come in
+        self._next_step = next_step
+        self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
+        self._stays: dict[int, int] = {self.gen.rank: completed}
+        # Ranks the failed step found lost already: their heartbeats need not be
+        # waited out again (a member on this host is judged by its process anyway).
+        self._known_lost = known_lost or {}
+
+    def run(self) -> Membership:
+        """The next membership, once decided.
+
+        Raises:
+            PeerLostError: the survivors may not go on within ``max_wait_s`` (no
+                majority, fewer than ``min_world_size``), or this rank was left out.
+            GradSyncError: the session was closed.
+        """
+        note = {"member": self.gen.me.to_json(), "completed": self.completed}
+        notes.write_json(self.gen.path / stay_name(self.gen.rank), note, "staying in")
+        start = time.monotonic()
+        while True:
+            timed_out = time.monotonic() - start >= self.cfg.max_wait_s
+            standings = self._standings()
+            joiners = _joiners(self.cfg) if self._admit else []
+            decided = notes.load(self.gen.path / NEXT)
+            look = ReformLook(
+                closing=self._closing is not None and self._closing.is_set(),
+                decided=decided is not None,
+                me=self.gen.rank,
+                standings=standings,
+                joiners=len(joiners),
+                min_world_size=self.cfg.min_world_size,
+                timed_out=timed_out,
+            )
+            action = decide_reform(look)
+            if action is Reform.CLOSED:
+                raise GradSyncError(
+                    f"rank {self.gen.rank}'s session was closed while the job re-formed",
+                    ranks=[self.gen.rank],
+                )
+            if action is Reform.ADOPT and decided is not None:
+                return self._adopt(decided)
+            if action is Reform.DECIDE:
+                self._decide(standings, joiners)
+                continue
+            if action is Reform.FAIL:
+                raise self._failure(standings, len(joiners))
+            time.sleep(_LOOK_EVERY_S)
+
+    def _standings(self) -> tuple[Standing, ...]:
+        names = names_below(self.gen.path)
+        found = []
+        for member in self.gen.members:
+            q = member.rank
+            if q not in self._stays and stay_name(q) in names:
+                data = notes.load(self.gen.path / stay_name(q))
+                done = None if data is None else data.get("completed")
+                if isinstance(done, int) and notes.member_of(data) == member:
+                    self._stays[q] = done
+            if q in self._stays:
+                found.append(Standing(q, stayed=self._stays[q]))
+            elif left_name(q) in names:
+                why = notes.how_it_ended(self.gen.path, q) or "closed its gradsync session"
+                found.append(Standing(q, gone=why, certain=True))
+            elif q in self._known_lost and not member.same_host:
+                found.append(Standing(q, gone=self._known_lost[q]))
+            else:
+                verdict = judge(member, self._watch, self.gen.heartbeat_path(q))
+                gone = None if verdict.alive is not False else verdict.why
+                found.append(Standing(q, gone=gone, certain=gone is not None and member.same_host))
+        return tuple(found)
+
+    def _decide(self, standings: tuple[Standing, ...], joiners: list[dict[str, Any]]) -> None:
+        """Claim the one decision of this membership and write it; if another member
+        claimed it first, leave it to that member."""
+        try:
+            with dir_below(self.cfg.sync_dir, self.gen.path.name) as fd:
+                store().create(fd, NEXT_CLAIM)
+        except FileExistsError:
+            return
+        gen_id = secrets.token_hex(8)
+        make_own_dir(self.cfg.sync_dir, gen_name(gen_id))
+        going = survivors(standings)
+        members = [self.gen.members[q] for q in going]
+        members += [m for j in joiners if (m := notes.member_of(j)) is not None]
+        launch = [self.cur.launch[q] for q in going] + [int(j["launch"]) for j in joiners]
+        gone = {s.rank: s.gone or "was left behind" for s in standings if s.rank not in going}
+        lost = [
+            f"rank {self.cur.launch[q]} ({self.gen.members[q].describe()}) {why}"
+            for q, why in gone.items()
+        ]
+        data = {
+            "gen": gen_id,
+            "epoch": self.cur.epoch + 1,
+            "members": [dataclasses.replace(m, rank=r).to_json() for r, m in enumerate(members)],
+            "launch": launch,
+            "next_step": self._next_step,
+            "lost": lost,
+            "joined": launch[len(going) :],
+            "world_size": len(members),
+            "run_id": self.cfg.run_id,
+        }
+        new_path = self.cfg.sync_dir / gen_name(gen_id)
+        notes.write_json(new_path / ROSTER, data, "publishing the roster to")
+        for q in gone:
+            if standings[q].gone is not None and not notes.has_left(self.gen.path, q):
+                # For the last survivor to leave, which then removes this generation.
+                note = notes.dump({"calls": 0, "ended": standings[q].gone or ""})
+                notes.write_note(self.gen.path / left_name(q), note)
+        notes.write_json(self.gen.path / NEXT, data, "deciding the next membership in")
+        pointer = self.cfg.sync_dir / RDZV / current_name(self.cfg.run_id)
+        notes.write_json(pointer, {"gen": gen_id}, "naming the running job in")
+
+    def _adopt(self, data: dict[str, Any]) -> Membership:
+        try:
+            found = _decision(data, self.cfg.sync_dir, self.gen.me)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PeerLostError(
+                f"rank {self.gen.rank}: unreadable decision in {self.gen.path / NEXT}",
+                ranks=[self.gen.rank],
+                path=self.gen.path,
+            ) from exc
+        if found is None:
+            raise PeerLostError(
+                f"rank {self.gen.rank} ({self.gen.me.describe()}) was left out of the job's "
+                f"next membership in {self.gen.path / NEXT} (taken for lost, or behind the "
+                "others): it cannot go on",
+                ranks=[self.gen.rank],
+                path=self.gen.path,
+            )
+        return found
+
+    def _failure(self, standings: tuple[Standing, ...], joiners: int) -> PeerLostError:
+        gone = [s.rank for s in standings if s.gone is not None]
+        pending = [s.rank for s in standings if s.gone is None and s.stayed is None]
+        why = refusal(standings, joiners, self.cfg.min_world_size) or (
+            f"ranks {pending} neither went on nor were found gone"
+        )
+        described = "; ".join(f"rank {s.rank} {s.gone}" for s in standings if s.gone)
+        return PeerLostError(
+            f"the job could not go on within {self.cfg.max_wait_s} s after losing ranks "
+            f"{gone} ({described}): {why}",
+            ranks=gone,
+            path=self.gen.path,
+        )
+
+
+def _joiners(cfg: FileGradSyncConfig) -> list[dict[str, Any]]:
+    """The join requests of this run from live processes that share its settings."""
+    rdzv = cfg.sync_dir / RDZV
+    found = []
+    for name in sorted(names_below(rdzv)):
+        if not name.startswith(EJOIN_PREFIX):
+            continue
+        data = notes.load(rdzv / name)
+        member = notes.member_of(data)
+        if data is None or member is None or data.get("run_id") != cfg.run_id:
+            continue
+        if judge(member).alive is False or not isinstance(data.get("launch"), int):
+            continue
+        if data.get("settings") != settings(cfg):
+            _log.warning(
+                "rank %d: not admitting %s (%s): its settings %s differ from %s",
+                cfg.rank,
+                name,
+                member.describe(),
+                data.get("settings"),
+                settings(cfg),
+            )
+            continue
+        found.append(data)
+    return sorted(found, key=lambda d: (d["launch"], d["member"]["nonce"]))
+
+
+def joins_waiting(cfg: FileGradSyncConfig) -> bool:
+    """Whether a process waits to join this run (checked by its rank 0 between calls)."""
+    return bool(_joiners(cfg))
+
+
+def running_job(cfg: FileGradSyncConfig) -> Path | None:
+    """The generation of this run that still has a live member, if the run is going."""
+    pointer = notes.load(cfg.sync_dir / RDZV / current_name(cfg.run_id))
+    if pointer is None or not isinstance(pointer.get("gen"), str):
+        return None
+    gen_path = cfg.sync_dir / gen_name(pointer["gen"])
+    roster = notes.load(gen_path / ROSTER)
+    if roster is None or not isinstance(roster.get("members"), list):
+        return None
+    for raw in roster["members"]:
+        try:
+            member = MemberInfo.from_json(raw)
+        except ValueError:
+            continue
+        if not notes.has_left(gen_path, member.rank) and judge(member).alive is not False:
+            return gen_path
+    return None
+
+
+def forget_job(cfg: FileGradSyncConfig, gen: Generation) -> None:
+    """Remove the note naming ``gen`` as the running job once ``gen`` is gone (its last
+    member left). Never raises: it only tidies."""
+    pointer = cfg.sync_dir / RDZV / current_name(cfg.run_id)
+    named = notes.load(pointer)
+    if named is None or named.get("gen") != gen.gen_id or names_below(gen.path):
+        return
+    with contextlib.suppress(OSError):
+        notes.unlink(pointer)
+
+
+def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Membership:
+    """Ask to join this run's running job and wait (``max_wait_s``) to be admitted at
+    one of its step boundaries.
+
+    Raises:
+        PeerTimeoutError: not admitted within ``max_wait_s``.
+        GradSyncError: ``closing`` was set.
+    """
+    me = MemberInfo.for_self(cfg.rank, secrets.token_hex(8))
+    request = cfg.sync_dir / RDZV / ejoin_name(me.nonce)
+    data = {
+        "member": me.to_json(),
+        "run_id": cfg.run_id,
+        "settings": settings(cfg),
+        "launch": cfg.rank,
+    }
+    notes.write_json(request, data, "asking to join in")
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < cfg.max_wait_s:
+            if closing is not None and closing.is_set():
+                raise GradSyncError(
+                    f"rank {cfg.rank}'s session was closed while it waited to join",
+                    ranks=[cfg.rank],
+                )
+            found = _admitted(cfg, me)
+            if found is not None:
+                return found
+            time.sleep(_LOOK_EVERY_S * 5)
+    finally:
+        with contextlib.suppress(OSError):
+            notes.unlink(request)
+    raise PeerTimeoutError(
+        f"rank {cfg.rank} ({me.describe()}) was not admitted into the running job in "
+        f"{cfg.sync_dir} within {cfg.max_wait_s} s",
+        ranks=[cfg.rank],
+        path=cfg.sync_dir,
+    )
+
+
+def _admitted(cfg: FileGradSyncConfig, me: MemberInfo) -> Membership | None:
+    pointer = notes.load(cfg.sync_dir / RDZV / current_name(cfg.run_id))
+    if pointer is None or not isinstance(pointer.get("gen"), str):
+        return None
+    roster = notes.load(cfg.sync_dir / gen_name(pointer["gen"]) / ROSTER)
+    if roster is None:
+        return None
+    try:
+        return _decision(roster, cfg.sync_dir, me)
+    except (KeyError, TypeError, ValueError):
+        return None

@@ -1,0 +1,90 @@
+"""Rank bodies for tests/test_elastic.py (importable by spawned children)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import gradsync
+from gradsync import _proc
+from ranks import WarningLog, config
+from workers import SHAPES, SHAPES_BIG, grads_for
+
+_log = logging.getLogger("gradsync")
+
+
+def train(
+    rank: int,
+    world: int,
+    sync_dir: str,
+    steps: int,
+    kw: dict[str, Any],
+    big: bool = False,
+    pause_s: float = 0.0,
+    late: dict[int, tuple[int, float]] | None = None,
+    own_host: bool = False,
+    pid_dir: str | None = None,
+) -> dict[str, Any]:
+    """Average ``grads_for(rank, step)`` in an elastic job until step ``steps``; every
+    call's members, ranks, inputs' seed and results, how long each took, and the
+    warnings logged. ``late``: process -> (rank it is started as, seconds it starts late).
+    ``own_host``: this process acts as the one rank of a host of its own. ``pid_dir``:
+    where it writes its pid, after its first call (for a test to kill it)."""
+    if own_host:
+        _act_as_own_host(Path(sync_dir).parent / f"host-{rank}")
+    shapes = SHAPES_BIG if big else SHAPES
+    handler = WarningLog()
+    _log.addHandler(handler)
+    records = []
+    as_rank, delay_s = (late or {}).get(rank, (rank, 0.0))
+    time.sleep(delay_s)
+    cfg = config(as_rank, max(world, as_rank + 1), sync_dir, elastic=True, **kw)
+    try:
+        with gradsync.GradSync(cfg) as gs:
+            step = 0
+            while step < steps:
+                grads = grads_for(as_rank, step, shapes)
+                start = time.monotonic()
+                stats = gs.average(grads)
+                records.append(
+                    {
+                        "step": stats.step,
+                        "members": stats.members,
+                        "seed": (as_rank, step),
+                        "lost": stats.lost,
+                        "joined": stats.joined,
+                        "epoch": stats.epoch,
+                        "rank": gs.rank,
+                        "world": gs.world_size,
+                        "elapsed_s": time.monotonic() - start,
+                        "after": [g.tobytes() for g in grads],
+                    }
+                )
+                step = stats.step + 1
+                if pid_dir is not None and len(records) == 1:
+                    (Path(pid_dir) / f"pid-{rank}").write_text(str(os.getpid()))
+                time.sleep(pause_s)
+    finally:
+        _log.removeHandler(handler)
+    return {"records": records, "warnings": handler.messages}
+
+
+def _act_as_own_host(root: Path) -> None:
+    """Read process information below ``root``: this process's own ``/proc`` entries and
+    a boot id of its own, so its peers count as on other hosts (judged by heartbeats)."""
+    me = str(os.getpid())
+    (root / "sys" / "kernel" / "random").mkdir(parents=True)
+    (root / "sys" / "kernel" / "random" / "boot_id").write_text(f"boot-{root.name}\n")
+    (root / me).symlink_to(f"/proc/{me}")
+    (root / "self").symlink_to(me)
+    _proc.set_root(root)
+
+
+def first_call(rank: int, world: int, sync_dir: str, elastic_ranks: list[int]) -> None:
+    """One averaging call, elastic only on ``elastic_ranks``."""
+    cfg = config(rank, world, sync_dir, elastic=rank in elastic_ranks, max_wait_s=10.0)
+    with gradsync.GradSync(cfg) as gs:
+        gs.average(grads_for(rank, 0))

@@ -1,0 +1,250 @@
+"""Elastic membership: ranks lost mid-step, joiners, and the majority rule (no files)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import elastic_workers
+import gradsync
+from gradsync._job.membership import (
+    Reform,
+    ReformLook,
+    Standing,
+    decide_reform,
+    refusal,
+    survivors,
+)
+from ranks import run_ranks
+from test_faults import fault
+from workers import SHAPES, SHAPES_BIG, grads_for
+
+# Short heartbeats: a test waits for nothing longer.
+FAST = {"heartbeat_interval_s": 0.05, "heartbeat_timeout_s": 3.0, "max_wait_s": 20.0}
+
+
+def _records(results: dict[int, Any]) -> Iterator[tuple[int, dict[str, Any]]]:
+    for proc, outcome in results.items():
+        assert outcome.ok, outcome.value
+        for rec in outcome.value["records"]:
+            yield proc, rec
+
+
+def _check_means(results: dict[int, Any], big: bool = False) -> dict[int, tuple[int, ...]]:
+    """Every step's result is the same bits on every rank that reported it, and equals
+    average_host_grads of the inputs of the ranks that took part; who took part."""
+    shapes = SHAPES_BIG if big else SHAPES
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for _, rec in _records(results):
+        by_step.setdefault(rec["step"], []).append(rec)
+    taking_part = {}
+    for step, recs in sorted(by_step.items()):
+        members = recs[0]["members"]
+        assert all(r["members"] == members for r in recs), step
+        seeds = {r["members"][r["rank"]]: r["seed"] for r in recs}
+        inputs = [grads_for(*seeds.get(launch, (launch, step)), shapes) for launch in members]
+        want = [a.tobytes() for a in gradsync.average_host_grads(inputs)]
+        for r in recs:
+            assert r["after"] == want, (step, r["rank"])
+        taking_part[step] = members
+    return taking_part
+
+
+@pytest.mark.parametrize(
+    ("phase", "big"), [("after_publish", False), ("after_output", True), ("before_publish", True)]
+)
+def test_survivors_of_a_sigkilled_rank_redo_the_step_and_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str, big: bool
+) -> None:
+    with fault(f"{phase}@2@4=sigkill", monkeypatch):
+        results = run_ranks(
+            elastic_workers.train,
+            4,
+            (4, str(tmp_path), 6, FAST, big),
+            expect=[0, 1, 3],
+            timeout_s=60,
+        )
+    parts = _check_means(results, big)
+    assert parts[0] == (0, 1, 2, 3)
+    assert parts[5] == (0, 1, 3)
+    for proc in (0, 1, 3):
+        recs = results[proc].value["records"]
+        lost = [r for r in recs if r["lost"]]
+        assert len(lost) == 1, recs
+        assert "rank 2" in lost[0]["lost"][0]
+        assert lost[0]["elapsed_s"] < FAST["heartbeat_timeout_s"]
+        assert recs[-1]["world"] == 3
+        assert recs[-1]["epoch"] == 1
+        assert any("rank 2" in w for w in results[proc].value["warnings"])
+    assert [r["rank"] for r in results[3].value["records"]][-1] == 2  # renumbered densely
+
+
+def test_a_late_joiner_comes_in_at_a_step_boundary_and_averages_with_the_others(
+    tmp_path: Path,
+) -> None:
+    late = {3: (3, 1.5)}  # process 3 starts as rank 3, 1.5 s after the others formed a job of 3
+    results = run_ranks(
+        elastic_workers.train,
+        4,
+        (3, str(tmp_path), 40, FAST, False, 0.05, late),
+        timeout_s=60,
+    )
+    parts = _check_means(results)
+    assert parts[0] == (0, 1, 2)
+    assert parts[39] == (0, 1, 2, 3)
+    first = results[3].value["records"][0]
+    assert first["members"] == (0, 1, 2, 3)
+    assert first["rank"] == 3  # joiners come after the members that were there
+    boundary = [r for r in results[0].value["records"] if r["joined"]]
+    assert len(boundary) == 1
+    assert boundary[0]["joined"] == (3,)
+    assert boundary[0]["members"] == (0, 1, 2)  # the call itself ran without the joiner
+    assert boundary[0]["step"] + 1 == first["step"]
+
+
+def test_below_min_world_size_the_survivors_wait_then_fail_naming_the_lost_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kw = {**FAST, "max_wait_s": 1.0, "min_world_size": 3}
+    with fault("after_publish@2@3=sigkill", monkeypatch):
+        results = run_ranks(
+            elastic_workers.train, 3, (3, str(tmp_path), 6, kw), expect=[0, 1], timeout_s=60
+        )
+    for proc in (0, 1):
+        assert results[proc].error_type == "PeerLostError", results[proc].value
+        assert "min_world_size 3" in results[proc].message
+        assert results[proc].attrs["ranks"] == (2,)
+
+
+def _look(standings: list[Standing], **kw: Any) -> ReformLook:
+    return ReformLook(closing=False, decided=False, me=0, standings=tuple(standings), **kw)
+
+
+def test_the_lowest_live_member_decides_once_every_member_stayed_or_is_gone() -> None:
+    stayed = [Standing(0, stayed=4), Standing(1, stayed=4)]
+    assert decide_reform(_look([*stayed, Standing(2)])) is Reform.WAIT  # 2 not known yet
+    gone = Standing(2, gone="has exited", certain=True)
+    assert decide_reform(_look([*stayed, gone])) is Reform.DECIDE
+    assert decide_reform(dataclasses.replace(_look([*stayed, gone]), me=1)) is Reform.WAIT
+    assert decide_reform(dataclasses.replace(_look([*stayed, gone]), decided=True)) is Reform.ADOPT
+
+
+def test_a_member_gone_before_deciding_passes_the_lead_to_the_next() -> None:
+    look = ReformLook(
+        closing=False,
+        decided=False,
+        me=1,
+        standings=(Standing(0, gone="has exited", certain=True), Standing(1, 3), Standing(2, 3)),
+    )
+    assert decide_reform(look) is Reform.DECIDE
+
+
+def test_half_of_the_members_never_go_on_when_the_others_may_live() -> None:
+    # Two halves cut apart: each sees the other's heartbeats stop.
+    half = [
+        Standing(0, stayed=7),
+        Standing(1, stayed=7),
+        Standing(2, gone="stopped its heartbeat 5.0 s ago"),
+        Standing(3, gone="stopped its heartbeat 5.0 s ago"),
+    ]
+    other_half = [
+        Standing(0, gone="stopped its heartbeat 5.0 s ago"),
+        Standing(1, gone="stopped its heartbeat 5.0 s ago"),
+        Standing(2, stayed=7),
+        Standing(3, stayed=7),
+    ]
+    assert "not a majority" in (refusal(tuple(half), 0, 1) or "")
+    assert "not a majority" in (refusal(tuple(other_half), 0, 1) or "")
+    assert decide_reform(_look(half)) is Reform.WAIT
+    assert decide_reform(_look(half, timed_out=True)) is Reform.FAIL
+
+
+def test_members_known_dead_for_sure_do_not_count_against_the_majority() -> None:
+    dead = [Standing(q, gone="has exited", certain=True) for q in (2, 3)]
+    assert refusal((Standing(0, 7), Standing(1, 7), *dead), 0, 1) is None
+    assert "min_world_size 3" in (refusal((Standing(0, 7), Standing(1, 7), *dead), 0, 3) or "")
+    assert refusal((Standing(0, 7), Standing(1, 7), *dead), 1, 3) is None  # a joiner makes up
+
+
+def test_a_member_behind_the_others_is_left_out() -> None:
+    standings = (Standing(0, stayed=5), Standing(1, stayed=6), Standing(2, stayed=6))
+    assert survivors(standings) == (1, 2)
+
+
+def test_a_live_member_that_never_stays_is_left_out_once_max_wait_s_is_over() -> None:
+    standings = [Standing(0, 2), Standing(1, 2), Standing(2, 2), Standing(3)]
+    assert decide_reform(_look(standings)) is Reform.WAIT
+    assert decide_reform(_look(standings, timed_out=True)) is Reform.DECIDE
+    assert survivors(tuple(standings)) == (0, 1, 2)
+
+
+def test_a_closed_session_stops_re_forming() -> None:
+    look = dataclasses.replace(_look([Standing(0, 1)]), closing=True, decided=True)
+    assert decide_reform(look) is Reform.CLOSED
+
+
+def test_a_host_that_stops_beating_is_left_behind_within_the_heartbeat_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each rank acts as a host of its own: a peer's death shows only in its heartbeat.
+    kw = {**FAST, "heartbeat_timeout_s": 2.0}
+    sync_dir = tmp_path / "sync"
+    with fault("after_publish@1@4=sigkill", monkeypatch):
+        results = run_ranks(
+            elastic_workers.train,
+            4,
+            (4, str(sync_dir), 6, kw, False, 0.0, None, True),
+            expect=[0, 2, 3],
+            timeout_s=60,
+        )
+    parts = _check_means(results)
+    assert parts[5] == (0, 2, 3)
+    for proc in (0, 2, 3):
+        (lost,) = [r for r in results[proc].value["records"] if r["lost"]]
+        assert "stopped its heartbeat" in lost["lost"][0]
+        assert lost["elapsed_s"] < 2 * kw["heartbeat_timeout_s"]
+
+
+@pytest.mark.parametrize("elastic_ranks", [[0], [1]])
+def test_ranks_that_disagree_on_elastic_fail_the_first_call_naming_it(
+    tmp_path: Path, elastic_ranks: list[int]
+) -> None:
+    results = run_ranks(elastic_workers.first_call, 2, (2, str(tmp_path), elastic_ranks))
+    for outcome in results.values():
+        assert outcome.error_type == "MismatchError", outcome.value
+        assert "elastic" in outcome.message
+
+
+def _kill_when_running(pid_file: Path, after_s: float) -> None:
+    while not pid_file.exists():
+        time.sleep(0.01)
+    time.sleep(after_s)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_killed_rank_started_again_rejoins_and_averages_with_the_others(
+    tmp_path: Path,
+) -> None:
+    # Process 2 is killed at whatever point of a step it is in 0.5 s after its first
+    # call; process 4, started as rank 2 again, joins the survivors.
+    late = {4: (2, 2.5)}
+    killer = threading.Thread(target=_kill_when_running, args=(tmp_path / "pid-2", 0.5))
+    killer.start()
+    sync_dir = tmp_path / "sync"
+    args = (4, str(sync_dir), 80, FAST, False, 0.05, late, False, str(tmp_path))
+    try:
+        results = run_ranks(elastic_workers.train, 5, args, expect=[0, 1, 3, 4], timeout_s=90)
+    finally:
+        killer.join(timeout=30)
+    parts = _check_means(results)
+    assert parts[0] == (0, 1, 2, 3)
+    assert parts[79] == (0, 1, 3, 2)  # the restarted rank 2 comes after the survivors
+    assert results[4].value["records"][0]["rank"] == 3
