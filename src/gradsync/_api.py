@@ -20,7 +20,7 @@ from ._async import Background, StepHandle
 from ._calls import alone, check_config, checked_step
 from ._config import FileGradSyncConfig
 from ._elastic import MembershipView, run_elastic
-from ._errors import ConfigError, GradSyncError, name_the_step
+from ._errors import GradSyncError, name_the_step
 from ._session import Session, closing_reason, forget
 from ._stats import StepStats
 from ._step.broadcast import broadcast_root, broadcast_view
