@@ -255,8 +255,8 @@ class GradSync(MembershipView):
             self._check_usable()
             step = self._next_step  # the next average's: errors name it
             with self._before_step():
-                chosen = broadcast_root(root, range(self.cfg.world_size))
-                view = broadcast_view(arrays, receiving=chosen != self.cfg.rank)
+                chosen = broadcast_root(root, range(self.world_size))
+                view = broadcast_view(arrays, receiving=chosen != self.rank)
             if not self.cfg.enabled:
                 return StepStats(step=step, world_size=1, bytes_per_rank=view.nbytes)
             try:
