@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -248,3 +251,28 @@ def test_a_killed_rank_started_again_rejoins_and_averages_with_the_others(
     assert parts[0] == (0, 1, 2, 3)
     assert parts[79] == (0, 1, 3, 2)  # the restarted rank 2 comes after the survivors
     assert results[4].value["records"][0]["rank"] == 3
+
+
+def test_a_rank_restarted_by_the_launcher_rejoins_and_ends_with_the_same_state(
+    tmp_path: Path,
+) -> None:
+    script = Path(__file__).parent / "scripts" / "elastic_rejoin.py"
+    env = {**os.environ, "GRADSYNC_SYNC_DIR": str(tmp_path)}
+    command = [sys.executable, "-m", "gradsync", "launch", "--elastic", "--max-restarts", "1"]
+    done = subprocess.run(
+        [*command, "--nproc", "3", str(script)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "restarting it (restart 1 of 1)" in done.stderr
+    lines = re.findall(r"rank (\d) restart (\d) world (\d) digest (\w+)", done.stdout)
+    assert sorted((r, k, w) for r, k, w, _ in lines) == [
+        ("0", "0", "3"),
+        ("1", "0", "3"),
+        ("2", "1", "3"),
+    ]
+    assert len({digest for *_, digest in lines}) == 1
