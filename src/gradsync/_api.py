@@ -399,6 +399,15 @@ class GradSync(MembershipView):
         if self._session.forked:
             self._closed = True
             return
+        if getattr(self._inside, "closing", False):
+            return  # a signal handler during this thread's own close(): that one finishes
+        self._inside.closing = True
+        try:
+            self._close_once(why)
+        finally:
+            self._inside.closing = False
+
+    def _close_once(self, why: str | None) -> None:
         self._closing.set()  # a call waiting for peers gives up
         if getattr(self._inside, "active", False):
             # Re-entered from a call of this thread (a signal handler ran during it):
