@@ -22,6 +22,7 @@ from ._step.engine import StepEngine
 
 if TYPE_CHECKING:
     from ._api import GradSync
+    from ._guard import CallGuard
 
 __all__ = [
     "Session",
@@ -189,7 +190,7 @@ def registered(cfg: FileGradSyncConfig, make: Callable[[FileGradSyncConfig], Gra
     return sync
 
 
-def forget(sync: GradSync) -> None:
+def forget(sync: CallGuard) -> None:
     """Drop ``sync`` from the registry (the next call of its job starts a new one)."""
     key = job_key(sync.cfg)
     with registry_lock:

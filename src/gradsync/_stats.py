@@ -43,6 +43,30 @@ class StepStats:
     lost: tuple[str, ...] = ()
     joined: tuple[int, ...] = ()
 
+    @classmethod
+    def timed(
+        cls,
+        step: int,
+        world_size: int,
+        bytes_per_rank: int,
+        t: tuple[float, ...],
+        last_rank: int | None,
+    ) -> StepStats:
+        """The stats of a step from its clock readings: start, published, inputs in,
+        reduced, shards in, gathered."""
+        return cls(
+            step=step,
+            world_size=world_size,
+            bytes_per_rank=bytes_per_rank,
+            publish_s=t[1] - t[0],
+            wait_inputs_s=t[2] - t[1],
+            reduce_s=t[3] - t[2],
+            wait_outputs_s=t[4] - t[3],
+            gather_s=t[5] - t[4],
+            total_s=t[5] - t[0],
+            last_rank=last_rank,
+        )
+
     def __str__(self) -> str:
         return (
             f"step {self.step}: {self.bytes_per_rank} B/rank, total {self.total_s * 1e3:.2f} ms "

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 
-from ._config import check_seconds, parse_float
+from ._config import check_seconds
+from ._env import parse_float
 from ._store.api import Store, use_store
 from ._store.faulty import FaultyStore
 from ._store.posix import PosixStore

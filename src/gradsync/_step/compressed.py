@@ -78,24 +78,12 @@ class Compressing(Publishing):
                 check_length(peer, q, plan.out_lens[q], step)
             t4 = time.perf_counter()
             self._gather_encoded(plan, wire, flats, means, outs, step, sink)
-            if self.rank == 0 and self.seq > 2:
-                self._dir.prune(self.seq - 2, self._marker_names)
+            self._prune()
             t5 = time.perf_counter()
         finally:
             for peer in (*peers.values(), *outs.values()):
                 peer.reader.close()
-        return StepStats(
-            step=step,
-            world_size=self.world,
-            bytes_per_rank=plan.in_len,
-            publish_s=t1 - t0,
-            wait_inputs_s=t2 - t1,
-            reduce_s=t3 - t2,
-            wait_outputs_s=t4 - t3,
-            gather_s=t5 - t4,
-            total_s=t5 - t0,
-            last_rank=last_in,
-        )
+        return StepStats.timed(step, self.world, plan.in_len, (t0, t1, t2, t3, t4, t5), last_in)
 
     def _keep_residuals(self, plan: Plan) -> None:
         """Start the error feedback afresh when the layout changes."""

@@ -173,18 +173,7 @@ class StepEngine(Broadcasting, Compressing, Gathering):
         finally:
             for peer in (*peers.values(), *outs.values()):
                 peer.reader.close()
-        stats = StepStats(
-            step=step,
-            world_size=self.world,
-            bytes_per_rank=plan.in_len,
-            publish_s=t1 - t0,
-            wait_inputs_s=t2 - t1,
-            reduce_s=t3 - t2,
-            wait_outputs_s=t4 - t3,
-            gather_s=t5 - t4,
-            total_s=t5 - t0,
-            last_rank=last_in,
-        )
+        stats = StepStats.timed(step, self.world, plan.in_len, (t0, t1, t2, t3, t4, t5), last_in)
         _log.debug("%s", stats)
         return stats
 
@@ -271,8 +260,3 @@ class StepEngine(Broadcasting, Compressing, Gathering):
             half = len(shard) // 2
             self._write(step_dir, "out", [head, shard[:half], shard[half:]], step)
         return shard
-
-    def _prune(self) -> None:
-        """Rank 0 removes the directory of call seq-2, emptied by the ranks' renames."""
-        if self.rank == 0 and self.seq > 2:
-            self._dir.prune(self.seq - 2, self._marker_names)

@@ -30,6 +30,11 @@ _FAULTS_ON = bool(os.environ.get("GRADSYNC_TEST_FAULT"))
 class Publishing(EngineState):
     """The part of a step engine that writes and publishes this rank's files."""
 
+    def _prune(self) -> None:
+        """Rank 0 removes the directory of call seq-2, emptied by the ranks' renames."""
+        if self.rank == 0 and self.seq > 2:
+            self._dir.prune(self.seq - 2, self._marker_names)
+
     def _publish(
         self,
         step_dir: Path,
