@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +42,8 @@ __all__ = ["EngineState", "one_slot", "others"]
 REPLICATE_BELOW_BYTES = 256 * 1024
 # Plans kept for layouts seen before: building one is per-param work.
 _PLANS_KEPT = 4
+
+_log = logging.getLogger("gradsync")
 
 
 class EngineState:
@@ -95,6 +98,18 @@ class EngineState:
             gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s
         )
         local_ranks = sum(1 for m in gen.members if m.same_host)
+        # Every rank judges alike: the members' hosts come from the roster, and ranks on
+        # one host see the sync dir on one filesystem.
+        self.codec = codec_for(cfg.compression)
+        one_host = local and local_ranks == self.world
+        if self.codec is not None and one_host and not cfg.compress_local:
+            _log.info(
+                "gradsync: compression %r not applied: every rank runs on this host "
+                "and %s is on a local filesystem (compress_local=True applies it)",
+                cfg.compression,
+                gen.path.parent,
+            )
+            self.codec = None
         self.workers = Workers(cfg.threads or auto_threads(local_ranks))
 
     def close(self) -> None:
@@ -113,7 +128,7 @@ class EngineState:
                 self.world,
                 self.cfg.strategy == "root",
                 replicate_below=REPLICATE_BELOW_BYTES,
-                codec=codec_for(self.cfg.compression),
+                codec=self.codec,
             )
             if len(self._plans) >= _PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]
