@@ -648,6 +648,19 @@ def test_write_in_place_truncates_by_the_size_it_found(
     assert len(stats) == 1
 
 
+@pytest.mark.parametrize("before", [b"", b"z" * 30, b"z" * 80])
+@pytest.mark.parametrize("last", [[], [b""]])
+def test_write_in_place_leaves_skipped_bytes_as_they_are(
+    tmp_path: Path, before: bytes, last: list[bytes]
+) -> None:
+    # An int chunk: bytes only their writer reads (a compressed input's own shard).
+    target = tmp_path / "out"
+    target.write_bytes(before)
+    assert write_in_place(target, [b"a" * 10, 20, b"b" * 10, 15, *last]) == 55
+    old = before.ljust(55, b"\0")
+    assert target.read_bytes() == b"a" * 10 + old[10:30] + b"b" * 10 + old[40:55]
+
+
 def test_write_in_place_failure_midway_propagates(tmp_path: Path) -> None:
     target = tmp_path / "out"
 
