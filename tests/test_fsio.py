@@ -443,6 +443,22 @@ def test_backoff_yields_then_sleeps_with_growing_caps() -> None:
     assert clock.sleeps[-1] == pytest.approx(0.005)  # gentler polling for long waits
 
 
+def test_backoff_pauses_at_least_as_asked_even_while_spinning() -> None:
+    # Across hosts a look costs a round trip: the wait asks for a pause of 4 looks.
+    clock = FakeTime()
+    yields: list[None] = []
+    backoff = Backoff(
+        clock=clock.monotonic, sleep=clock.sleep, give_way=lambda: yields.append(None)
+    )
+    backoff.pause()  # spinning: yields
+    backoff.pause(0.002)  # spinning still, but asked to sleep
+    clock.now += 0.5
+    backoff.pause(1e-5)  # its own backoff is longer
+    assert yields == [None]
+    assert clock.sleeps[0] == pytest.approx(0.002)
+    assert 1e-5 < clock.sleeps[1] <= 0.0005
+
+
 def test_backoff_real_clock_sanity() -> None:
     backoff = Backoff()
     start = time.monotonic()
