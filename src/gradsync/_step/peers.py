@@ -63,8 +63,10 @@ _FIRST_LIVENESS_CHECK_S = 0.01
 # empty, close): with two or three ranks, the first look's two or four stats cost fewer.
 _LISTING_CALLS = 5
 # On a shared filesystem a look is a round trip through its client and server, which
-# the other ranks' writes need too: between looks, this many times the last look's time.
+# the other ranks' writes need too: between looks, this many times the last look's time,
+# up to _MAX_GAP_S (on a loaded host a look's time is mostly waiting for a CPU).
 _LOOK_GAP = 4
+_MAX_GAP_S = 0.002
 
 
 @dataclass
@@ -174,7 +176,7 @@ class PeerFiles:
             looked = time.monotonic()
             names = self._step_names(step_dir, step, seq)
             if self._transport.shared:
-                wait.gap_s = _LOOK_GAP * (time.monotonic() - looked)
+                wait.gap_s = min(_LOOK_GAP * (time.monotonic() - looked), _MAX_GAP_S)
             wait.first_look = False
 
     def _open_arrived(self, wait: _Wait, names: set[str], found: dict[int, Peer]) -> None:
