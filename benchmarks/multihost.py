@@ -123,8 +123,7 @@ def _run_config(
         "median_ms": 1e3 * statistics.median(slowest_wall),
         "p90_ms": 1e3 * _quantile(slowest_wall, 0.9),
         "phases_ms": {k: 1e3 * statistics.median(p[k] for p in slowest_phases) for k in PHASES},
-        # CPU per step: all ranks' (median over steps), the clients' (whole run's mean,
-        # start-up included).
+        # All ranks' CPU per step (median), the clients' (mean over the run, start-up too).
         "ranks_cpu_ms": 1e3
         * statistics.median(
             sum(per_rank[q][s]["cpu_s"] for q in range(world))

@@ -62,11 +62,9 @@ _FIRST_LIVENESS_CHECK_S = 0.01
 # System calls of one directory listing (os.listdir: openat, fstat, getdents64 until
 # empty, close): with two or three ranks, the first look's two or four stats cost fewer.
 _LISTING_CALLS = 5
-# On a shared filesystem a look is a round trip through its client and server, which
-# the other ranks' writes need too: between looks, this many times the last look's time,
-# up to _MAX_GAP_S (on a loaded host a look's time is mostly waiting for a CPU).
-_LOOK_GAP = 4
-_MAX_GAP_S = 0.002
+# A shared filesystem's look is a round trip its client also needs for the peers' writes.
+_LOOK_GAP = 4  # times the last look's time between looks
+_MAX_GAP_S = 0.002  # on a loaded host a look's time is mostly waiting for a CPU
 
 
 @dataclass
