@@ -49,10 +49,13 @@ def main() -> int:
     p.add_argument("--hb-timeout", type=float, default=5.0)
     p.add_argument("--expect-loss", action="store_true")
     p.add_argument("--linger", type=float, default=0.0, help="seconds before closing")
+    p.add_argument("--compression", default=None)
     args = p.parse_args()
 
     cfg = gradsync.FileGradSyncConfig.from_env(
-        heartbeat_interval_s=args.hb_interval, heartbeat_timeout_s=args.hb_timeout
+        heartbeat_interval_s=args.hb_interval,
+        heartbeat_timeout_s=args.hb_timeout,
+        compression=args.compression,
     )
     rank = cfg.rank
     out: Path = args.out
