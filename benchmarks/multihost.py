@@ -15,7 +15,9 @@ tests/multihost/mh_cluster.py for what it needs). For each gradient size
 A step's time is the longest ``GradSync.average`` call of the 4 ranks for that
 step (the slowest rank gates the next optimizer step); the table shows its median
 and p90 over the measured steps (after warm-up), plus the median phases of the
-slowest rank (publish / wait for inputs / reduce / wait for shards / gather).
+slowest rank (publish / wait for inputs / reduce / wait for shards / gather), and
+the CPU a step costs: the ranks' together, and the JuiceFS clients' (ms per step;
+on 2 shared cores CPU, not bandwidth, bounds the step).
 
     sudo python benchmarks/multihost.py                   # 4 KiB, 1 MiB, 16 MiB
     sudo python benchmarks/multihost.py --sizes 4096 --steps 100 --json
@@ -66,10 +68,10 @@ def worker(argv: list[str]) -> int:
     with gradsync.GradSync(cfg) as gs:
         for step in range(args.steps):
             grads[0][:] = base
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             stats = gs.average(grads, step=step)
-            wall = time.perf_counter() - t0
-            records.append({"wall_s": wall, **{k: getattr(stats, k) for k in PHASES}})
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            records.append({"wall_s": wall, "cpu_s": cpu, **{k: getattr(stats, k) for k in PHASES}})
         # Work-around for a race in gradsync: a rank that closes right after the last
         # step can make a slower peer raise a false PeerLostError for that step
         # (see tests/multihost/test_final_step_race.py).
@@ -92,12 +94,15 @@ def _run_config(
 ) -> dict[str, Any]:  # fmt: skip
     run_id = f"bench-{uuid.uuid4().hex[:10]}"
     out = cluster.new_out(run_id)
+    clients_before = _clients_cpu_s(cluster, cluster.hosts)
     job = cluster.launch(
         placement, nproc, f"{sync_root}/{run_id}", run_id,
         ["--worker", "--bytes", str(nbytes), "--steps", str(steps + warmup), *extra],
         out, script=Path(__file__).resolve(), max_wait_s=120.0,
     )  # fmt: skip
     codes = job.wait(timeout_s)
+    # Both hosts' clients: each serves the other's reads of the files it wrote.
+    clients_s = _clients_cpu_s(cluster, cluster.hosts) - clients_before
     if any(codes.values()):
         raise RuntimeError(f"{name}: exit codes {codes}\n{job.log_text()}")
     world = nproc * len(placement)
@@ -118,7 +123,24 @@ def _run_config(
         "median_ms": 1e3 * statistics.median(slowest_wall),
         "p90_ms": 1e3 * _quantile(slowest_wall, 0.9),
         "phases_ms": {k: 1e3 * statistics.median(p[k] for p in slowest_phases) for k in PHASES},
+        # All ranks' CPU per step (median), the clients' (mean over the run, start-up too).
+        "ranks_cpu_ms": 1e3
+        * statistics.median(
+            sum(per_rank[q][s]["cpu_s"] for q in range(world))
+            for s in range(warmup, warmup + steps)
+        ),
+        "clients_cpu_ms": 1e3 * clients_s / (steps + warmup),
     }
+
+
+def _clients_cpu_s(cluster: Any, hosts: list[str]) -> float:
+    """CPU time the JuiceFS clients of ``hosts`` have used so far (user + system)."""
+    ticks = 0
+    for host in hosts:
+        for pid in cluster.juicefs_pids(host):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _size(n: int) -> str:
@@ -198,7 +220,7 @@ def main() -> int:
     print(f"W=4, {len(args.sizes)} sizes; step time = slowest rank's GradSync.average per step")
     head = (
         "| size | config | steps | median ms | p90 ms "
-        "| publish | wait in | reduce | wait out | gather |"
+        "| publish | wait in | reduce | wait out | gather | ranks' CPU | FS clients' CPU |"
     )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -206,7 +228,9 @@ def main() -> int:
         ph = r["phases_ms"]
         print(
             f"| {_size(r['bytes'])} | {r['config']} | {r['steps']} | {r['median_ms']:.1f} "
-            f"| {r['p90_ms']:.1f} | " + " | ".join(f"{ph[k]:.1f}" for k in PHASES) + " |"
+            f"| {r['p90_ms']:.1f} | "
+            + " | ".join(f"{ph[k]:.1f}" for k in PHASES)
+            + f" | {r['ranks_cpu_ms']:.0f} | {r['clients_cpu_ms']:.0f} |"
         )
     return 0
 

@@ -92,6 +92,7 @@ def _bits(arrays: list[np.ndarray]) -> list[bytes]:
         ("fp16", 3, False, {}),
         ("int8", 2, False, {}),
         ("int8", 3, True, {"use_mmap": False}),
+        ("bf16", 3, False, {"use_mmap": False}),
         ("fp16", 2, False, {"strategy": "root", "checksums": True}),
     ],
 )

@@ -443,6 +443,22 @@ def test_backoff_yields_then_sleeps_with_growing_caps() -> None:
     assert clock.sleeps[-1] == pytest.approx(0.005)  # gentler polling for long waits
 
 
+def test_backoff_pauses_at_least_as_asked_even_while_spinning() -> None:
+    # Across hosts a look costs a round trip: the wait asks for a pause of 4 looks.
+    clock = FakeTime()
+    yields: list[None] = []
+    backoff = Backoff(
+        clock=clock.monotonic, sleep=clock.sleep, give_way=lambda: yields.append(None)
+    )
+    backoff.pause()  # spinning: yields
+    backoff.pause(0.002)  # spinning still, but asked to sleep
+    clock.now += 0.5
+    backoff.pause(1e-5)  # its own backoff is longer
+    assert yields == [None]
+    assert clock.sleeps[0] == pytest.approx(0.002)
+    assert 1e-5 < clock.sleeps[1] <= 0.0005
+
+
 def test_backoff_real_clock_sanity() -> None:
     backoff = Backoff()
     start = time.monotonic()
@@ -646,6 +662,19 @@ def test_write_in_place_truncates_by_the_size_it_found(
     assert write_in_place(target, [b"a" * 40, b"b" * 60]) == 100
     assert target.read_bytes() == b"a" * 40 + b"b" * 60
     assert len(stats) == 1
+
+
+@pytest.mark.parametrize("before", [b"", b"z" * 30, b"z" * 80])
+@pytest.mark.parametrize("last", [[], [b""]])
+def test_write_in_place_leaves_skipped_bytes_as_they_are(
+    tmp_path: Path, before: bytes, last: list[bytes]
+) -> None:
+    # An int chunk: bytes only their writer reads (a compressed input's own shard).
+    target = tmp_path / "out"
+    target.write_bytes(before)
+    assert write_in_place(target, [b"a" * 10, 20, b"b" * 10, 15, *last]) == 55
+    old = before.ljust(55, b"\0")
+    assert target.read_bytes() == b"a" * 10 + old[10:30] + b"b" * 10 + old[40:55]
 
 
 def test_write_in_place_failure_midway_propagates(tmp_path: Path) -> None:

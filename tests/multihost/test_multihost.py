@@ -220,6 +220,35 @@ def test_compression_applies_across_hosts_and_not_on_one_host(
         assert {g["compression"] for g in _steps(runs["int8-one"], r)} == {None}
 
 
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_compressed_steps_across_hosts_give_one_hosts_bits(cluster: Cluster, codec: str) -> None:
+    """Across hosts a rank's input file leaves its own shard unwritten and peers read
+    theirs by pread; on one host (tmpfs, compress_local) files are mapped and written
+    whole: same bits."""
+    seed, steps = 3, 3
+    mount = os.environ.get("MH_MOUNT", MOUNT)
+    args = ["--seed", str(seed), "--steps", str(steps), "--raw", "--compression", codec]
+    # 1 MiB and a bit of float32: sharded, and the last shard ends the payload unpadded.
+    args += ["--layout", "f32:1049600", *HB]
+    outs = []
+    for placement, nproc, root, more in (
+        (TWO_HOSTS, 2, mount, []),
+        ({"h1": 0}, 4, "/dev/shm", ["--compress-local"]),
+    ):
+        out = _out(cluster, f"compressed-{codec}")
+        run_id = _unique(codec)
+        job = cluster.launch(placement, nproc, f"{root}/{run_id}", run_id, args + more, out)
+        _run(cluster, job)
+        outs.append(out)
+    exact = _expected(seed, steps, "f32:1049600")
+    for s in range(steps):
+        got = {(outs[0] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
+        assert got == {(outs[1] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
+        assert len(got) == 1, f"step {s}: ranks differ"
+        mean = np.frombuffer(got.pop(), dtype=np.float32)
+        assert np.allclose(mean, exact[s][0], rtol=0, atol=0.05 * np.abs(exact[s][0]).max())
+
+
 def test_layout_changes_between_steps_across_hosts(cluster: Cluster) -> None:
     """Big (one file a rank) and small (two alternating slots) steps in turn, one rank
     late to every step: the files of one never overwrite what a reader of the other

@@ -50,12 +50,14 @@ def main() -> int:
     p.add_argument("--expect-loss", action="store_true")
     p.add_argument("--linger", type=float, default=0.0, help="seconds before closing")
     p.add_argument("--compression", default=None, help="bf16, fp16 or int8")
+    p.add_argument("--compress-local", action="store_true", help="compress on one host too")
     args = p.parse_args()
 
     cfg = gradsync.FileGradSyncConfig.from_env(
         heartbeat_interval_s=args.hb_interval,
         heartbeat_timeout_s=args.hb_timeout,
         compression=args.compression,
+        compress_local=args.compress_local,
     )
     rank = cfg.rank
     out: Path = args.out

@@ -121,8 +121,23 @@ class Compressing(Publishing):
             crc = block_crcs([payload.data], plan.in_len)
         head = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite, crc)
         buf[:size] = np.frombuffer(head, dtype=np.uint8)
-        self._write(step_dir, "in", [] if mapped else [buf], step)
+        self._write(step_dir, "in", [] if mapped else self._input_chunks(plan, buf, size), step)
         return payload
+
+    def _input_chunks(self, plan: Plan, buf: np.ndarray, head: int) -> list[np.ndarray | int]:
+        """The input file's bytes to write: its own shard left out (skipped bytes) where
+        peers read only theirs and no checksum covers it; only this rank reads it, from
+        memory. Across hosts that is 1/W fewer bytes through the filesystem's client."""
+        if self.cfg.checksums or plan.replicated or self.cfg.strategy != "sharded":
+            return [buf]
+        assert plan.wire is not None
+        chunks: list[np.ndarray | int] = []
+        at = 0
+        for a, b in plan.wire.shard_spans(plan.groups, self.rank):
+            chunks += [buf[at : head + a], b - a]
+            at = head + b
+        chunks.append(buf[at:])
+        return chunks
 
     def _encode(
         self,

@@ -62,6 +62,9 @@ _FIRST_LIVENESS_CHECK_S = 0.01
 # System calls of one directory listing (os.listdir: openat, fstat, getdents64 until
 # empty, close): with two or three ranks, the first look's two or four stats cost fewer.
 _LISTING_CALLS = 5
+# A shared filesystem's look is a round trip its client also needs for the peers' writes.
+_LOOK_GAP = 4  # times the last look's time between looks
+_MAX_GAP_S = 0.002  # on a loaded host a look's time is mostly waiting for a CPU
 
 
 @dataclass
@@ -80,6 +83,7 @@ class _Wait:
     backoff: Backoff = field(default_factory=Backoff)
     next_check: float = _FIRST_LIVENESS_CHECK_S
     next_warn: float = 0.0
+    gap_s: float = 0.0  # the least pause before the next look (_LOOK_GAP)
 
     @property
     def kind(self) -> int:
@@ -166,8 +170,11 @@ class PeerFiles:
                 wait.next_check = elapsed + _LIVENESS_EVERY_S
                 self._check_gone(wait, names, elapsed)
             self._check_time(wait, elapsed)
-            wait.backoff.pause()
+            wait.backoff.pause(wait.gap_s)
+            looked = time.monotonic()
             names = self._step_names(step_dir, step, seq)
+            if self._transport.shared:
+                wait.gap_s = min(_LOOK_GAP * (time.monotonic() - looked), _MAX_GAP_S)
             wait.first_look = False
 
     def _open_arrived(self, wait: _Wait, names: set[str], found: dict[int, Peer]) -> None:

@@ -93,11 +93,12 @@ class Publishing(EngineState):
         self,
         step_dir: Path,
         kind: str,
-        chunks: Sequence[bytes | memoryview | np.ndarray],
+        chunks: Sequence[bytes | memoryview | np.ndarray | int],
         step: int,
     ) -> None:
         """Write this rank's ``kind`` data in place (no ``chunks``: already written
-        through a mapping), then publish its marker."""
+        through a mapping; an int: that many bytes nobody reads), then publish its
+        marker."""
 
         def midway() -> None:
             fault_point(f"mid_{'publish' if kind == 'in' else 'output'}", self.rank, self.seq)

@@ -78,11 +78,12 @@ class Transport:
     def write(
         self,
         path: Path,
-        chunks: Sequence[bytes | memoryview],
+        chunks: Sequence[bytes | memoryview | int],
         midway: Callable[[], None] | None,
         copy: Callable[[Sequence[tuple[np.ndarray, np.ndarray]]], None],
     ) -> None:
-        """Overwrite ``path`` with ``chunks`` (readers wait for a marker before looking).
+        """Overwrite ``path`` with ``chunks`` (readers wait for a marker before looking);
+        an int chunk is that many bytes nobody reads, left as they are.
 
         ``copy`` copies (destination, source) pairs into a mapping (the caller's
         workers); ``midway`` runs with half the chunks written.
@@ -96,12 +97,13 @@ class Transport:
             size = write_in_place(path, chunks, midway=midway, dir_fd=self._dir_fd)
             self._written[path] = (_first_bytes(chunks, self._head_bytes), size)
             return
-        sizes = [memoryview(c).nbytes for c in chunks]
+        sizes = [c if isinstance(c, int) else memoryview(c).nbytes for c in chunks]
         buf = self._writable(path, sum(sizes))
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
         offset = 0
         for chunk, size in zip(chunks, sizes, strict=True):
-            pairs.append((buf[offset : offset + size], np.frombuffer(chunk, dtype=np.uint8)))
+            if not isinstance(chunk, int):
+                pairs.append((buf[offset : offset + size], np.frombuffer(chunk, np.uint8)))
             offset += size
         half = len(chunks) // 2
         for i, part in enumerate((pairs[:half], pairs[half:])):
@@ -208,11 +210,14 @@ class Transport:
         self._written.clear()
 
 
-def _first_bytes(chunks: Sequence[bytes | memoryview], nbytes: int) -> bytes:
-    """The first ``nbytes`` bytes of ``chunks`` joined (all of them if fewer)."""
+def _first_bytes(chunks: Sequence[bytes | memoryview | int], nbytes: int) -> bytes:
+    """The first ``nbytes`` bytes of ``chunks`` joined (all of them if fewer; those
+    before the first skipped bytes)."""
     out: list[bytes] = []
     left = nbytes
     for chunk in chunks:
+        if isinstance(chunk, int):
+            break
         view = memoryview(chunk).cast("B")[:left]
         out.append(view.tobytes())
         left -= len(view)

@@ -71,6 +71,20 @@ class Wire:
             out_lens.append(end)
         return cls(codec, codecs, tuple(inputs), tuple(outputs), at, tuple(out_lens))
 
+    def shard_spans(self, groups: Sequence[Group], rank: int) -> list[tuple[int, int]]:
+        """Byte ranges ``[a, b)`` of an input payload holding ``rank``'s shard of every
+        group (its scales, then its codes), in order."""
+        spans: list[tuple[int, int]] = []
+        for group, codec, at in zip(groups, self.codecs, self.inputs, strict=True):
+            lo, hi = group.shards[rank]
+            if lo == hi:
+                continue
+            if codec is not None and codec.scaled:
+                spans.append((at.scales + 4 * block_of(lo), at.scales + 4 * -(-hi // BLOCK)))
+            size = code_dtype(codec, group).itemsize
+            spans.append((at.codes + lo * size, at.codes + hi * size))
+        return spans
+
 
 def _scale_bytes(codec: Codec | None, n: int) -> int:
     return 0 if codec is None else 4 * codec.scale_count(n)

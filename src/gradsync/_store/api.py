@@ -89,11 +89,12 @@ class Store(Protocol):
         self,
         dir_fd: int | None,
         name: Name,
-        chunks: Sequence[bytes | memoryview],
+        chunks: Sequence[bytes | memoryview | int],
         midway: Callable[[], None] | None,
     ) -> int:
         """Overwrite this rank's own file ``name`` (created if missing) with ``chunks``:
-        readers wait for a marker. The number of bytes."""
+        readers wait for a marker. An int chunk is that many bytes nobody reads, left as
+        they are (zeros past the old end). The number of bytes."""
 
     def open_own(self, dir_fd: int | None, name: Name, access: int) -> tuple[int, os.stat_result]:
         """Open (creating it) this rank's own file ``name`` for ``access``: a plain file

@@ -116,7 +116,7 @@ class FaultyStore:
         self,
         dir_fd: int | None,
         name: Name,
-        chunks: Sequence[bytes | memoryview],
+        chunks: Sequence[bytes | memoryview | int],
         midway: Callable[[], None] | None,
     ) -> int:
         self._check("write_in_place", name)

@@ -147,13 +147,14 @@ def write_note(path: Path, data: bytes, *, dir_fd: int | None = None) -> None:
 
 def write_in_place(
     path: Path,
-    chunks: Sequence[bytes | memoryview],
+    chunks: Sequence[bytes | memoryview | int],
     *,
     midway: Callable[[], None] | None = None,
     dir_fd: int | None = None,
 ) -> int:
     """Overwrite ``path`` from byte 0 with ``chunks`` (creating it, truncated to them),
-    ``midway`` run with half of them written. Reusing one file per slot keeps its
+    ``midway`` run with half of them written; an int chunk is that many bytes left as
+    they are (nobody reads them). Reusing one file per slot keeps its
     tmpfs pages; readers must not look at it until a marker says it is complete.
     Returns the number of bytes written.
 
@@ -300,16 +301,17 @@ class Backoff:
     def elapsed_s(self) -> float:
         return self._clock() - self._start
 
-    def pause(self) -> None:
+    def pause(self, at_least_s: float = 0.0) -> None:
+        """Wait before the next look: for ``at_least_s`` at least (no yielding then)."""
         elapsed = self.elapsed_s()
-        if elapsed < self._spin_s:
+        if elapsed < self._spin_s and at_least_s <= 0:
             self._give_way()
             return
         # Sub-millisecond reaction for the first second, then gentler polling for
         # long waits (stragglers, slow starts): 5 ms is still invisible next to them.
         cap = 0.0005 if elapsed < 1.0 else 0.005
         self._sleep_s = min(self._sleep_s * 1.5, cap)
-        self._sleep(self._sleep_s)
+        self._sleep(max(self._sleep_s, at_least_s))
 
 
 def _poll(deadline_s: float) -> Iterator[None]:

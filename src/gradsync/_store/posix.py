@@ -187,21 +187,21 @@ class PosixStore:
         self,
         dir_fd: int | None,
         name: _Name,
-        chunks: Sequence[bytes | memoryview],
+        chunks: Sequence[bytes | memoryview | int],
         midway: Callable[[], None] | None,
     ) -> int:
         fd, found = self.open_own(dir_fd, name, os.O_WRONLY)
         try:
             if midway is None:
-                total = _writev_all(fd, chunks, 0)
+                total, end = _write_runs(fd, chunks, 0)
             else:
                 half = len(chunks) // 2
-                total = _writev_all(fd, chunks[:half], 0)
+                total, end = _write_runs(fd, chunks[:half], 0)
                 midway()
-                total += _writev_all(fd, chunks[half:], total)
+                total, end = _write_runs(fd, chunks[half:], total, end)
             # The size as found, not a new fstat: on a shared filesystem that is a round
             # trip to the server after every write.
-            if found.st_size > total:
+            if max(found.st_size, end) != total:
                 os.ftruncate(fd, total)
         finally:
             os.close(fd)
@@ -254,6 +254,26 @@ class PosixStore:
 
     def link_target(self, dir_fd: int | None, name: _Name) -> str:
         return os.readlink(_at(name, dir_fd), dir_fd=dir_fd)
+
+
+def _write_runs(
+    fd: int, chunks: Sequence[bytes | memoryview | int], offset: int, end: int = 0
+) -> tuple[int, int]:
+    """Write ``chunks`` from ``offset``, skipping an int chunk's bytes; return where they
+    end and where the last one written ends (at least ``end``)."""
+    run: list[bytes | memoryview] = []
+    at = offset
+    for chunk in [*chunks, 0]:
+        if not isinstance(chunk, int):
+            if memoryview(chunk).nbytes:  # an empty one writes nothing, moves no end
+                run.append(chunk)
+            continue
+        if run:
+            at += _writev_all(fd, run, at)
+            end = max(end, at)
+            run = []
+        at += chunk
+    return at, end
 
 
 def _writev_all(fd: int, chunks: Sequence[bytes | memoryview], offset: int | None = None) -> int:
