@@ -13,16 +13,17 @@ from gradsync._errors import GradSyncError, MismatchError, RendezvousError
 from gradsync._names import ROSTER, gen_id_of, heartbeat_name, left_name
 from gradsync._store.api import store
 from gradsync._store.dirs import dir_below, remove_own_dir
+from gradsync._store.read import file_below
 
 from . import failures, notes
-from .liveness import Heartbeat, MemberInfo
+from .liveness import Heartbeat, HeartbeatWatch, MemberInfo, exact_process_checks
 
 if TYPE_CHECKING:
     from gradsync._config import FileGradSyncConfig
 
     from .leaderlock import LeaderLock
 
-__all__ = ["Generation", "accept", "calls_finished", "leave", "rostered"]
+__all__ = ["Generation", "accept", "calls_finished", "leave", "rostered", "why_lost"]
 
 
 @dataclass(frozen=True)
@@ -120,3 +121,37 @@ def calls_finished(gen: Generation, rank: int) -> int | None:
     note = notes.load(gen.left_path(rank))
     calls = None if note is None else note.get("calls")  # None: written by an older gradsync
     return calls if isinstance(calls, int) and not isinstance(calls, bool) else None
+
+
+def why_lost(
+    gen: Generation, watch: HeartbeatWatch, q: int, names: set[str], seq: int
+) -> str | None:
+    """How rank ``q`` ended, if it is gone without finishing call ``seq``; ``names``:
+    the generation directory's."""
+    member = gen.members[q]
+    left = left_name(q) in names
+    reason: str | None = None
+    if not left:
+        if member.same_host:
+            reason = member.local_death()
+            if reason is None and not exact_process_checks():
+                # kill(pid, 0) takes a zombie or a reused pid for alive: the
+                # heartbeat tells within heartbeat_timeout_s.
+                reason = _heartbeat_stopped(gen, watch, q)
+        else:
+            reason = _heartbeat_stopped(gen, watch, q)
+        # Gone since the listing: the note it left on its way out says why.
+        left = reason is not None and file_below(gen.left_path(q))
+    if left:
+        finished = calls_finished(gen, q)
+        if finished is not None and finished >= seq:
+            # It finished this call, so it published all of it: a shared
+            # filesystem's listing of the step can lag behind its "left" file.
+            return None
+        reason = notes.how_it_ended(gen.path, q) or "closed its gradsync session"
+    return reason
+
+
+def _heartbeat_stopped(gen: Generation, watch: HeartbeatWatch, rank: int) -> str | None:
+    silent = watch.is_lost(gen.heartbeat_path(rank))
+    return None if silent is None else f"stopped its heartbeat {silent:.1f} s ago"

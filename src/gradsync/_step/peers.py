@@ -27,14 +27,14 @@ from gradsync._errors import (
     PeerTimeoutError,
     SyncDirError,
 )
-from gradsync._job.liveness import HeartbeatWatch, exact_process_checks
-from gradsync._job.notes import how_it_ended
-from gradsync._job.rendezvous import Generation, calls_finished
-from gradsync._names import abort_marker, input_marker, left_name, output_marker
+from gradsync._job.generation import why_lost
+from gradsync._job.liveness import HeartbeatWatch
+from gradsync._job.rendezvous import Generation
+from gradsync._names import abort_marker, input_marker, output_marker
 from gradsync._store.api import NotAFileError, store
 from gradsync._store.dirs import GenDir, refuse_link
 from gradsync._store.files import Backoff, translate_oserror
-from gradsync._store.read import file_below, names_below, read_below
+from gradsync._store.read import names_below, read_below
 
 from .checks import (
     Peer,
@@ -361,7 +361,11 @@ class PeerFiles:
     ) -> None:
         """Raise PeerLostError naming every missing rank that is gone for good."""
         names = names_below(self.gen.path, step=step)
-        lost = {q: why for q in missing if (why := self._why_lost(q, names, seq)) is not None}
+        lost = {
+            q: why
+            for q in missing
+            if (why := why_lost(self.gen, self._watch, q, names, seq)) is not None
+        }
         if not lost:
             return
         # A peer may publish, finish the step and exit between our listing and its
@@ -381,33 +385,3 @@ class PeerFiles:
             ranks=sorted(lost),
             path=step_dir,
         )
-
-    def _why_lost(self, q: int, names: set[str], seq: int) -> str | None:
-        """How rank ``q`` ended, if it is gone without finishing call ``seq``; ``names``:
-        the generation directory's."""
-        member = self.gen.members[q]
-        left = left_name(q) in names
-        reason: str | None = None
-        if not left:
-            if member.same_host:
-                reason = member.local_death()
-                if reason is None and not exact_process_checks():
-                    # kill(pid, 0) takes a zombie or a reused pid for alive: the
-                    # heartbeat tells within heartbeat_timeout_s.
-                    reason = self._heartbeat_stopped(q)
-            else:
-                reason = self._heartbeat_stopped(q)
-            # Gone since the listing: the note it left on its way out says why.
-            left = reason is not None and file_below(self.gen.left_path(q))
-        if left:
-            finished = calls_finished(self.gen, q)
-            if finished is not None and finished >= seq:
-                # It finished this call, so it published all of it: a shared
-                # filesystem's listing of the step can lag behind its "left" file.
-                return None
-            reason = how_it_ended(self.gen.path, q) or "closed its gradsync session"
-        return reason
-
-    def _heartbeat_stopped(self, rank: int) -> str | None:
-        silent = self._watch.is_lost(self.gen.heartbeat_path(rank))
-        return None if silent is None else f"stopped its heartbeat {silent:.1f} s ago"

@@ -21,6 +21,8 @@ from pathlib import Path, PurePath
 from gradsync._errors import SyncDirError
 from gradsync._names import OWN_MARK
 
+from .writes import write_runs, writev_all
+
 __all__ = ["DIR_MODE", "FILE_MODE", "NotAFileError", "PosixStore", "link_error"]
 
 _log = logging.getLogger("gradsync")
@@ -31,7 +33,6 @@ _log = logging.getLogger("gradsync")
 DIR_MODE = 0o770
 FILE_MODE = 0o640
 
-_IOV_BATCH = 512  # well under IOV_MAX (1024 on Linux)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
 
@@ -161,7 +162,7 @@ class PosixStore:
         total = 0
         try:
             try:
-                total = _writev_all(fd, chunks)
+                total = writev_all(fd, chunks)
             finally:
                 os.close(fd)  # surfaces deferred write errors (NFS's ENOSPC at close)
             os.rename(tmp, _at(path, dir_fd), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -193,12 +194,12 @@ class PosixStore:
         fd, found = self.open_own(dir_fd, name, os.O_WRONLY)
         try:
             if midway is None:
-                total, end = _write_runs(fd, chunks, 0)
+                total, end = write_runs(fd, chunks, 0)
             else:
                 half = len(chunks) // 2
-                total, end = _write_runs(fd, chunks[:half], 0)
+                total, end = write_runs(fd, chunks[:half], 0)
                 midway()
-                total, end = _write_runs(fd, chunks[half:], total, end)
+                total, end = write_runs(fd, chunks[half:], total, end)
             # The size as found, not a new fstat: on a shared filesystem that is a round
             # trip to the server after every write.
             if max(found.st_size, end) != total:
@@ -254,46 +255,6 @@ class PosixStore:
 
     def link_target(self, dir_fd: int | None, name: _Name) -> str:
         return os.readlink(_at(name, dir_fd), dir_fd=dir_fd)
-
-
-def _write_runs(
-    fd: int, chunks: Sequence[bytes | memoryview | int], offset: int, end: int = 0
-) -> tuple[int, int]:
-    """Write ``chunks`` from ``offset``, skipping an int chunk's bytes; return where they
-    end and where the last one written ends (at least ``end``)."""
-    run: list[bytes | memoryview] = []
-    at = offset
-    for chunk in [*chunks, 0]:
-        if not isinstance(chunk, int):
-            if memoryview(chunk).nbytes:  # an empty one writes nothing, moves no end
-                run.append(chunk)
-            continue
-        if run:
-            at += _writev_all(fd, run, at)
-            end = max(end, at)
-            run = []
-        at += chunk
-    return at, end
-
-
-def _writev_all(fd: int, chunks: Sequence[bytes | memoryview], offset: int | None = None) -> int:
-    views = [memoryview(c).cast("B") for c in chunks if len(c)]
-    total = 0
-    first = 0  # views[first:] are still to be written
-    while first < len(views):
-        batch = views[first : first + _IOV_BATCH]
-        n = os.writev(fd, batch) if offset is None else os.pwritev(fd, batch, offset + total)
-        total += n
-        # Skip what was written (an index: popping the list's head moves all of it); a
-        # short write leaves the rest of the batch to go again.
-        for view in batch:
-            if n < len(view):
-                if n:
-                    views[first] = view[n:]
-                break
-            n -= len(view)
-            first += 1
-    return total
 
 
 def _checked_regular(fd: int, path: _Name, *, one_link: bool) -> os.stat_result:
