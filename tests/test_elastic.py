@@ -253,14 +253,14 @@ def test_a_killed_rank_started_again_rejoins_and_averages_with_the_others(
     assert results[4].value["records"][0]["rank"] == 3
 
 
-def test_a_rank_restarted_by_the_launcher_rejoins_and_ends_with_the_same_state(
-    tmp_path: Path,
-) -> None:
+def _launch_rejoin(tmp_path: Path, nproc: int, *script_args: str) -> list[tuple[str, ...]]:
+    """Run tests/scripts/elastic_rejoin.py under ``gradsync launch --elastic
+    --max-restarts 1``: each process's (rank, restart, world, digest) at the end."""
     script = Path(__file__).parent / "scripts" / "elastic_rejoin.py"
     env = {**os.environ, "GRADSYNC_SYNC_DIR": str(tmp_path)}
     command = [sys.executable, "-m", "gradsync", "launch", "--elastic", "--max-restarts", "1"]
     done = subprocess.run(
-        [*command, "--nproc", "3", str(script)],
+        [*command, "--nproc", str(nproc), str(script), *script_args],
         check=False,
         env=env,
         capture_output=True,
@@ -269,10 +269,26 @@ def test_a_rank_restarted_by_the_launcher_rejoins_and_ends_with_the_same_state(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "restarting it (restart 1 of 1)" in done.stderr
-    lines = re.findall(r"rank (\d) restart (\d) world (\d) digest (\w+)", done.stdout)
-    assert sorted((r, k, w) for r, k, w, _ in lines) == [
+    return sorted(re.findall(r"rank (\d) restart (\d) world (\d) digest (\w+)", done.stdout))
+
+
+def test_a_rank_restarted_by_the_launcher_rejoins_and_ends_with_the_same_state(
+    tmp_path: Path,
+) -> None:
+    lines = _launch_rejoin(tmp_path, 3)
+    assert [(r, k, w) for r, k, w, _ in lines] == [
         ("0", "0", "3"),
         ("1", "0", "3"),
         ("2", "1", "3"),
     ]
+    assert len({digest for *_, digest in lines}) == 1
+
+
+def test_a_rank_lost_after_a_re_form_leaves_the_new_generation_to_the_others(
+    tmp_path: Path,
+) -> None:
+    # Rank 3 exits, the others re-form; then rank 2 exits in the re-formed generation.
+    # Its launcher's note must not remove that generation from under the survivors.
+    lines = _launch_rejoin(tmp_path, 4, "80", "3:10", "2:25")
+    assert [(r, k) for r, k, _, _ in lines] == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")]
     assert len({digest for *_, digest in lines}) == 1

@@ -207,6 +207,11 @@ class Reformer:
             "run_id": self.cfg.run_id,
         }
         new_path = self.cfg.sync_dir / gen_name(gen_id)
+        # As a rank 0 forming a job registers it: a generation without one is taken
+        # for one being removed (a launcher's note for a lost member would remove it).
+        leader = {"member": data["members"][0], "world_size": len(members)}
+        leader.update(run_id=self.cfg.run_id, gen=gen_id)
+        notes.write_json(notes.leader_file(self.cfg.sync_dir, gen_id), leader, "registering in")
         notes.write_json(new_path / ROSTER, data, "publishing the roster to")
         for q in gone:
             if standings[q].gone is not None and not notes.has_left(self.gen.path, q):
