@@ -195,10 +195,11 @@ class Reformer:
             f"rank {self.cur.launch[q]} ({self.gen.members[q].describe()}) {why}"
             for q, why in gone.items()
         ]
+        ranked = [dataclasses.replace(m, rank=r).to_json() for r, m in enumerate(members)]
         data = {
             "gen": gen_id,
             "epoch": self.cur.epoch + 1,
-            "members": [dataclasses.replace(m, rank=r).to_json() for r, m in enumerate(members)],
+            "members": ranked,
             "launch": launch,
             "next_step": self._next_step,
             "lost": lost,
@@ -209,9 +210,9 @@ class Reformer:
         new_path = self.cfg.sync_dir / gen_name(gen_id)
         # As a rank 0 forming a job registers it: a generation without one is taken
         # for one being removed (a launcher's note for a lost member would remove it).
-        leader = {"member": data["members"][0], "world_size": len(members)}
-        leader.update(run_id=self.cfg.run_id, gen=gen_id)
-        notes.write_json(notes.leader_file(self.cfg.sync_dir, gen_id), leader, "registering in")
+        leader = {"member": ranked[0], "world_size": len(members), "gen": gen_id}
+        leader_file = notes.leader_file(self.cfg.sync_dir, gen_id)
+        notes.write_json(leader_file, {**leader, "run_id": self.cfg.run_id}, "registering in")
         notes.write_json(new_path / ROSTER, data, "publishing the roster to")
         for q in gone:
             if standings[q].gone is not None and not notes.has_left(self.gen.path, q):
