@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import gradsync
 from gradsync import _proc
 from ranks import WarningLog, config
@@ -88,3 +90,18 @@ def first_call(rank: int, world: int, sync_dir: str, elastic_ranks: list[int]) -
     cfg = config(rank, world, sync_dir, elastic=rank in elastic_ranks, max_wait_s=10.0)
     with gradsync.GradSync(cfg) as gs:
         gs.average(grads_for(rank, 0))
+
+
+def broadcast_at(
+    rank: int, world: int, sync_dir: str, kw: dict[str, Any], steps: int, at: int
+) -> dict[str, Any]:
+    """Average ``steps`` steps, and broadcast a state that differs by rank after step
+    ``at``; the state then, and the membership at the end."""
+    cfg = config(rank, world, sync_dir, elastic=True, **kw)
+    state = np.full(64, float(rank + 1))
+    with gradsync.GradSync(cfg) as gs:
+        for step in range(steps):
+            gs.average(grads_for(rank, step))
+            if step == at:
+                gs.broadcast([state])
+        return {"state": state.tobytes(), "members": gs.members, "epoch": gs.epoch}

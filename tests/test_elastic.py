@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import elastic_workers
@@ -111,6 +112,26 @@ def test_a_late_joiner_comes_in_at_a_step_boundary_and_averages_with_the_others(
     assert boundary[0]["joined"] == (3,)
     assert boundary[0]["members"] == (0, 1, 2)  # the call itself ran without the joiner
     assert boundary[0]["step"] + 1 == first["step"]
+
+
+def test_a_rank_killed_in_a_broadcast_is_left_behind_and_the_broadcast_redone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Calls 1-3 average, call 4 broadcasts: rank 2 dies halfway through publishing.
+    with fault("mid_publish@2@4=sigkill", monkeypatch):
+        results = run_ranks(
+            elastic_workers.broadcast_at,
+            4,
+            (4, str(tmp_path), FAST, 5, 2),
+            expect=[0, 1, 3],
+            timeout_s=60,
+        )
+    for proc in (0, 1, 3):
+        assert results[proc].ok, results[proc].value
+        value = results[proc].value
+        assert value["state"] == np.full(64, 1.0).tobytes()  # rank 0's
+        assert value["members"] == (0, 1, 3)
+        assert value["epoch"] == 1
 
 
 def test_below_min_world_size_the_survivors_wait_then_fail_naming_the_lost_rank(
