@@ -89,6 +89,9 @@ def main() -> int:
                             "total_s": stats.total_s,
                             "t": time.time(),
                             "gen": gs.generation_dir,
+                            "members": list(stats.members),  # elastic: who took part
+                            "lost": list(stats.lost),
+                            "epoch": stats.epoch,
                         }
                     )
                     + "\n"
