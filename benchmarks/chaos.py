@@ -139,6 +139,8 @@ def summarize(
         for k in kills
         if (k["rank"], k["restart"] + 1) in joins
     ]
+    ready = {(e["rank"], e["restart"]): e["t"] for e in events if e["event"] == "formed"}
+    join_s = [t - ready[k] for k, t in joins.items() if k[1] and k in ready]
     # One re-form per lost rank per survivor: the call that lost it, with its redo.
     reform_s = [e["total_s"] for e in events if e["event"] == "change" and e["lost"]]
     problems = []
@@ -161,9 +163,11 @@ def summarize(
         "rejoins": len(rejoin_s),
         "unjoined": sum(1 for k in kills if (k["rank"], k["restart"]) not in joins),
         "rejoin_s": rejoin_s,
+        "join_s": join_s,
         "reform_s": reform_s,
         "epoch": max((f["epoch"] for f in finals), default=-1),
         "test_acc": finals[0]["test_acc"] if finals else float("nan"),
+        "test_loss": finals[0]["test_loss"] if finals else float("nan"),
         "tracebacks": log.count("Traceback"),
         "problems": problems,
     }
@@ -177,14 +181,20 @@ def _pct(xs: list[float]) -> str:
 
 
 def report(name: str, r: dict[str, Any]) -> None:
-    print(f"{name}: exit {r['code']}, {r['wall_s']:.1f} s, test acc {r['test_acc']:.4f}")
+    print(
+        f"{name}: exit {r['code']}, {r['wall_s']:.1f} s, "
+        f"test acc {r['test_acc']:.4f}, test loss {r['test_loss']:.4f}"
+    )
     if r["kills"]:
         print(
             f"  kills {r['kills']} ({r['unjoined']} before the victim had joined), "
             f"launcher restarts {r['restarts']}, rejoins {r['rejoins']}"
         )
         print(f"  memberships {r['epoch'] + 1}, tracebacks in the log {r['tracebacks']}")
-        print(f"  kill -> rejoined (restart, import, join, broadcast): {_pct(r['rejoin_s'])}")
+        print(f"  kill -> rejoined (restart, imports, data, join): {_pct(r['rejoin_s'])}")
+        print(
+            f"  of which: ready to joined (join request, admission, broadcast): {_pct(r['join_s'])}"
+        )
         print(f"  call that lost a rank, redo included (each survivor): {_pct(r['reform_s'])}")
     for problem in r["problems"]:
         print(f"  PROBLEM: {problem}")
@@ -221,7 +231,10 @@ def main() -> int:
             report("undisturbed", base)
         report("chaos", chaos)
         if base:
-            print(f"accuracy: chaos {chaos['test_acc']:.4f} vs undisturbed {base['test_acc']:.4f}")
+            print(
+                f"test accuracy: chaos {chaos['test_acc']:.4f} vs undisturbed "
+                f"{base['test_acc']:.4f}; loss {chaos['test_loss']:.4f} vs {base['test_loss']:.4f}"
+            )
     print(f"load average: {_read(Path('/proc/loadavg')) or '?'}".strip())
     return 1 if chaos["problems"] or base.get("problems") else 0
 

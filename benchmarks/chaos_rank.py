@@ -106,7 +106,7 @@ def main() -> int:
             if step % 10 == 0:
                 write_atomic(args.out / f"progress-{cfg.rank}", str(step))
             time.sleep(args.sleep_ms / 1e3)
-        _, test_acc, _ = mlp.loss_and_grads(params, x_test, y_test)
+        test_loss, test_acc, _ = mlp.loss_and_grads(params, x_test, y_test)
         digest = hashlib.sha256(b"".join(a.tobytes() for a in state)).hexdigest()
         final = {
             "rank": cfg.rank,
@@ -116,6 +116,7 @@ def main() -> int:
             "epoch": gs.epoch,
             "members": list(gs.members),
             "test_acc": test_acc,
+            "test_loss": test_loss,
             "sha256": digest,
         }
     write_atomic(args.out / f"final-{cfg.rank}-{restart}.json", json.dumps(final))
