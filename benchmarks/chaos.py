@@ -66,13 +66,20 @@ class Killer(threading.Thread):
         self.stop = threading.Event()
 
     def _victim(self) -> tuple[int, int, int] | None:
-        live = []
+        """A random live rank; never the last one that holds the job's state (with
+        every member gone the restarted ranks would start the job over)."""
+        live, joined = [], []
         for rank in range(self.nproc):
             text = _read(self.out / f"pid-{rank}")
             if text:
                 pid, restart = map(int, text.split())
                 if _alive(pid) and not any(k["pid"] == pid for k in self.kills):
                     live.append((rank, pid, restart))
+                    events = _read(self.out / f"events-{rank}-{restart}.jsonl") or ""
+                    if '"event": "joined"' in events:
+                        joined.append((rank, pid, restart))
+        if len(joined) < 2:
+            live = [v for v in live if v not in joined]
         return self.rng.choice(live) if live else None
 
     def run(self) -> None:
@@ -124,7 +131,8 @@ def launch(args: argparse.Namespace, out: Path, kills: int) -> dict[str, Any]:
 
 
 def _events(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for p in sorted(out.glob("events-*.jsonl")) for line in p.open()]
+    paths = sorted(out.glob("events-*.jsonl"))
+    return [json.loads(line) for p in paths for line in p.read_text().splitlines()]
 
 
 def summarize(

@@ -313,3 +313,21 @@ def test_a_rank_lost_after_a_re_form_leaves_the_new_generation_to_the_others(
     lines = _launch_rejoin(tmp_path, 4, "80", "3:10", "2:25")
     assert [(r, k) for r, k, _, _ in lines] == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")]
     assert len({digest for *_, digest in lines}) == 1
+
+
+@pytest.mark.slow
+def test_a_short_chaos_run_ends_with_every_rank_alive_and_the_same_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # benchmarks/chaos.py, 4 random SIGKILLs instead of 30: restarted, rejoined, converged.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import chaos  # noqa: PLC0415
+
+    args = chaos.parse_args(
+        ["--kills", "4", "--steps", "400", "--kills-only", "--timeout-s", "120"]
+    )
+    _, result = chaos.chaos_run(args, tmp_path)
+    assert result["problems"] == [], (tmp_path / "chaos" / "launcher.log").read_text()
+    assert result["kills"] == result["restarts"] == 4
+    assert result["tracebacks"] == 0
+    assert result["test_acc"] > 0.9
