@@ -7,7 +7,7 @@ chaos run ends with every rank alive at the last step, the same state bits on al
 them, and a test accuracy near the undisturbed one. Prints kills, rejoins, re-form
 times and kill-to-rejoin times.
 
-    python benchmarks/chaos.py                       # 30 kills, ~2 minutes of training
+    python benchmarks/chaos.py                       # 30 kills, 3500 steps: ~2 minutes
     python benchmarks/chaos.py --kills 4 --steps 400 # a short one
 
 tests/test_elastic.py runs a short version through :func:`chaos_run`.
@@ -32,6 +32,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = Path(__file__).resolve().parent / "chaos_rank.py"
+ACC_SLACK = 0.02  # redone steps miss a lost rank's shard: a little noise, not divergence
 
 
 def _read(path: Path) -> str | None:
@@ -121,11 +122,13 @@ def launch(args: argparse.Namespace, out: Path, kills: int) -> dict[str, Any]:
         try:
             code = proc.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(timeout=60)
             print(f"  HANG: no end after {args.timeout_s} s; sync dir kept in {out}")
-        killer.stop.set()
-        killer.join()
+        finally:  # an interrupt too: the launcher stops its ranks
+            killer.stop.set()
+            killer.join()
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=60)
     wall_s = time.perf_counter() - start
     return summarize(out, code, wall_s, killer.kills, args.nproc, args.steps)
 
@@ -177,6 +180,7 @@ def summarize(
         "test_acc": finals[0]["test_acc"] if finals else float("nan"),
         "test_loss": finals[0]["test_loss"] if finals else float("nan"),
         "tracebacks": log.count("Traceback"),
+        "end_waits": max((f["end_waits"] for f in finals), default=0),
         "problems": problems,
     }
 
@@ -198,7 +202,10 @@ def report(name: str, r: dict[str, Any]) -> None:
             f"  kills {r['kills']} ({r['unjoined']} before the victim had joined), "
             f"launcher restarts {r['restarts']}, rejoins {r['rejoins']}"
         )
-        print(f"  memberships {r['epoch'] + 1}, tracebacks in the log {r['tracebacks']}")
+        print(
+            f"  memberships {r['epoch'] + 1}, tracebacks in the log {r['tracebacks']}, "
+            f"calls after the last step waiting for restarted ranks {r['end_waits']}"
+        )
         print(f"  kill -> rejoined (restart, imports, data, join): {_pct(r['rejoin_s'])}")
         print(
             f"  of which: ready to joined (join request, admission, broadcast): {_pct(r['join_s'])}"
@@ -212,13 +219,15 @@ def chaos_run(args: argparse.Namespace, work: Path) -> tuple[dict[str, Any], dic
     """The undisturbed run (unless ``args.kills_only``) and the chaos run."""
     base = {} if args.kills_only else launch(args, work / "undisturbed", 0)
     chaos = launch(args, work / "chaos", args.kills)
+    if base and not chaos["test_acc"] >= base["test_acc"] - ACC_SLACK:
+        chaos["problems"].append(f"test accuracy more than {ACC_SLACK} below undisturbed")
     return base, chaos
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--kills", type=int, default=30)
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=3500)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--sleep-ms", type=float, default=20.0, help="compute time per step (20)")
     p.add_argument("--seed", type=int, default=0, help="kill schedule and training (0)")

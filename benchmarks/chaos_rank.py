@@ -5,7 +5,8 @@ the momentum and the step count from rank 0.
 
 Writes into ``--out``: ``pid-<rank>`` (for the killer), ``progress-<rank>`` (the last
 step done), ``events-<rank>-<restart>.jsonl`` (joins, losses, re-form times) and, at the
-end, ``final-<rank>-<restart>.json`` (test accuracy and a hash of the whole state).
+end, ``final-<rank>-<restart>.json`` (test accuracy and a hash of the whole state). After
+the last step the ranks wait (up to ``--end-wait-s``) for ranks still restarting.
 """
 
 from __future__ import annotations
@@ -47,6 +48,26 @@ class Log:
         self._file.flush()
 
 
+def wait_for_restarted(gs: gradsync.GradSync, state: list[np.ndarray], wait_s: float) -> int:
+    """After the last step, calls that admit ranks still restarting (one coming later
+    would find no job and wait for a new one in vain), until every rank is a member or
+    ``wait_s`` is over on some rank: a flag averaged over the ranks makes them agree.
+    The number of calls."""
+    flag = np.zeros(1)
+    deadline = time.monotonic() + wait_s
+    calls = 0
+    while gs.world_size < gs.cfg.world_size:
+        flag[0] = float(time.monotonic() > deadline)
+        stats = gs.average([flag])
+        calls += 1
+        if stats.joined:
+            gs.broadcast(state)
+        if flag[0] > 0:
+            break
+        time.sleep(0.05)
+    return calls
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -59,6 +80,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sleep-ms", type=float, default=20.0, help="compute time per step")
     p.add_argument("--min-world-size", type=int, default=1)
     p.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
+    p.add_argument("--end-wait-s", type=float, default=30.0, help="for restarted ranks")
     return p.parse_args()
 
 
@@ -106,6 +128,7 @@ def main() -> int:
             if step % 10 == 0:
                 write_atomic(args.out / f"progress-{cfg.rank}", str(step))
             time.sleep(args.sleep_ms / 1e3)
+        waits = wait_for_restarted(gs, state, args.end_wait_s)
         test_loss, test_acc, _ = mlp.loss_and_grads(params, x_test, y_test)
         digest = hashlib.sha256(b"".join(a.tobytes() for a in state)).hexdigest()
         final = {
@@ -117,6 +140,7 @@ def main() -> int:
             "members": list(gs.members),
             "test_acc": test_acc,
             "test_loss": test_loss,
+            "end_waits": waits,
             "sha256": digest,
         }
     write_atomic(args.out / f"final-{cfg.rank}-{restart}.json", json.dumps(final))
