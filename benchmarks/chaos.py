@@ -195,7 +195,7 @@ def _pct(xs: list[float]) -> str:
 def report(name: str, r: dict[str, Any]) -> None:
     print(
         f"{name}: exit {r['code']}, {r['wall_s']:.1f} s, "
-        f"test acc {r['test_acc']:.4f}, test loss {r['test_loss']:.4f}"
+        f"test acc {r['test_acc']:.4f}, test loss {r['test_loss']:.6f}"
     )
     if r["kills"]:
         print(
@@ -250,7 +250,7 @@ def main() -> int:
         if base:
             print(
                 f"test accuracy: chaos {chaos['test_acc']:.4f} vs undisturbed "
-                f"{base['test_acc']:.4f}; loss {chaos['test_loss']:.4f} vs {base['test_loss']:.4f}"
+                f"{base['test_acc']:.4f}; loss {chaos['test_loss']:.6f} vs {base['test_loss']:.6f}"
             )
     print(f"load average: {_read(Path('/proc/loadavg')) or '?'}".strip())
     return 1 if chaos["problems"] or base.get("problems") else 0
