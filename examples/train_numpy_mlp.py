@@ -153,7 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--compression",
         choices=["none", "bf16", "fp16", "int8"],
-        help="compress the published gradients (docs/compression.md; default: the environment)",
+        help="compress the published gradients (docs/compression.md; default: the environment;"
+        " a job on one host compresses only with GRADSYNC_COMPRESS_LOCAL=1)",
     )
     parser.add_argument(
         "--test-fraction", type=float, default=0.0, help="held-out share of the data (default 0)"

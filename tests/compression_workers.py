@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 import gradsync
+import ranks
 from gradsync._names import data_name, gen_id_of
-from ranks import config
 
 # Sharded (over 256 KiB per rank): three dtype groups, params crossing shard and block
 # boundaries, one param far past float16's largest value (65504).
@@ -26,6 +26,12 @@ SHAPES: list[tuple[tuple[int, ...], str]] = [
 # Under 256 KiB: every rank reduces all.
 SMALL = [*SHAPES[:2], ((1000,), "float32"), ((300,), "float64")]
 LARGE_PARAM = 6  # of SHAPES: values around 1e6
+
+
+def config(rank: int, world: int, sync_dir: str, **kw: Any) -> gradsync.FileGradSyncConfig:
+    """A rank's config, compressing on this one host too unless ``kw`` says otherwise."""
+    kw.setdefault("compress_local", True)
+    return ranks.config(rank, world, sync_dir, **kw)
 
 
 def grads_for(rank: int, step: int, shapes: list[tuple[tuple[int, ...], str]]) -> list[np.ndarray]:
@@ -60,14 +66,25 @@ def function_form(rank: int, world: int, sync_dir: str, compression: str) -> Any
     return grads
 
 
-def file_sizes(rank: int, world: int, sync_dir: str, compression: str | None) -> dict[str, int]:
+def file_sizes(
+    rank: int, world: int, sync_dir: str, compression: str | None, local: bool = True
+) -> dict[str, Any]:
     """One step of a 4 MiB float32 gradient; the sizes of this rank's input and output
-    files, read before closing."""
+    files, read before closing, the codec the step says it used, and the mean."""
     grads = [np.random.default_rng(rank).standard_normal(1 << 20).astype(np.float32)]
-    with gradsync.GradSync(config(rank, world, sync_dir, compression=compression)) as gs:
-        gs.average(grads, step=0)
+    cfg = config(rank, world, sync_dir, compression=compression, compress_local=local)
+    with gradsync.GradSync(cfg) as gs:
+        stats = gs.average(grads, step=0)
         (gen,) = [p for p in Path(sync_dir).iterdir() if gen_id_of(p.name) is not None]
-        return {kind: os.stat(gen / data_name(rank, kind)).st_size for kind in ("in", "out")}
+        sizes = {kind: os.stat(gen / data_name(rank, kind)).st_size for kind in ("in", "out")}
+    return {**sizes, "codec": stats.compression, "mean": grads[0]}
+
+
+def compress_local_differs(rank: int, world: int, sync_dir: str) -> None:
+    """int8 on both ranks, compress_local on rank 0 only."""
+    cfg = config(rank, world, sync_dir, compression="int8", compress_local=rank == 0)
+    with gradsync.GradSync(cfg) as gs:
+        gs.average(grads_for(rank, 0, SMALL), step=0)
 
 
 def constant_steps(rank: int, world: int, sync_dir: str, count: int, feedback: bool) -> Any:

@@ -161,6 +161,31 @@ def test_files_shrink_to_half_or_a_quarter(tmp_path: Path) -> None:
         assert sizes["int8"][kind] <= plain / 4 + plain / 256 + 4096
 
 
+def test_on_one_host_over_a_local_filesystem_the_step_is_not_compressed(tmp_path: Path) -> None:
+    runs = {}
+    for codec, local in ((None, False), ("int8", False), ("int8", True)):
+        where = tmp_path / f"{codec}-{local}"
+        runs[codec, local] = run_ranks(cw.file_sizes, 2, (2, str(where), codec, local))
+    plain, skipped, forced = runs[None, False], runs["int8", False], runs["int8", True]
+    for r in range(2):
+        assert skipped[r].value["codec"] is None
+        assert forced[r].value["codec"] == "int8"
+        assert skipped[r].value["in"] == plain[r].value["in"]
+        assert forced[r].value["in"] < plain[r].value["in"] / 3
+        assert skipped[r].value["mean"].tobytes() == plain[r].value["mean"].tobytes()
+        assert forced[r].value["mean"].tobytes() != plain[r].value["mean"].tobytes()
+
+
+def test_ranks_that_disagree_on_compress_local_fail_at_the_rendezvous(tmp_path: Path) -> None:
+    results = run_ranks(cw.compress_local_differs, 2, (2, str(tmp_path)))
+    assert results[0].error_type == "MismatchError", results[0].message
+    assert re.fullmatch(
+        r"rendezvous: rank 0 has compress_local True but rank 1 \(pid \d+ on \S+\) "
+        r"has compress_local False in \S+; every rank must use the same compress_local",
+        results[0].message,
+    ), results[0].message
+
+
 def test_a_compression_mismatch_fails_at_the_rendezvous(tmp_path: Path) -> None:
     args = (2, str(tmp_path), "compression", ["int8", None])
     results = run_ranks(workers.rendezvous_settings, 2, args)
@@ -254,11 +279,13 @@ def _env(**extra: str) -> dict[str, str]:
         ({"GRADSYNC_COMPRESSION": "none"}, (None, False)),
         ({"GRADSYNC_COMPRESSION": ""}, (None, False)),
         ({"GRADSYNC_COMPRESSION": "bf16", "GRADSYNC_ERROR_FEEDBACK": "yes"}, ("bf16", True)),
+        ({"GRADSYNC_COMPRESSION": "int8", "GRADSYNC_COMPRESS_LOCAL": "1"}, ("int8", False, True)),
     ],
 )
-def test_compression_from_the_environment(env: dict[str, str], want: tuple[Any, bool]) -> None:
+def test_compression_from_the_environment(env: dict[str, str], want: tuple[Any, ...]) -> None:
     cfg = FileGradSyncConfig.from_env(env=_env(**env))
-    assert (cfg.compression, cfg.error_feedback) == want
+    got = (cfg.compression, cfg.error_feedback, cfg.compress_local)
+    assert got[: len(want)] == want
 
 
 def test_a_bad_compression_variable_is_named() -> None:

@@ -89,11 +89,17 @@ class FileGradSyncConfig:
             ``"int8"``), and of each shard of the mean: half the bytes, or a quarter
             plus a float32 scale per 256 elements. Lossy; every rank still gets the
             same bits (docs/compression.md). Every rank must use the same value (the
-            first call raises MismatchError otherwise).
+            first call raises MismatchError otherwise). Applied where bytes leave this
+            host: a job whose ranks all run on one host with the sync dir on a local
+            filesystem (tmpfs, a local disk) averages uncompressed, where compressing
+            would only cost time, unless ``compress_local``.
         error_feedback: With ``compression``, keep what compressing this rank's
             gradient (and its shards of the mean) lost, and add it to the next call's
             before compressing, so the losses do not add up over steps. Kept per
             layout: a call with another layout starts afresh.
+        compress_local: With ``compression``, compress also where every rank runs on
+            this host over a local filesystem (to try a codec's effect on one machine).
+            Every rank must use the same value.
         run_id: Optional name of the job. Ranks only join peers with the same run_id,
             so concurrent jobs sharing one sync_dir stay apart. ``gradsync launch`` sets
             one; without it, a fresh rendezvous still keeps earlier runs' files out.
@@ -129,6 +135,7 @@ class FileGradSyncConfig:
     wide_sum: bool = False
     compression: Compression | None = None
     error_feedback: bool = False
+    compress_local: bool = False
     elastic: bool = False
     min_world_size: int = 1
 
@@ -152,6 +159,7 @@ class FileGradSyncConfig:
             wide_sum: bool = ...,
             compression: Compression | None = ...,
             error_feedback: bool = ...,
+            compress_local: bool = ...,
             elastic: bool = ...,
             min_world_size: int = ...,
         ) -> None: ...
@@ -177,7 +185,14 @@ class FileGradSyncConfig:
             )
         if self.strategy not in _STRATEGIES:
             raise ConfigError(f"strategy must be one of {_STRATEGIES}, got {self.strategy!r}")
-        for name in ("check_finite", "checksums", "wide_sum", "error_feedback", "elastic"):
+        for name in (
+            "check_finite",
+            "checksums",
+            "wide_sum",
+            "error_feedback",
+            "compress_local",
+            "elastic",
+        ):
             self._set(name, _check_bool(name, getattr(self, name)))
         if self.compression not in _COMPRESSIONS:
             raise ConfigError(

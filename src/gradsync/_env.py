@@ -124,6 +124,7 @@ _OPTIONAL_VARS: tuple[tuple[str, str, Callable[[str, str], object]], ...] = (
     ("wide_sum", "GRADSYNC_WIDE_SUM", _parse_bool),
     ("compression", "GRADSYNC_COMPRESSION", _parse_compression),
     ("error_feedback", "GRADSYNC_ERROR_FEEDBACK", _parse_bool),
+    ("compress_local", "GRADSYNC_COMPRESS_LOCAL", _parse_bool),
     ("elastic", "GRADSYNC_ELASTIC", _parse_bool),
     ("min_world_size", "GRADSYNC_MIN_WORLD_SIZE", _parse_int),
 )

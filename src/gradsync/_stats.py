@@ -25,6 +25,9 @@ class StepStats:
     membership so far; ``lost`` says who left during this call and why (the step was
     then redone without them); ``joined`` lists those admitted after it (call
     ``broadcast`` before the next step). Without ``elastic`` they stay empty.
+
+    ``compression`` names the codec the call's files were compressed with: None
+    without ``compression``, and where it was not applied (``compress_local``).
     """
 
     step: int
@@ -42,6 +45,7 @@ class StepStats:
     epoch: int = 0
     lost: tuple[str, ...] = ()
     joined: tuple[int, ...] = ()
+    compression: str | None = None
 
     @classmethod
     def timed(
@@ -51,6 +55,7 @@ class StepStats:
         bytes_per_rank: int,
         t: tuple[float, ...],
         last_rank: int | None,
+        compression: str | None = None,
     ) -> StepStats:
         """The stats of a step from its clock readings: start, published, inputs in,
         reduced, shards in, gathered."""
@@ -65,6 +70,7 @@ class StepStats:
             gather_s=t[5] - t[4],
             total_s=t[5] - t[0],
             last_rank=last_rank,
+            compression=compression,
         )
 
     def __str__(self) -> str:

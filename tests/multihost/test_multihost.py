@@ -189,6 +189,37 @@ def test_one_host_matches_two_hosts(cluster: Cluster, two_host_run: tuple[Path, 
             assert (out / f"raw-{r}-{s}").read_bytes() == (two_out / f"raw-{r}-{s}").read_bytes()
 
 
+def test_compression_applies_across_hosts_and_not_on_one_host(
+    cluster: Cluster, two_host_run: tuple[Path, int, int]
+) -> None:
+    """int8 across two hosts: every rank the same bits, not the exact ones; the same job
+    on one host over tmpfs runs uncompressed, giving the exact bits of the plain run."""
+    plain, seed, _ = two_host_run
+    steps = 2
+    runs = {}
+    for label, placement, nproc, root in (
+        ("int8-two", TWO_HOSTS, 2, MOUNT),
+        ("int8-one", {"h1": 0}, 4, "/dev/shm"),
+    ):
+        out = _out(cluster, label)
+        run_id = _unique(label)
+        job = cluster.launch(placement, nproc, f"{root}/{run_id}", run_id, [
+            "--seed", str(seed), "--steps", str(steps), "--raw", "--compression", "int8", *HB,
+        ], out)  # fmt: skip
+        _run(cluster, job)
+        runs[label] = out
+    for s in range(steps):
+        exact = (plain / f"raw-0-{s}").read_bytes()
+        two = {(runs["int8-two"] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
+        assert len(two) == 1
+        assert two != {exact}
+        for r in range(W):
+            assert (runs["int8-one"] / f"raw-{r}-{s}").read_bytes() == exact
+    for r in range(W):
+        assert {g["compression"] for g in _steps(runs["int8-two"], r)} == {"int8"}
+        assert {g["compression"] for g in _steps(runs["int8-one"], r)} == {None}
+
+
 def test_layout_changes_between_steps_across_hosts(cluster: Cluster) -> None:
     """Big (one file a rank) and small (two alternating slots) steps in turn, one rank
     late to every step: the files of one never overwrite what a reader of the other

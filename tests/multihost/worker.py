@@ -6,7 +6,7 @@ Every rank averages ``--steps`` rounds of :func:`mh_data.grads_for` and writes, 
     pid-<rank>.json      at start: pid and parent (launcher) pid as the host sees them,
                          host name; the test kills ranks by these ids
     steps-<rank>.jsonl   one line per finished step: sha256 of the mean, timings,
-                         the generation directory
+                         the generation directory, the codec the step used
     raw-<rank>-<step>    the mean's raw bytes (param after param), with --raw
     error-<rank>.json    the GradSyncError that ended the job (type, ranks, message, time)
     done-<rank>.json     the job finished
@@ -49,10 +49,13 @@ def main() -> int:
     p.add_argument("--hb-timeout", type=float, default=5.0)
     p.add_argument("--expect-loss", action="store_true")
     p.add_argument("--linger", type=float, default=0.0, help="seconds before closing")
+    p.add_argument("--compression", default=None, help="bf16, fp16 or int8")
     args = p.parse_args()
 
     cfg = gradsync.FileGradSyncConfig.from_env(
-        heartbeat_interval_s=args.hb_interval, heartbeat_timeout_s=args.hb_timeout
+        heartbeat_interval_s=args.hb_interval,
+        heartbeat_timeout_s=args.hb_timeout,
+        compression=args.compression,
     )
     rank = cfg.rank
     out: Path = args.out
@@ -89,6 +92,7 @@ def main() -> int:
                             "total_s": stats.total_s,
                             "t": time.time(),
                             "gen": gs.generation_dir,
+                            "compression": stats.compression,
                             "members": list(stats.members),  # elastic: who took part
                             "lost": list(stats.lost),
                             "epoch": stats.epoch,

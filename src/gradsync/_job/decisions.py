@@ -145,11 +145,11 @@ def decide_confirmation(
 
 def settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
     """The config fields every rank must share: they decide the file layout (strategy,
-    compression), the maths (wide_sum), what a reader can check, which only its publisher can make
-    possible (check_finite: the publisher flags NaN/Inf; checksums: it writes the CRCs),
-    and when a silent peer counts as lost: a rank that beats every 20 s was declared
-    lost by a peer waiting 15 s for a beat; and whether the job is elastic. The rest
-    may differ between ranks."""
+    compression, compress_local), the maths (wide_sum), what a reader can check, which
+    only its publisher can make possible (check_finite: the publisher flags NaN/Inf;
+    checksums: it writes the CRCs), and when a silent peer counts as lost: a rank that
+    beats every 20 s was declared lost by a peer waiting 15 s for a beat; and whether
+    the job is elastic. The rest may differ between ranks."""
     return {
         "strategy": cfg.strategy,
         "wide_sum": cfg.wide_sum,
@@ -158,8 +158,13 @@ def settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
         "checksums": cfg.checksums,
         "heartbeat_interval_s": cfg.heartbeat_interval_s,
         "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
+        **({"compress_local": True} if _compress_local(cfg) else {}),
         **({"elastic": True} if cfg.elastic else {}),
     }
+
+
+def _compress_local(cfg: FileGradSyncConfig) -> bool:
+    return cfg.compress_local and cfg.compression is not None
 
 
 def disagreement(
@@ -180,8 +185,19 @@ def disagreement(
             path=cfg.sync_dir,
         )
     # Sent only where set: a rank without elastic says what it always said.
-    theirs = {"elastic": False, **theirs, "world_size": data.get("world_size")}
-    for key, value in {"world_size": cfg.world_size, **mine, "elastic": cfg.elastic}.items():
+    theirs = {
+        "elastic": False,
+        "compress_local": False,
+        **theirs,
+        "world_size": data.get("world_size"),
+    }
+    ours = {
+        "world_size": cfg.world_size,
+        **mine,
+        "compress_local": _compress_local(cfg),
+        "elastic": cfg.elastic,
+    }
+    for key, value in ours.items():
         if theirs.get(key) != value:
             return MismatchError(
                 f"rendezvous: rank 0 has {key} {value!r} but rank {member.rank} "

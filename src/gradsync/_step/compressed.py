@@ -83,7 +83,8 @@ class Compressing(Publishing):
         finally:
             for peer in (*peers.values(), *outs.values()):
                 peer.reader.close()
-        return StepStats.timed(step, self.world, plan.in_len, (t0, t1, t2, t3, t4, t5), last_in)
+        times = (t0, t1, t2, t3, t4, t5)
+        return StepStats.timed(step, self.world, plan.in_len, times, last_in, wire.codec.name)
 
     def _keep_residuals(self, plan: Plan) -> None:
         """Start the error feedback afresh when the layout changes."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from gradsync._store.dirs import GenDir
 from gradsync._store.files import translate_oserror
 
 from .buffers import SharedBuffers
-from .codec import codec_for
+from .codec import Codec, codec_for
 from .header import (
     FLAG_CHECKSUMS,
     FLAG_NONFINITE,
@@ -41,6 +42,8 @@ __all__ = ["EngineState", "one_slot", "others"]
 REPLICATE_BELOW_BYTES = 256 * 1024
 # Plans kept for layouts seen before: building one is per-param work.
 _PLANS_KEPT = 4
+
+_log = logging.getLogger("gradsync")
 
 
 class EngineState:
@@ -95,6 +98,7 @@ class EngineState:
             gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s
         )
         local_ranks = sum(1 for m in gen.members if m.same_host)
+        self.codec = _wire_codec(cfg, gen, local and local_ranks == self.world)
         self.workers = Workers(cfg.threads or auto_threads(local_ranks))
 
     def close(self) -> None:
@@ -113,7 +117,7 @@ class EngineState:
                 self.world,
                 self.cfg.strategy == "root",
                 replicate_below=REPLICATE_BELOW_BYTES,
-                codec=codec_for(self.cfg.compression),
+                codec=self.codec,
             )
             if len(self._plans) >= _PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]
@@ -219,3 +223,19 @@ def others(group: Group, rank: int) -> list[tuple[int, int]]:
     """The element ranges of ``group`` outside ``rank``'s shard."""
     lo, hi = group.shards[rank]
     return [(a, b) for a, b in ((0, lo), (hi, group.size)) if a < b]
+
+
+def _wire_codec(cfg: FileGradSyncConfig, gen: Generation, one_host: bool) -> Codec | None:
+    """The codec of the job's files: none where every rank runs on this host over a
+    local filesystem, unless ``compress_local`` (every rank judges alike: the hosts come
+    from the roster, and ranks on one host see one filesystem)."""
+    codec = codec_for(cfg.compression)
+    if codec is not None and one_host and not cfg.compress_local:
+        _log.info(
+            "gradsync: compression %r not applied: every rank runs on this host "
+            "and %s is on a local filesystem (compress_local=True applies it)",
+            cfg.compression,
+            gen.path.parent,
+        )
+        return None
+    return codec

@@ -116,13 +116,7 @@ def launch(
     signals.install()
     own_dir: Path | None = None
     try:
-        if sync_dir is None:
-            directory = own_dir = make_default_sync_dir(run_id)
-            announce(directory, run_id, nproc)
-        else:
-            directory = prepare_sync_dir(sync_dir)
-        if nnodes > 1:
-            warn_if_unshared(directory)
+        directory, own_dir = _sync_dir(sync_dir, run_id, nproc, nnodes)
         envs = rank_envs(
             nproc=nproc,
             nnodes=nnodes,
@@ -136,11 +130,7 @@ def launch(
         first = node_rank * nproc
         logger.info(
             "starting ranks %d-%d of %d: run id %s, sync dir %s",
-            first,
-            first + nproc - 1,
-            nnodes * nproc,
-            run_id,
-            directory,
+            *(first, first + nproc - 1, nnodes * nproc, run_id, directory),
         )
         job = Job(
             signals,
@@ -162,3 +152,17 @@ def launch(
         if own_dir is not None:
             remove_tree(own_dir)
         signals.restore()
+
+
+def _sync_dir(
+    sync_dir: str | os.PathLike[str] | None, run_id: str, nproc: int, nnodes: int
+) -> tuple[Path, Path | None]:
+    """The job's sync dir, and it again if the launcher made it (and removes it)."""
+    if sync_dir is None:
+        own = make_default_sync_dir(run_id)
+        announce(own, run_id, nproc)
+        return own, own
+    directory = prepare_sync_dir(sync_dir)
+    if nnodes > 1:
+        warn_if_unshared(directory)
+    return directory, None
