@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 RIG = Path(__file__).resolve().parent / "rig"
 WORKER = Path(__file__).resolve().parent / "worker.py"
-MOUNT = "/mnt/shared"  # the rig's default MH_MOUNT
+MOUNT = os.environ.get("MH_MOUNT", "/mnt/shared")  # where the rig mounts the volume in each host
 PRIVATE_TO_HOSTS = ("/tmp", "/dev/shm")  # each simulated host has its own
 
 

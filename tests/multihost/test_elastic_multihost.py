@@ -80,11 +80,10 @@ def _start(cluster: Cluster, label: str, steps: int) -> tuple[Job, Path]:
     run_id = f"{label}-{uuid.uuid4().hex[:10]}"
     out = cluster.base / run_id
     out.mkdir()
-    mount = os.environ.get("MH_MOUNT", MOUNT)
     job = cluster.launch(
         THREE_HOSTS,
         NPROC,
-        f"{mount}/{run_id}",
+        f"{MOUNT}/{run_id}",
         run_id,
         [*ARGS, "--steps", str(steps)],
         out,
