@@ -122,7 +122,7 @@ def launch(args: argparse.Namespace, out: Path, kills: int) -> dict[str, Any]:
         try:
             code = proc.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
-            print(f"  HANG: no end after {args.timeout_s} s; sync dir kept in {out}")
+            print(f"  HANG: no end after {args.timeout_s} s (--keep DIR keeps its files)")
         finally:  # an interrupt too: the launcher stops its ranks
             killer.stop.set()
             killer.join()
@@ -134,8 +134,9 @@ def launch(args: argparse.Namespace, out: Path, kills: int) -> dict[str, Any]:
 
 
 def _events(out: Path) -> list[dict[str, Any]]:
-    paths = sorted(out.glob("events-*.jsonl"))
-    return [json.loads(line) for p in paths for line in p.read_text().splitlines()]
+    texts = [p.read_text() for p in sorted(out.glob("events-*.jsonl"))]
+    lines = [line for text in texts for line in text.splitlines(keepends=True)]
+    return [json.loads(line) for line in lines if line.endswith("}\n")]  # whole ones only
 
 
 def summarize(
