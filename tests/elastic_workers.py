@@ -105,3 +105,18 @@ def broadcast_at(
             if step == at:
                 gs.broadcast([state])
         return {"state": state.tobytes(), "members": gs.members, "epoch": gs.epoch}
+
+
+def members_and_a_stuck_joiner(
+    rank: int, sync_dir: str, kw: dict[str, Any], pid_dir: str
+) -> dict[str, Any] | None:
+    """Processes 0 and 1 train as a job of 2 for 80 steps; process 2 asks to join it
+    with other settings (checksums), so it is never admitted, and waits to be killed."""
+    if rank < 2:
+        return train(rank, 2, sync_dir, 80, kw, pause_s=0.05)
+    time.sleep(0.5)
+    (Path(pid_dir) / "pid-2").write_text(str(os.getpid()))
+    cfg = config(2, 3, sync_dir, elastic=True, checksums=True, **kw)
+    with gradsync.GradSync(cfg) as gs:
+        gs.average(grads_for(2, 0))
+    return None

@@ -274,6 +274,30 @@ def test_a_killed_rank_started_again_rejoins_and_averages_with_the_others(
     assert results[4].value["records"][0]["rank"] == 3
 
 
+def test_the_request_of_a_joiner_killed_while_waiting_is_removed(tmp_path: Path) -> None:
+    sync_dir = tmp_path / "sync"
+
+    def kill_once_asked() -> None:
+        while not list((sync_dir / "rdzv").glob("ejoin-*")) or not (tmp_path / "pid-2").exists():
+            time.sleep(0.01)
+        os.kill(int((tmp_path / "pid-2").read_text()), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_once_asked)
+    killer.start()
+    try:
+        results = run_ranks(
+            elastic_workers.members_and_a_stuck_joiner,
+            3,
+            (str(sync_dir), FAST, str(tmp_path)),
+            expect=[0, 1],
+            timeout_s=60,
+        )
+    finally:
+        killer.join(timeout=30)
+    assert all(len(results[p].value["records"]) == 80 for p in (0, 1))
+    assert not list((sync_dir / "rdzv").glob("ejoin-*"))
+
+
 def _launch_rejoin(tmp_path: Path, nproc: int, *script_args: str) -> list[tuple[str, ...]]:
     """Run tests/scripts/elastic_rejoin.py under ``gradsync launch --elastic
     --max-restarts 1``: each process's (rank, restart, world, digest) at the end."""

@@ -268,7 +268,13 @@ def _joiners(cfg: FileGradSyncConfig) -> list[dict[str, Any]]:
         member = notes.member_of(data)
         if data is None or member is None or data.get("run_id") != cfg.run_id:
             continue
-        if judge(member).alive is False or not isinstance(data.get("launch"), int):
+        if judge(member).alive is False:
+            # Its process on this host ended while it waited (SIGKILLed, say): nobody
+            # else would remove its request.
+            with contextlib.suppress(OSError):
+                notes.unlink(rdzv / name)
+            continue
+        if not isinstance(data.get("launch"), int):
             continue
         if data.get("settings") != settings(cfg):
             _log.warning(
