@@ -51,6 +51,7 @@ __all__ = ["Membership", "Reformer", "join_running", "joins_waiting", "running_j
 
 _log = logging.getLogger("gradsync")
 _LOOK_EVERY_S = 0.002
+_refused: set[str] = set()  # join requests this process warned it does not admit
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,9 @@ def _joiners(cfg: FileGradSyncConfig) -> list[dict[str, Any]]:
         if not isinstance(data.get("launch"), int):
             continue
         if data.get("settings") != settings(cfg):
+            if name in _refused:
+                continue  # said once: rank 0 looks every 0.1 s
+            _refused.add(name)
             _log.warning(
                 "rank %d: not admitting %s (%s): its settings %s differ from %s",
                 cfg.rank,
