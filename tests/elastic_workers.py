@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import gradsync
 from gradsync import _proc
 from ranks import WarningLog, config
@@ -88,3 +90,33 @@ def first_call(rank: int, world: int, sync_dir: str, elastic_ranks: list[int]) -
     cfg = config(rank, world, sync_dir, elastic=rank in elastic_ranks, max_wait_s=10.0)
     with gradsync.GradSync(cfg) as gs:
         gs.average(grads_for(rank, 0))
+
+
+def broadcast_at(
+    rank: int, world: int, sync_dir: str, kw: dict[str, Any], steps: int, at: int
+) -> dict[str, Any]:
+    """Average ``steps`` steps, and broadcast a state that differs by rank after step
+    ``at``; the state then, and the membership at the end."""
+    cfg = config(rank, world, sync_dir, elastic=True, **kw)
+    state = np.full(64, float(rank + 1))
+    with gradsync.GradSync(cfg) as gs:
+        for step in range(steps):
+            gs.average(grads_for(rank, step))
+            if step == at:
+                gs.broadcast([state])
+        return {"state": state.tobytes(), "members": gs.members, "epoch": gs.epoch}
+
+
+def members_and_a_stuck_joiner(
+    rank: int, sync_dir: str, kw: dict[str, Any], pid_dir: str
+) -> dict[str, Any] | None:
+    """Processes 0 and 1 train as a job of 2 for 80 steps; process 2 asks to join it
+    with other settings (checksums), so it is never admitted, and waits to be killed."""
+    if rank < 2:
+        return train(rank, 2, sync_dir, 80, kw, pause_s=0.05)
+    time.sleep(0.5)
+    (Path(pid_dir) / "pid-2").write_text(str(os.getpid()))
+    cfg = config(2, 3, sync_dir, elastic=True, checksums=True, **kw)
+    with gradsync.GradSync(cfg) as gs:
+        gs.average(grads_for(2, 0))
+    return None

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import elastic_workers
@@ -111,6 +112,26 @@ def test_a_late_joiner_comes_in_at_a_step_boundary_and_averages_with_the_others(
     assert boundary[0]["joined"] == (3,)
     assert boundary[0]["members"] == (0, 1, 2)  # the call itself ran without the joiner
     assert boundary[0]["step"] + 1 == first["step"]
+
+
+def test_a_rank_killed_in_a_broadcast_is_left_behind_and_the_broadcast_redone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Calls 1-3 average, call 4 broadcasts: rank 2 dies halfway through publishing.
+    with fault("mid_publish@2@4=sigkill", monkeypatch):
+        results = run_ranks(
+            elastic_workers.broadcast_at,
+            4,
+            (4, str(tmp_path), FAST, 5, 2),
+            expect=[0, 1, 3],
+            timeout_s=60,
+        )
+    for proc in (0, 1, 3):
+        assert results[proc].ok, results[proc].value
+        value = results[proc].value
+        assert value["state"] == np.full(64, 1.0).tobytes()  # rank 0's
+        assert value["members"] == (0, 1, 3)
+        assert value["epoch"] == 1
 
 
 def test_below_min_world_size_the_survivors_wait_then_fail_naming_the_lost_rank(
@@ -253,14 +274,41 @@ def test_a_killed_rank_started_again_rejoins_and_averages_with_the_others(
     assert results[4].value["records"][0]["rank"] == 3
 
 
-def test_a_rank_restarted_by_the_launcher_rejoins_and_ends_with_the_same_state(
-    tmp_path: Path,
-) -> None:
+def test_the_request_of_a_joiner_killed_while_waiting_is_removed(tmp_path: Path) -> None:
+    sync_dir = tmp_path / "sync"
+
+    def kill_once_asked() -> None:
+        while not list((sync_dir / "rdzv").glob("ejoin-*")) or not (tmp_path / "pid-2").exists():
+            time.sleep(0.01)
+        time.sleep(1.0)  # rank 0 looks at join requests every 0.1 s meanwhile
+        os.kill(int((tmp_path / "pid-2").read_text()), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_once_asked)
+    killer.start()
+    try:
+        results = run_ranks(
+            elastic_workers.members_and_a_stuck_joiner,
+            3,
+            (str(sync_dir), FAST, str(tmp_path)),
+            expect=[0, 1],
+            timeout_s=60,
+        )
+    finally:
+        killer.join(timeout=30)
+    assert all(len(results[p].value["records"]) == 80 for p in (0, 1))
+    assert not list((sync_dir / "rdzv").glob("ejoin-*"))
+    refusals = [w for w in results[0].value["warnings"] if "not admitting" in w]
+    assert len(refusals) <= 1, refusals  # said once, not at every look
+
+
+def _launch_rejoin(tmp_path: Path, nproc: int, *script_args: str) -> list[tuple[str, ...]]:
+    """Run tests/scripts/elastic_rejoin.py under ``gradsync launch --elastic
+    --max-restarts 1``: each process's (rank, restart, world, digest) at the end."""
     script = Path(__file__).parent / "scripts" / "elastic_rejoin.py"
     env = {**os.environ, "GRADSYNC_SYNC_DIR": str(tmp_path)}
     command = [sys.executable, "-m", "gradsync", "launch", "--elastic", "--max-restarts", "1"]
     done = subprocess.run(
-        [*command, "--nproc", "3", str(script)],
+        [*command, "--nproc", str(nproc), str(script), *script_args],
         check=False,
         env=env,
         capture_output=True,
@@ -269,10 +317,44 @@ def test_a_rank_restarted_by_the_launcher_rejoins_and_ends_with_the_same_state(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "restarting it (restart 1 of 1)" in done.stderr
-    lines = re.findall(r"rank (\d) restart (\d) world (\d) digest (\w+)", done.stdout)
-    assert sorted((r, k, w) for r, k, w, _ in lines) == [
+    return sorted(re.findall(r"rank (\d) restart (\d) world (\d) digest (\w+)", done.stdout))
+
+
+def test_a_rank_restarted_by_the_launcher_rejoins_and_ends_with_the_same_state(
+    tmp_path: Path,
+) -> None:
+    lines = _launch_rejoin(tmp_path, 3)
+    assert [(r, k, w) for r, k, w, _ in lines] == [
         ("0", "0", "3"),
         ("1", "0", "3"),
         ("2", "1", "3"),
     ]
     assert len({digest for *_, digest in lines}) == 1
+
+
+def test_a_rank_lost_after_a_re_form_leaves_the_new_generation_to_the_others(
+    tmp_path: Path,
+) -> None:
+    # Rank 3 exits, the others re-form; then rank 2 exits in the re-formed generation.
+    # Its launcher's note must not remove that generation from under the survivors.
+    lines = _launch_rejoin(tmp_path, 4, "80", "3:10", "2:25")
+    assert [(r, k) for r, k, _, _ in lines] == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")]
+    assert len({digest for *_, digest in lines}) == 1
+
+
+@pytest.mark.slow
+def test_a_short_chaos_run_ends_with_every_rank_alive_and_the_same_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # benchmarks/chaos.py, 4 random SIGKILLs instead of 30: restarted, rejoined, converged.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import chaos  # noqa: PLC0415
+
+    args = chaos.parse_args(
+        ["--kills", "4", "--steps", "400", "--kills-only", "--timeout-s", "120"]
+    )
+    _, result = chaos.chaos_run(args, tmp_path)
+    assert result["problems"] == [], (tmp_path / "chaos" / "launcher.log").read_text()
+    assert result["kills"] == result["restarts"] == 4
+    assert result["tracebacks"] == 0
+    assert result["test_acc"] > 0.9

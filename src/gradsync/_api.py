@@ -24,7 +24,7 @@ from ._errors import GradSyncError
 from ._guard import CallGuard
 from ._session import Session, closing_reason
 from ._stats import StepStats
-from ._step.broadcast import broadcast_root, broadcast_view
+from ._step.broadcast import BroadcastView, broadcast_root, broadcast_view
 from ._step.engine import StepEngine
 from ._step.grads import host_view, layout_like
 from ._testing import fixed_wait
@@ -261,10 +261,28 @@ class GradSync(CallGuard):
             if not self.cfg.enabled:
                 return StepStats(step=step, world_size=1, bytes_per_rank=view.nbytes)
             try:
-                return self._started().broadcast(view, chosen, step)
+                if not self.cfg.elastic:
+                    return self._started().broadcast(view, chosen, step)
+                self._started()  # a joiner meets the job first: ranks are its ranks
+                ranks_now = range(self.world_size)
+                first = None if root is None else self.members[broadcast_root(root, ranks_now)]
+                call = functools.partial(self._broadcast_elastic, view, first, step)
+                return run_elastic(self._session, self.cfg, self._closing, call, None)
             except BaseException as exc:
                 self._failed(exc, step)
                 raise
+
+    def _broadcast_elastic(self, view: BroadcastView, root: int | None, step: int) -> StepStats:
+        """An elastic broadcast from the rank started as ``root`` (None: rank 0), which
+        the survivors of a lost rank redo; a lost ``root`` fails it on every rank."""
+        if root is not None and root not in self.members:
+            raise GradSyncError(
+                f"broadcast at step {step}: its root (started as rank {root}) was lost",
+                step=step,
+                ranks=[root],
+            )
+        chosen = 0 if root is None else self.members.index(root)
+        return self._started().broadcast(view, chosen, step)
 
     def _started(self, max_wait_s: float | None = None) -> StepEngine:
         """The step engine, meeting the other ranks first if this is the first call

@@ -57,10 +57,11 @@ def run_elastic(
     cfg: FileGradSyncConfig,
     closing: threading.Event,
     call: Callable[[], StepStats],
-    next_step: int,
+    next_step: int | None,
 ) -> StepStats:
-    """``call()`` (one averaging step), redone after re-forming the job each time a
-    peer is lost; then, if rank 0 said so in it, the joiners come in."""
+    """``call()`` (one averaging step, or a broadcast), redone after re-forming the job
+    each time a peer is lost; then, if rank 0 said so in it (an averaging step), the
+    joiners come in, to take part from call ``next_step`` on."""
     lost: list[str] = []
     while True:
         try:
@@ -83,7 +84,7 @@ def run_elastic(
     took_part = session.membership
     assert took_part is not None
     joined: tuple[int, ...] = ()
-    if session.engine is not None and session.engine.joins_due:
+    if next_step is not None and session.engine is not None and session.engine.joins_due:
         new = session.reform(cfg, closing, admit=True, next_step=next_step)
         joined, lost = new.joined, lost + list(new.lost)
         _log.info("gradsync elastic: ranks %s joined; %d ranks now", joined, len(new.launch))

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 RIG = Path(__file__).resolve().parent / "rig"
 WORKER = Path(__file__).resolve().parent / "worker.py"
-MOUNT = "/mnt/shared"  # the rig's default MH_MOUNT
+MOUNT = os.environ.get("MH_MOUNT", "/mnt/shared")  # where the rig mounts the volume in each host
 PRIVATE_TO_HOSTS = ("/tmp", "/dev/shm")  # each simulated host has its own
 
 
@@ -201,8 +201,10 @@ class Cluster:
         *,
         script: Path = WORKER,
         max_wait_s: float = 60.0,
+        launcher_args: tuple[str, ...] = (),
     ) -> Job:
-        """Start ``gradsync launch`` with node rank ``placement[host]`` on each host."""
+        """Start ``gradsync launch`` with node rank ``placement[host]`` on each host
+        (``launcher_args``: more of its options, e.g. ``--elastic``)."""
         job = Job(run_id, out, sync_dir)
         nnodes = len(placement)
         for host, node_rank in placement.items():
@@ -210,7 +212,7 @@ class Cluster:
                 sys.executable, "-m", "gradsync", "launch",
                 "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc", str(nproc),
                 "--sync-dir", sync_dir, "--run-id", run_id,
-                "--max-wait-s", str(max_wait_s), "--grace-period-s", "2",
+                "--max-wait-s", str(max_wait_s), "--grace-period-s", "2", *launcher_args,
                 str(script), "--out", str(out), *worker_args,
             ]  # fmt: skip
             job.logs[host] = out / f"launch-{host}.log"

@@ -95,6 +95,9 @@ def main() -> int:
                             "t": time.time(),
                             "gen": gs.generation_dir,
                             "compression": stats.compression,
+                            "members": list(stats.members),  # elastic: who took part
+                            "lost": list(stats.lost),
+                            "epoch": stats.epoch,
                         }
                     )
                     + "\n"

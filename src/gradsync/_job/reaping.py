@@ -174,11 +174,13 @@ def _note_unjoined(rdzv: Path, rank: int, pid: int, how: str) -> None:
 def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
     rostered = file_below(gen_path / ROSTER)
     members = members_of(gen_path) or []  # before the roster, just rank 0
-    ended = [m for m in members if m.rank == rank and m.pid == pid and m.same_host]
+    started_as = _launch_ranks(gen_path, members)
+    ended = [m for m in members if started_as[m.rank] == rank and m.pid == pid and m.same_host]
     # The pid was reaped before this runs: by now it may be a live process's, of a
     # rank of another job in this directory. Its start time tells them apart.
     if not ended or any(judge(m).alive for m in ended):
         return
+    rank = ended[0].rank  # its rank in this generation: an elastic job renumbers
     note = gen_path / left_name(rank)
     if not has_left(gen_path, rank):  # else it closed its session (and may have died in it)
         write_note(note, dump({"ended": how}))
@@ -189,6 +191,17 @@ def _leave_in(gen_path: Path, rank: int, pid: int, how: str) -> None:
             return
     if rostered and all(has_left(gen_path, m.rank) for m in members):
         _remove(gen_path)
+
+
+def _launch_ranks(gen_path: Path, members: list[MemberInfo]) -> dict[int, int]:
+    """Each member's rank as its launcher started it: a re-formed elastic generation's
+    roster lists them (``launch``), any other's ranks are those."""
+    roster = load(gen_path / ROSTER) or {}
+    launch = roster.get("launch")
+    if isinstance(launch, list) and len(launch) == len(members):
+        with contextlib.suppress(IndexError, TypeError, ValueError):
+            return {m.rank: int(launch[m.rank]) for m in members}
+    return {m.rank: m.rank for m in members}
 
 
 def _gone(gen_path: Path, member: MemberInfo) -> bool | None:

@@ -51,6 +51,7 @@ __all__ = ["Membership", "Reformer", "join_running", "joins_waiting", "running_j
 
 _log = logging.getLogger("gradsync")
 _LOOK_EVERY_S = 0.002
+_refused: set[str] = set()  # join requests this process warned it does not admit
 
 
 @dataclass(frozen=True)
@@ -195,10 +196,11 @@ class Reformer:
             f"rank {self.cur.launch[q]} ({self.gen.members[q].describe()}) {why}"
             for q, why in gone.items()
         ]
+        ranked = [dataclasses.replace(m, rank=r).to_json() for r, m in enumerate(members)]
         data = {
             "gen": gen_id,
             "epoch": self.cur.epoch + 1,
-            "members": [dataclasses.replace(m, rank=r).to_json() for r, m in enumerate(members)],
+            "members": ranked,
             "launch": launch,
             "next_step": self._next_step,
             "lost": lost,
@@ -207,6 +209,11 @@ class Reformer:
             "run_id": self.cfg.run_id,
         }
         new_path = self.cfg.sync_dir / gen_name(gen_id)
+        # As a rank 0 forming a job registers it: a generation without one is taken
+        # for one being removed (a launcher's note for a lost member would remove it).
+        leader = {"member": ranked[0], "world_size": len(members), "gen": gen_id}
+        leader_file = notes.leader_file(self.cfg.sync_dir, gen_id)
+        notes.write_json(leader_file, {**leader, "run_id": self.cfg.run_id}, "registering in")
         notes.write_json(new_path / ROSTER, data, "publishing the roster to")
         for q in gone:
             if standings[q].gone is not None and not notes.has_left(self.gen.path, q):
@@ -262,9 +269,18 @@ def _joiners(cfg: FileGradSyncConfig) -> list[dict[str, Any]]:
         member = notes.member_of(data)
         if data is None or member is None or data.get("run_id") != cfg.run_id:
             continue
-        if judge(member).alive is False or not isinstance(data.get("launch"), int):
+        if judge(member).alive is False:
+            # Its process on this host ended while it waited (SIGKILLed, say): nobody
+            # else would remove its request.
+            with contextlib.suppress(OSError):
+                notes.unlink(rdzv / name)
+            continue
+        if not isinstance(data.get("launch"), int):
             continue
         if data.get("settings") != settings(cfg):
+            if name in _refused:
+                continue  # said once: rank 0 looks every 0.1 s
+            _refused.add(name)
             _log.warning(
                 "rank %d: not admitting %s (%s): its settings %s differ from %s",
                 cfg.rank,
