@@ -12,6 +12,7 @@ process interrupts itself, as Ctrl-C does, the first time only). Phases, in orde
     mid_output       half of this rank's reduced shard written
     after_output     reduced shard published, peers' shards not yet read
     mid_gather       some of the mean copied into the arrays
+    mid_decide       (elastic) the next membership claimed, not yet written down
 
 Read once, at import: with the variable unset, each phase point costs one
 dictionary lookup.
@@ -31,6 +32,7 @@ PHASES = (
     "mid_output",
     "after_output",
     "mid_gather",
+    "mid_decide",
 )
 _ACTIONS = ("sigkill", "sigstop", "exit", "sigint")
 

@@ -41,12 +41,12 @@ __all__ = [
     "JOINS",
     "LOCK_PREFIX",
     "NEXT",
-    "NEXT_CLAIM",
     "OWN_MARK",
     "RDZV",
     "RIVAL",
     "ROSTER",
     "abort_marker",
+    "claim_name",
     "current_name",
     "data_name",
     "ejoin_name",
@@ -56,6 +56,7 @@ __all__ = [
     "gen_name",
     "heartbeat_name",
     "input_marker",
+    "intent_name",
     "is_leader_name",
     "is_offer_name",
     "join_name",
@@ -88,7 +89,6 @@ RIVAL = "rival-0-"
 EJOIN_PREFIX = "ejoin-"
 JOINS = "joins"
 NEXT = "next.json"
-NEXT_CLAIM = "next.claim"
 _SHARED_INPUT = re.compile(r"d-(\d+)-b\d+\.in")
 
 
@@ -206,6 +206,17 @@ def abort_marker(rank: int) -> str:
 
 def stay_name(rank: int) -> str:
     return f"stay-{rank}.json"
+
+
+def claim_name(attempt: int) -> str:
+    """The claim of a membership's decision, created exclusively: one per attempt (a
+    later attempt only after every claimant of the earlier one died without deciding)."""
+    return "next.claim" if attempt == 0 else f"next.claim.{attempt}"
+
+
+def intent_name(attempt: int, rank: int) -> str:
+    """Rank ``rank`` is about to claim attempt ``attempt`` (kept by its winner)."""
+    return f"next.intent-{attempt}-{rank}"
 
 
 def ejoin_name(nonce: str) -> str:

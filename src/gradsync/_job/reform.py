@@ -25,15 +25,17 @@ from typing import Any
 
 from gradsync._config import FileGradSyncConfig
 from gradsync._errors import GradSyncError, PeerLostError, PeerTimeoutError
+from gradsync._faults import fault_point
 from gradsync._names import (
     EJOIN_PREFIX,
     NEXT,
-    NEXT_CLAIM,
     RDZV,
     ROSTER,
+    claim_name,
     current_name,
     ejoin_name,
     gen_name,
+    intent_name,
     left_name,
     stay_name,
 )
@@ -113,6 +115,8 @@ class Reformer:
         # Ranks the failed step found lost already: their heartbeats need not be
         # waited out again (a member on this host is judged by its process anyway).
         self._known_lost = known_lost or {}
+        self._attempt = 0  # of claiming the decision (see _claim)
+        self._lost_attempts: set[int] = set()
 
     def run(self) -> Membership:
         """The next membership, once decided.
@@ -165,7 +169,11 @@ class Reformer:
                 if isinstance(done, int) and notes.member_of(data) == member:
                     self._stays[q] = done
             if q in self._stays:
-                found.append(Standing(q, stayed=self._stays[q]))
+                # One that stayed and then died (the decider, say) is gone for sure only
+                # by its note or its process on this host: a silent one may be deciding.
+                ended = left_name(q) in names or (member.same_host and member.local_death())
+                why = (notes.how_it_ended(self.gen.path, q) or "has exited") if ended else None
+                found.append(Standing(q, stayed=self._stays[q], gone=why, certain=bool(ended)))
             elif left_name(q) in names:
                 why = notes.how_it_ended(self.gen.path, q) or "closed its gradsync session"
                 found.append(Standing(q, gone=why, certain=True))
@@ -180,13 +188,12 @@ class Reformer:
     def _decide(self, standings: tuple[Standing, ...], joiners: list[dict[str, Any]]) -> None:
         """Claim the one decision of this membership and write it; if another member
         claimed it first, leave it to that member."""
-        try:
-            with dir_below(self.cfg.sync_dir, self.gen.path.name) as fd:
-                store().create(fd, NEXT_CLAIM)
-        except FileExistsError:
-            return
+        with dir_below(self.cfg.sync_dir, self.gen.path.name) as fd:
+            if not self._claim(fd, standings):
+                return
         gen_id = secrets.token_hex(8)
         make_own_dir(self.cfg.sync_dir, gen_name(gen_id))
+        fault_point("mid_decide", self.gen.rank, self.completed + 1)
         going = survivors(standings)
         members = [self.gen.members[q] for q in going]
         members += [m for j in joiners if (m := notes.member_of(j)) is not None]
@@ -223,6 +230,35 @@ class Reformer:
         notes.write_json(self.gen.path / NEXT, data, "deciding the next membership in")
         pointer = self.cfg.sync_dir / RDZV / current_name(self.cfg.run_id)
         notes.write_json(pointer, {"gen": gen_id}, "naming the running job in")
+
+    def _claim(self, fd: int, standings: tuple[Standing, ...]) -> bool:
+        """Whether this rank won the claim of the decision: of the first attempt, or of
+        a later one once every claimant of the one before died without deciding (gone
+        for sure: a process of this host that ended, or one that left)."""
+        while True:
+            attempt = self._attempt
+            if attempt not in self._lost_attempts:
+                with contextlib.suppress(FileExistsError):
+                    store().create(fd, intent_name(attempt, self.gen.rank))
+                try:
+                    store().create(fd, claim_name(attempt))
+                    return True
+                except FileExistsError:
+                    self._lost_attempts.add(attempt)
+                    with contextlib.suppress(FileNotFoundError):
+                        store().remove(fd, intent_name(attempt, self.gen.rank))
+            names = store().list(fd)
+            claimants = [s for s in standings if intent_name(attempt, s.rank) in names]
+            if not claimants or not all(s.gone is not None and s.certain for s in claimants):
+                return False
+            _log.warning(
+                "gradsync elastic: rank %s claimed the next membership and %s before "
+                "deciding; rank %d decides in its place",
+                ", ".join(str(self.cur.launch[s.rank]) for s in claimants),
+                "; ".join(s.gone or "" for s in claimants),
+                self.cur.launch[self.gen.rank],
+            )
+            self._attempt += 1
 
     def _adopt(self, data: dict[str, Any]) -> Membership:
         try:
