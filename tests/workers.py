@@ -900,6 +900,17 @@ def buffers_left_unwritten(rank: int, world: int, sync_dir: str) -> list[Any]:
     return out
 
 
+def torch_buffers_all(
+    rank: int, world: int, sync_dir: str, runs: list[tuple[str, int, int | None]]
+) -> dict[str, Any]:
+    """:func:`torch_grads_in_buffers`, then :func:`torch_buffers_recipes` of ``runs``, in
+    sync dirs of their own: one torch import for every torch test of buffers_like."""
+    return {
+        "in_buffers": torch_grads_in_buffers(rank, world, f"{sync_dir}/in-buffers"),
+        "recipes": torch_buffers_recipes(rank, world, f"{sync_dir}/recipes", runs),
+    }
+
+
 def torch_buffers_recipes(
     rank: int, world: int, sync_dir: str, runs: list[tuple[str, int, int | None]]
 ) -> list[Any]:
