@@ -86,7 +86,7 @@ def test_status_names_the_rank_everyone_waits_for(tmp_path: Path, big: bool) -> 
         assert job["waiting"] == {"for": [2], "by": [0, 1], "what": "gradients", "call": 2}
         assert [r["alive"] for r in job["ranks"]] == [True, True, True]
     finally:
-        workers.returned(str(tmp_path), "status")
+        workers.mark_done(str(tmp_path), "status")
         thread.join(60)
     assert {r: o.value for r, o in box.items()} == {0: "averaged", 1: "averaged", 2: "averaged"}
 

@@ -63,17 +63,18 @@ def grads_for(
     ]
 
 
-def returned(sync_dir: str, who: int | str) -> None:
-    """Mark (beside the sync dir, not in it) that the call of ``who`` (a rank) returned."""
-    Path(f"{sync_dir}.returned-{who}").touch()
+def mark_done(sync_dir: str, who: int | str) -> None:
+    """Mark (beside the sync dir, not in it) that ``who`` (a rank's call, or the test's
+    own step) is done."""
+    Path(f"{sync_dir}.done-{who}").touch()
 
 
 def linger(sync_dir: str, peers: list[int] | list[str], cap_s: float) -> None:
     """Stay alive, as a rank that caught its error would, until every one of ``peers``
-    has marked its call returned, or ``cap_s`` has passed (the fixed wait this replaced)."""
+    is marked done, or ``cap_s`` has passed (the fixed wait this replaced)."""
     deadline = time.monotonic() + cap_s
     while time.monotonic() < deadline:
-        if all(Path(f"{sync_dir}.returned-{r}").exists() for r in peers):
+        if all(Path(f"{sync_dir}.done-{r}").exists() for r in peers):
             return
         time.sleep(0.01)
 
@@ -149,7 +150,7 @@ def stall(rank: int, world: int, sync_dir: str, sleeper: int, max_wait_s: float)
         gs.average(grads_for(rank, 1), step=1)
     finally:
         globals()["_elapsed"] = time.monotonic() - start
-        returned(sync_dir, rank)
+        mark_done(sync_dir, rank)
     return None
 
 
@@ -290,7 +291,7 @@ def disk_fills_mid_job(rank: int, world: int, sync_dir: str) -> Any:
         raise
     finally:
         if rank == 0:
-            returned(sync_dir, 0)
+            mark_done(sync_dir, 0)
         gs.close()
 
 
@@ -320,7 +321,7 @@ def rendezvous_fails_on_a_full_disk(rank: int, world: int, sync_dir: str) -> Any
         raise
     finally:
         if rank == 1:
-            returned(sync_dir, 1)
+            mark_done(sync_dir, 1)
 
 
 def _on_first(sync_dir: str, pattern: str, action: Callable[[], object]) -> None:
@@ -374,7 +375,7 @@ def rank_0_interrupted_after_a_joiner_confirmed(rank: int, world: int, sync_dir:
         raise
     finally:
         if rank == 1:
-            returned(sync_dir, 1)
+            mark_done(sync_dir, 1)
 
 
 def interrupted_as_the_engine_starts(rank: int, world: int, sync_dir: str) -> Any:
@@ -439,7 +440,7 @@ def closed_during_a_step(rank: int, world: int, sync_dir: str, how: str) -> Any:
         outcome = "averaged", ""
     seconds = round(time.monotonic() - start)
     timer.join(5)  # the closing thread finishes once the call has let go
-    returned(sync_dir, 0)
+    mark_done(sync_dir, 0)
     return (*outcome, seconds, repr(gs))
 
 
@@ -549,7 +550,7 @@ def interrupted_while_closing(rank: int, world: int, sync_dir: str) -> Any:
     except gradsync.GradSyncError as exc:
         return type(exc).__name__, time.monotonic() - start
     finally:
-        returned(sync_dir, 0)
+        mark_done(sync_dir, 0)
         gs.close()
     return None
 
@@ -571,7 +572,7 @@ def dropped_without_close(rank: int, world: int, sync_dir: str) -> Any:
     except gradsync.GradSyncError as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start
     finally:
-        returned(sync_dir, 0)
+        mark_done(sync_dir, 0)
         gs.close()
     return None
 
@@ -776,7 +777,7 @@ def claim(rank: int, world: int, sync_dir: str, as_rank: int) -> Any:
             gs.average(grads_for(as_rank, 0), step=0)
             linger(sync_dir, ["left-out"], 3.0)
     except gradsync.GradSyncError:
-        returned(sync_dir, "left-out")
+        mark_done(sync_dir, "left-out")
         raise
     return "joined"
 
