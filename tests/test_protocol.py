@@ -82,47 +82,95 @@ def test_reducing_from_many_small_params_looks_at_each_piece_a_bounded_number_of
 
 # -- 1. the mean, bit-identical on every rank, whatever the order and strategy -----------
 
+STRATEGIES = [("sharded", False), ("sharded", True), ("root", False), ("root", True)]
+WIDE_SUM_KINDS = [
+    ("sharded", False, 1),
+    ("sharded", True, 1),
+    ("root", True, 1),
+    ("sharded", True, 3),
+]
+# Every workers.average_steps job of the tests below, as (world, steps, kw): the jobs of
+# one world size run one after another in one set of rank processes (see average_jobs).
+AVERAGE_JOBS: list[tuple[int, int, dict[str, Any]]] = [
+    *(
+        (world, 3, {"strategy": strategy, "jitter_s": 0.05, "big": big, "use_mmap": use_mmap})
+        for world in (2, 3)
+        for strategy, big in STRATEGIES
+        for use_mmap in (True, False)
+    ),
+    *(
+        (3, 2, {"strategy": strategy, "big": big, "wide_sum": True, "threads": threads})
+        for strategy, big, threads in WIDE_SUM_KINDS
+    ),
+    *(
+        (3, 2, {"big": True, "checksums": True, "use_mmap": use_mmap, "strategy": strategy})
+        for strategy in ("sharded", "root")
+        for use_mmap in (True, False)
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def average_jobs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[int, int, dict[str, Any]], list[Any]]:
+    """Each rank's results of an AVERAGE_JOBS job. A world size's jobs all run at its
+    first use, each in a sync dir of its own, in rank processes spawned once for them."""
+    done: dict[int, dict[int, Outcome]] = {}
+
+    def results(world: int, steps: int, kw: dict[str, Any]) -> list[Any]:
+        mine = [(s, k) for w, s, k in AVERAGE_JOBS if w == world]
+        if world not in done:
+            sync_dir = str(tmp_path_factory.mktemp(f"average-w{world}"))
+            args = (world, sync_dir, workers.average_steps, mine)
+            done[world] = run_ranks(workers.in_own_dirs, world, args, timeout_s=110)
+            assert_ok(done[world])
+        index = mine.index((steps, kw))
+        runs = [done[world][r].value[index] for r in range(world)]
+        assert all(ok for ok, _ in runs), [value for ok, value in runs if not ok]
+        return [value for _, value in runs]
+
+    return results
+
 
 @pytest.mark.parametrize(
     ("strategy", "big"),
-    [("sharded", False), ("sharded", True), ("root", False), ("root", True)],
+    STRATEGIES,
     ids=["small-replicated", "big-sharded", "small-root", "big-root"],
 )
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("use_mmap", [True, False], ids=["mmap", "pread"])
 def test_every_rank_gets_the_same_bits_as_average_host_grads(
-    tmp_path: Path, strategy: str, big: bool, world: int, use_mmap: bool
+    average_jobs: Callable[..., list[Any]], strategy: str, big: bool, world: int, use_mmap: bool
 ) -> None:
     # Small payloads are reduced whole by every rank, big ones in shards or by rank 0:
     # all of them must give exactly average_host_grads's bits (float32 in float32 in
     # rank order: one multiply by 0.5 at world 2, a division at 3).
     steps = 3
     kw = {"strategy": strategy, "jitter_s": 0.05, "big": big, "use_mmap": use_mmap}
-    results = run_ranks(workers.average_steps, world, (world, str(tmp_path), steps, kw))
-    assert_ok(results)
+    values = average_jobs(world, steps, kw)
     for step in range(steps):
         want = expected(world, step, big=big)
         for r in range(world):
-            assert results[r].value[step] == want, f"rank {r} step {step}"
+            assert values[r][step] == want, f"rank {r} step {step}"
 
 
 @pytest.mark.parametrize(
     ("strategy", "big", "threads"),
-    [("sharded", False, 1), ("sharded", True, 1), ("root", True, 1), ("sharded", True, 3)],
+    WIDE_SUM_KINDS,
     ids=["small-replicated", "big-sharded", "big-root", "big-threads"],
 )
 def test_float64_sums_give_every_rank_average_host_grads_bits(
-    tmp_path: Path, strategy: str, big: bool, threads: int
+    average_jobs: Callable[..., list[Any]], strategy: str, big: bool, threads: int
 ) -> None:
     # wide_sum=True: float32 summed in float64, by whichever rank reduces each element;
     # the same bits everywhere, and not the float32 sum's.
     kw = {"strategy": strategy, "big": big, "wide_sum": True, "threads": threads}
-    results = run_ranks(workers.average_steps, 3, (3, str(tmp_path), 2, kw))
-    assert_ok(results)
+    values = average_jobs(3, 2, kw)
     for step in range(2):
         want = expected(3, step, big=big, wide_sum=True)
         for r in range(3):
-            assert results[r].value[step] == want, f"rank {r} step {step}"
+            assert values[r][step] == want, f"rank {r} step {step}"
     assert want != expected(3, 1, big=big), "no float32 param whose two sums differ"
 
 
@@ -159,13 +207,14 @@ def test_threads_change_no_bits(
 
 @pytest.mark.parametrize("use_mmap", [True, False], ids=["mmap", "pread"])
 @pytest.mark.parametrize("strategy", ["sharded", "root"])
-def test_checksums_change_no_bits(tmp_path: Path, use_mmap: bool, strategy: str) -> None:
+def test_checksums_change_no_bits(
+    average_jobs: Callable[..., list[Any]], use_mmap: bool, strategy: str
+) -> None:
     kw = {"big": True, "checksums": True, "use_mmap": use_mmap, "strategy": strategy}
-    results = run_ranks(workers.average_steps, 3, (3, str(tmp_path), 2, kw))
-    assert_ok(results)
+    values = average_jobs(3, 2, kw)
     for step in range(2):
         for r in range(3):
-            assert results[r].value[step] == expected(3, step, big=True)
+            assert values[r][step] == expected(3, step, big=True)
 
 
 def test_function_form_matches_and_needs_nothing_else(tmp_path: Path) -> None:
