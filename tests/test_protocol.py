@@ -28,7 +28,7 @@ from gradsync._job.liveness import MemberInfo
 from gradsync._step.gather import own_elements
 from gradsync._step.grads import nonfinite_params, validate_grads
 from gradsync._step.plan import Group, Plan
-from ranks import Outcome, run_ranks
+from ranks import Outcome, SharedRanks, run_ranks
 
 
 def expected(
@@ -111,26 +111,9 @@ AVERAGE_JOBS: list[tuple[int, int, dict[str, Any]]] = [
 
 
 @pytest.fixture(scope="module")
-def average_jobs(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Callable[[int, int, dict[str, Any]], list[Any]]:
-    """Each rank's results of an AVERAGE_JOBS job. A world size's jobs all run at its
-    first use, each in a sync dir of its own, in rank processes spawned once for them."""
-    done: dict[int, dict[int, Outcome]] = {}
-
-    def results(world: int, steps: int, kw: dict[str, Any]) -> list[Any]:
-        mine = [(s, k) for w, s, k in AVERAGE_JOBS if w == world]
-        if world not in done:
-            sync_dir = str(tmp_path_factory.mktemp(f"average-w{world}"))
-            args = (world, sync_dir, workers.average_steps, mine)
-            done[world] = run_ranks(workers.in_own_dirs, world, args, timeout_s=110)
-            assert_ok(done[world])
-        index = mine.index((steps, kw))
-        runs = [done[world][r].value[index] for r in range(world)]
-        assert all(ok for ok, _ in runs), [value for ok, value in runs if not ok]
-        return [value for _, value in runs]
-
-    return results
+def average_jobs(tmp_path_factory: pytest.TempPathFactory) -> SharedRanks:
+    jobs = [(world, (steps, kw)) for world, steps, kw in AVERAGE_JOBS]
+    return SharedRanks(workers.average_steps, jobs, tmp_path_factory.mktemp("average"))
 
 
 @pytest.mark.parametrize(
@@ -141,18 +124,19 @@ def average_jobs(
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("use_mmap", [True, False], ids=["mmap", "pread"])
 def test_every_rank_gets_the_same_bits_as_average_host_grads(
-    average_jobs: Callable[..., list[Any]], strategy: str, big: bool, world: int, use_mmap: bool
+    average_jobs: SharedRanks, strategy: str, big: bool, world: int, use_mmap: bool
 ) -> None:
     # Small payloads are reduced whole by every rank, big ones in shards or by rank 0:
     # all of them must give exactly average_host_grads's bits (float32 in float32 in
     # rank order: one multiply by 0.5 at world 2, a division at 3).
     steps = 3
     kw = {"strategy": strategy, "jitter_s": 0.05, "big": big, "use_mmap": use_mmap}
-    values = average_jobs(world, steps, kw)
+    results = average_jobs(world, steps, kw)
+    assert_ok(results)
     for step in range(steps):
         want = expected(world, step, big=big)
         for r in range(world):
-            assert values[r][step] == want, f"rank {r} step {step}"
+            assert results[r].value[step] == want, f"rank {r} step {step}"
 
 
 @pytest.mark.parametrize(
@@ -161,16 +145,17 @@ def test_every_rank_gets_the_same_bits_as_average_host_grads(
     ids=["small-replicated", "big-sharded", "big-root", "big-threads"],
 )
 def test_float64_sums_give_every_rank_average_host_grads_bits(
-    average_jobs: Callable[..., list[Any]], strategy: str, big: bool, threads: int
+    average_jobs: SharedRanks, strategy: str, big: bool, threads: int
 ) -> None:
     # wide_sum=True: float32 summed in float64, by whichever rank reduces each element;
     # the same bits everywhere, and not the float32 sum's.
     kw = {"strategy": strategy, "big": big, "wide_sum": True, "threads": threads}
-    values = average_jobs(3, 2, kw)
+    results = average_jobs(3, 2, kw)
+    assert_ok(results)
     for step in range(2):
         want = expected(3, step, big=big, wide_sum=True)
         for r in range(3):
-            assert values[r][step] == want, f"rank {r} step {step}"
+            assert results[r].value[step] == want, f"rank {r} step {step}"
     assert want != expected(3, 1, big=big), "no float32 param whose two sums differ"
 
 
@@ -207,14 +192,13 @@ def test_threads_change_no_bits(
 
 @pytest.mark.parametrize("use_mmap", [True, False], ids=["mmap", "pread"])
 @pytest.mark.parametrize("strategy", ["sharded", "root"])
-def test_checksums_change_no_bits(
-    average_jobs: Callable[..., list[Any]], use_mmap: bool, strategy: str
-) -> None:
+def test_checksums_change_no_bits(average_jobs: SharedRanks, use_mmap: bool, strategy: str) -> None:
     kw = {"big": True, "checksums": True, "use_mmap": use_mmap, "strategy": strategy}
-    values = average_jobs(3, 2, kw)
+    results = average_jobs(3, 2, kw)
+    assert_ok(results)
     for step in range(2):
         for r in range(3):
-            assert values[r][step] == expected(3, step, big=True)
+            assert results[r].value[step] == expected(3, step, big=True)
 
 
 def test_function_form_matches_and_needs_nothing_else(tmp_path: Path) -> None:
@@ -425,6 +409,15 @@ def test_live_straggler_times_out_naming_exactly_the_missing_rank(tmp_path: Path
 # -- 4. mismatches are errors, on every rank ----------------------------------------------
 
 
+MISMATCHES = ["shape", "count", "dtype", "step"]
+
+
+@pytest.fixture(scope="module")
+def mismatch_jobs(tmp_path_factory: pytest.TempPathFactory) -> SharedRanks:
+    jobs = [(3, (kind,)) for kind in MISMATCHES]
+    return SharedRanks(workers.mismatched, jobs, tmp_path_factory.mktemp("mismatched"))
+
+
 @pytest.mark.parametrize(
     ("kind", "pattern"),
     [
@@ -447,8 +440,8 @@ def test_live_straggler_times_out_naming_exactly_the_missing_rank(tmp_path: Path
         ),
     ],
 )
-def test_mismatch_fails_every_rank(tmp_path: Path, kind: str, pattern: str) -> None:
-    results = run_ranks(workers.mismatched, 3, (3, str(tmp_path), kind))
+def test_mismatch_fails_every_rank(mismatch_jobs: SharedRanks, kind: str, pattern: str) -> None:
+    results = mismatch_jobs(3, kind)
     for r in range(3):
         out = results[r]
         assert out.error_type in ("MismatchError", "PeerAbortedError"), out.value
@@ -458,13 +451,22 @@ def test_mismatch_fails_every_rank(tmp_path: Path, kind: str, pattern: str) -> N
     assert all(results[r].error_type == "MismatchError" for r in range(3))
 
 
-@pytest.mark.parametrize(("world", "call", "use_mmap"), [(2, 0, True), (3, 3, True), (2, 2, False)])
+SWITCHES = [(2, 0, True), (3, 3, True), (2, 2, False)]
+
+
+@pytest.fixture(scope="module")
+def switch_jobs(tmp_path_factory: pytest.TempPathFactory) -> SharedRanks:
+    jobs = [(world, (call, use_mmap)) for world, call, use_mmap in SWITCHES]
+    return SharedRanks(workers.across_the_switch, jobs, tmp_path_factory.mktemp("switch"))
+
+
+@pytest.mark.parametrize(("world", "call", "use_mmap"), SWITCHES)
 def test_a_mismatch_across_the_small_payload_threshold(
-    tmp_path: Path, world: int, call: int, use_mmap: bool
+    switch_jobs: SharedRanks, world: int, call: int, use_mmap: bool
 ) -> None:
     # Below 256 KiB every rank reduces all, and inputs alternate two files; above, one
     # file a rank: the ranks look for each other's inputs under different names.
-    results = run_ranks(workers.across_the_switch, world, (world, str(tmp_path), call, use_mmap))
+    results = switch_jobs(world, call, use_mmap)
     last = world - 1
     for r in range(world):
         assert results[r].error_type == "MismatchError", results[r].message
@@ -488,26 +490,32 @@ def test_world_size_mismatch_at_rendezvous(tmp_path: Path) -> None:
     assert results[1].message == results[0].message
 
 
-@pytest.mark.parametrize(
-    ("key", "values", "shown"),
-    [
-        ("strategy", ["root", "sharded"], ("'root'", "'sharded'")),
-        ("wide_sum", [True, False], ("True", "False")),
-        # Only a publisher can flag its NaN/Inf or write its CRCs: a rank that asked for
-        # the check would otherwise take a peer's unchecked data silently.
-        ("check_finite", [True, False], ("True", "False")),
-        ("checksums", [False, True], ("False", "True")),
-        # A peer beating every 20 s was declared lost by one waiting 15 s for a beat.
-        ("heartbeat_interval_s", [1.0, 2.0], ("1.0", "2.0")),
-        ("heartbeat_timeout_s", [15.0, 60.0], ("15.0", "60.0")),
-    ],
-)
+SETTINGS = [
+    ("strategy", ["root", "sharded"], ("'root'", "'sharded'")),
+    ("wide_sum", [True, False], ("True", "False")),
+    # Only a publisher can flag its NaN/Inf or write its CRCs: a rank that asked for
+    # the check would otherwise take a peer's unchecked data silently.
+    ("check_finite", [True, False], ("True", "False")),
+    ("checksums", [False, True], ("False", "True")),
+    # A peer beating every 20 s was declared lost by one waiting 15 s for a beat.
+    ("heartbeat_interval_s", [1.0, 2.0], ("1.0", "2.0")),
+    ("heartbeat_timeout_s", [15.0, 60.0], ("15.0", "60.0")),
+]
+
+
+@pytest.fixture(scope="module")
+def settings_jobs(tmp_path_factory: pytest.TempPathFactory) -> SharedRanks:
+    jobs = [(2, (key, values)) for key, values, _ in SETTINGS]
+    return SharedRanks(workers.rendezvous_settings, jobs, tmp_path_factory.mktemp("settings"))
+
+
+@pytest.mark.parametrize(("key", "values", "shown"), SETTINGS)
 def test_settings_mismatch_at_rendezvous(
-    tmp_path: Path, key: str, values: list[object], shown: tuple[str, str]
+    settings_jobs: SharedRanks, key: str, values: list[object], shown: tuple[str, str]
 ) -> None:
     # Both decide what the ranks read and compute: ranks that disagree fail at once, on
     # every rank and with one message, before any step reads another's files.
-    results = run_ranks(workers.rendezvous_settings, 2, (2, str(tmp_path), key, values))
+    results = settings_jobs(2, key, values)
     assert results[0].error_type == "MismatchError", results[0].message
     assert re.fullmatch(
         rf"rendezvous: rank 0 has {key} {re.escape(shown[0])} but rank 1 \(pid \d+ on \S+\) "

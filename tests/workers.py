@@ -98,21 +98,6 @@ def average_steps(
     return results
 
 
-def in_own_dirs(
-    rank: int, world: int, sync_dir: str, target: Callable[..., Any], arg_list: list[Any]
-) -> list[tuple[bool, Any]]:
-    """``target(rank, world, <sync_dir>/<i>, *args)`` for the ``i``-th ``args`` of
-    ``arg_list``, one after another in this one process (spawned once for them all):
-    ``(True, what it returned)`` or ``(False, its error's type name and message)``."""
-    out: list[tuple[bool, Any]] = []
-    for i, args in enumerate(arg_list):
-        try:
-            out.append((True, target(rank, world, f"{sync_dir}/{i}", *args)))
-        except Exception as exc:  # each run's failure goes back to its own test
-            out.append((False, f"{type(exc).__name__}: {exc}"))
-    return out
-
-
 def stats_of_steps(rank: int, world: int, sync_dir: str, big: bool) -> list[Any]:
     """Average two steps (1 KiB-ish or 280 KiB, reduced in shards) and return their
     StepStats and the text each prints."""
