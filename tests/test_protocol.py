@@ -159,30 +159,42 @@ def test_float64_sums_give_every_rank_average_host_grads_bits(
     assert want != expected(3, 1, big=big), "no float32 param whose two sums differ"
 
 
-@pytest.mark.parametrize(
-    ("world", "strategy", "use_mmap", "checksums"),
-    [
-        (2, "sharded", True, False),
-        (3, "sharded", True, False),
-        (2, "root", True, False),
-        (2, "sharded", True, True),
-        (2, "sharded", False, False),
-    ],
-    ids=["w2-mmap", "w3-mmap", "w2-root", "w2-checksums", "w2-pread"],
-)
-def test_threads_change_no_bits(
-    tmp_path: Path, world: int, strategy: str, use_mmap: bool, checksums: bool
-) -> None:
-    # ~7 MiB per rank with 3 threads: copies and reductions run in pieces on workers,
-    # params straddle the pieces' and the shards' boundaries.
-    kw = {
+THREADED = [
+    (2, "sharded", True, False),
+    (3, "sharded", True, False),
+    (2, "root", True, False),
+    (2, "sharded", True, True),
+    (2, "sharded", False, False),
+]
+
+
+def _threaded(strategy: str, use_mmap: bool, checksums: bool) -> dict[str, Any]:
+    return {
         "huge": True,
         "threads": 3,
         "strategy": strategy,
         "use_mmap": use_mmap,
         "checksums": checksums,
     }
-    results = run_ranks(workers.average_steps, world, (world, str(tmp_path), 2, kw))
+
+
+@pytest.fixture(scope="module")
+def threaded_jobs(tmp_path_factory: pytest.TempPathFactory) -> SharedRanks:
+    jobs = [(world, (2, _threaded(*case))) for world, *case in THREADED]
+    return SharedRanks(workers.average_steps, jobs, tmp_path_factory.mktemp("threaded"))
+
+
+@pytest.mark.parametrize(
+    ("world", "strategy", "use_mmap", "checksums"),
+    THREADED,
+    ids=["w2-mmap", "w3-mmap", "w2-root", "w2-checksums", "w2-pread"],
+)
+def test_threads_change_no_bits(
+    threaded_jobs: SharedRanks, world: int, strategy: str, use_mmap: bool, checksums: bool
+) -> None:
+    # ~7 MiB per rank with 3 threads: copies and reductions run in pieces on workers,
+    # params straddle the pieces' and the shards' boundaries.
+    results = threaded_jobs(world, 2, _threaded(strategy, use_mmap, checksums))
     assert_ok(results)
     for step in range(2):
         want = expected(world, step, huge=True)
