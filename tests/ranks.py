@@ -147,7 +147,7 @@ class SharedRanks:
             results = run_ranks(_each, world, every, timeout_s=self._timeout_s)
             bad = {r: o.value for r, o in results.items() if not o.ok}
             assert not bad, bad
-            self._done[world] = {r: o.value for r, o in results.items()}  # type: ignore[misc]
+            self._done[world] = {r: o.value for r, o in results.items()}
         index = mine.index(args)
         return {r: outcomes[index] for r, outcomes in self._done[world].items()}
 
