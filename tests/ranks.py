@@ -13,6 +13,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import gradsync
@@ -98,6 +99,57 @@ def run_ranks(
         if r in results:
             results[r].exitcode = p.exitcode
     return results
+
+
+def _each(
+    rank: int, world: int, sync_dir: str, target: Callable[..., Any], arg_list: list[Any]
+) -> list[Outcome]:
+    """``target(rank, world, <sync_dir>/<i>, *args)`` for the ``i``-th ``args`` of
+    ``arg_list``, one after another in this process: the outcome of each."""
+    out = []
+    for i, args in enumerate(arg_list):
+        start = time.monotonic()
+        try:
+            value = target(rank, world, f"{sync_dir}/{i}", *args)
+        except Exception as exc:  # each job's failure goes back to its own test
+            attrs = {k: getattr(exc, k, None) for k in ("step", "ranks", "path", "errno")}
+            attrs["mro"] = [c.__name__ for c in type(exc).__mro__]
+            tb = traceback.format_exc()
+            elapsed = time.monotonic() - start
+            out.append(Outcome(rank, False, tb, type(exc).__name__, f"{exc}", attrs, elapsed))
+        else:
+            out.append(Outcome(rank, True, value, elapsed_s=time.monotonic() - start))
+    return out
+
+
+class SharedRanks:
+    """Jobs of ``target``, each ``(world, args)``, of several tests: those of one world
+    size run one after another, each in a sync dir of its own under ``base``, in one set
+    of rank processes spawned at the first call for that world size (a spawn costs more
+    than most jobs)."""
+
+    def __init__(
+        self,
+        target: Callable[..., Any],
+        jobs: Sequence[tuple[int, tuple[Any, ...]]],
+        base: Path,
+        timeout_s: float = 110.0,
+    ) -> None:
+        self._target, self._jobs, self._base, self._timeout_s = target, jobs, base, timeout_s
+        self._done: dict[int, dict[int, Outcome]] = {}
+
+    def __call__(self, world: int, *args: Any) -> dict[int, Outcome]:
+        """Each rank's outcome of the job ``(world, args)``, as ``run_ranks`` gives it."""
+        mine = [a for w, a in self._jobs if w == world]
+        if world not in self._done:
+            sync_dir = self._base / f"w{world}"
+            every = (world, str(sync_dir), self._target, mine)
+            results = run_ranks(_each, world, every, timeout_s=self._timeout_s)
+            bad = {r: o.value for r, o in results.items() if not o.ok}
+            assert not bad, bad
+            self._done[world] = {r: o.value for r, o in results.items()}
+        index = mine.index(args)
+        return {r: outcomes[index] for r, outcomes in self._done[world].items()}
 
 
 def config(rank: int, world: int, sync_dir: str, **kw: Any) -> gradsync.FileGradSyncConfig:

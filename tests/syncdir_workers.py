@@ -10,7 +10,7 @@ from typing import Any
 
 import gradsync
 from ranks import config
-from workers import grads_for
+from workers import grads_for, linger
 
 
 def steps_then_linger(
@@ -62,12 +62,13 @@ def steps_around_a_pause(rank: int, world: int, sync_dir: str, ready: str, go: s
 
 
 def rank_1_late_for_call_4(rank: int, world: int, sync_dir: str, ready: str) -> int:
-    """Average four calls; before the fourth, rank 1 creates ``ready`` and waits 3 s,
-    while rank 0 waits for it in that call's step directory (which the test tampers with)."""
+    """Average four calls; before the fourth, rank 1 creates ``ready`` and waits (until
+    the test marks ``ready`` done, at most 3 s) while rank 0 waits for it in that call's
+    step directory (which the test tampers with)."""
     with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=10.0)) as gs:
         for step in range(4):
             if step == 3 and rank == 1:
                 Path(ready).touch()
-                time.sleep(3.0)
+                linger(ready, ["test"], 3.0)
             gs.average(grads_for(rank, step), step=step)
     return 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -109,14 +110,32 @@ def test_closed_instance_refuses(tmp_path: Path) -> None:
         gs.buffers_like([np.zeros(2)])
 
 
-def test_torch_grads_can_live_in_buffers(tmp_path: Path) -> None:
-    # README: p.grad = torch.from_numpy(buffer) and zero_grad(set_to_none=False) keep
-    # backward() accumulating into the buffers, so every step publishes without a copy.
+# hidden 1200: 0.32 MiB of gradients, in mapped buffers; 16: plain arrays (under 256 KiB).
+MAPPED, PLAIN = 1200, 16
+# Runs of workers.torch_buffers_recipes: those documented ("keep"), then torch's default
+# zero_grad() on every rank ("top", "end") or on rank 1 only ("top:1").
+KEPT = [("keep", MAPPED, None), ("keep", MAPPED, 2), ("keep", PLAIN, None), ("keep", PLAIN, 2)]
+DROPPED = [("top", MAPPED, None), ("end", MAPPED, None), ("top", PLAIN, None)]
+DROPPED += [("end", PLAIN, None), ("top:1", MAPPED, None)]
+
+
+@pytest.fixture(scope="module")
+def torch_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    """What each of 2 ranks returned from workers.torch_buffers_all: the torch tests
+    below share its rank processes, each of which imports torch once."""
     pytest.importorskip("torch")
-    results = run_ranks(workers.torch_grads_in_buffers, 2, (2, str(tmp_path)), timeout_s=120)
-    outs = [results[r].value for r in range(2)]
+    sync_dir = str(tmp_path_factory.mktemp("torch"))
+    results = run_ranks(workers.torch_buffers_all, 2, (2, sync_dir, KEPT + DROPPED), timeout_s=180)
     for r in range(2):
         assert results[r].ok, results[r].value
+    return [results[r].value for r in range(2)]
+
+
+def test_torch_grads_can_live_in_buffers(torch_ranks: list[Any]) -> None:
+    # README: p.grad = torch.from_numpy(buffer) and zero_grad(set_to_none=False) keep
+    # backward() accumulating into the buffers, so every step publishes without a copy.
+    outs = [torch_ranks[r]["in_buffers"] for r in range(2)]
+    for r in range(2):
         assert outs[r]["in_buffers"] == [True, True, True]
         assert outs[r]["linked"] == [True, True, True]
     dtypes = [np.float32] * 4
@@ -142,22 +161,13 @@ def test_buffers_averaged_again_unwritten_fail(tmp_path: Path) -> None:
             assert out[2].startswith("step 2: the buffers_like arrays hold exactly the mean")
 
 
-# hidden 1200: 0.32 MiB of gradients, in mapped buffers; 16: plain arrays (under 256 KiB).
-MAPPED, PLAIN = 1200, 16
-
-
-def test_torch_zero_grad_that_drops_the_buffers_fails(tmp_path: Path) -> None:
+def test_torch_zero_grad_that_drops_the_buffers_fails(torch_ranks: list[Any]) -> None:
     # torch's zero_grad() sets p.grad = None: backward() then makes new tensors, the
     # buffers keep the last mean, and each rank stepped with its own gradients (exit 0,
     # different weights on every rank). Every rank now fails, at its third call; where
     # only one rank does it, at its second, and its peer hears why from it.
-    pytest.importorskip("torch")
-    runs = [("top", MAPPED, None), ("end", MAPPED, None), ("top", PLAIN, None)]
-    runs += [("end", PLAIN, None), ("top:1", MAPPED, None)]
-    results = run_ranks(workers.torch_buffers_recipes, 2, (2, str(tmp_path), runs), timeout_s=180)
-    outs = [results[r].value for r in range(2)]
+    outs = [torch_ranks[r]["recipes"][len(KEPT) :] for r in range(2)]
     for r in range(2):
-        assert results[r].ok, results[r].message
         kinds = [out[0] for out in outs[r]]
         assert kinds[:4] == ["InvalidGradsError"] * 4, "ranks averaged stale buffers and went on"
         for _, step, message in outs[r][:4]:
@@ -171,15 +181,11 @@ def test_torch_zero_grad_that_drops_the_buffers_fails(tmp_path: Path) -> None:
     assert "the buffers_like arrays hold exactly the mean the last call" in outs[0][4][2]
 
 
-def test_torch_buffers_kept_train_on(tmp_path: Path) -> None:
+def test_torch_buffers_kept_train_on(torch_ranks: list[Any]) -> None:
     # The recipe as documented, with a frozen layer and an unused param in the buffers
     # (never written), and with gradients exactly zero from step 2 on: never taken for
     # buffers that nothing wrote into, and one model on both ranks.
-    pytest.importorskip("torch")
-    runs = [("keep", MAPPED, None), ("keep", MAPPED, 2), ("keep", PLAIN, None)]
-    runs += [("keep", PLAIN, 2)]
-    results = run_ranks(workers.torch_buffers_recipes, 2, (2, str(tmp_path), runs), timeout_s=180)
+    kept = [torch_ranks[r]["recipes"][: len(KEPT)] for r in range(2)]
     for r in range(2):
-        assert results[r].ok, results[r].message
-        assert [kind for kind, _ in results[r].value] == ["ok"] * 4, results[r].value
-    assert results[0].value == results[1].value
+        assert [kind for kind, _ in kept[r]] == ["ok"] * 4, kept[r]
+    assert kept[0] == kept[1]

@@ -37,7 +37,7 @@ from gradsync._job import notes as _jobfiles
 from gradsync._job import reaping as _reaping
 from gradsync._job import rendezvous as rdzv
 from gradsync._job.liveness import HeartbeatWatch, MemberInfo
-from gradsync._names import GAVE_UP, GEN_PREFIX, ROSTER
+from gradsync._names import GAVE_UP, GEN_PREFIX, ROSTER, abort_marker
 from gradsync._step.engine import StepEngine
 from gradsync._step.header import (
     FIXED_SIZE,
@@ -136,13 +136,17 @@ def _children() -> dict[int, str]:
 class StopWatcher(threading.Thread):
     """Waits for a child to stop itself (fault action sigstop), then acts on it.
 
-    ``hold_s`` after the stop it calls ``before_cont()`` (if given) and sends SIGCONT.
+    ``hold_s`` after the stop (or once ``until()`` is true, if given, within those
+    ``hold_s``) it calls ``before_cont()`` (if given) and sends SIGCONT.
     """
 
-    def __init__(self, hold_s: float, before_cont: Any = None) -> None:
+    def __init__(
+        self, hold_s: float, before_cont: Any = None, until: Callable[[], bool] | None = None
+    ) -> None:
         super().__init__(daemon=True)
         self.hold_s = hold_s
         self.before_cont = before_cont
+        self.until = until
         self.stopped_at: float | None = None
         self.pid: int | None = None
         self.done = threading.Event()
@@ -158,7 +162,9 @@ class StopWatcher(threading.Thread):
                 time.sleep(0.01)
         if self.pid is None:
             return
-        time.sleep(self.hold_s)
+        resume_at = time.monotonic() + self.hold_s
+        while time.monotonic() < resume_at and not (self.until and self.until()):
+            time.sleep(0.01)
         if self.before_cont is not None:
             self.before_cont()
         os.kill(self.pid, signal.SIGCONT)
@@ -362,7 +368,11 @@ def test_stopped_rank_past_max_wait_is_a_timeout_naming_only_it(
     # Rank 1, resumed after ranks 0 and 2 gave up on step 1, finds their inputs of step 1
     # published and their abort notes beside them. It must fail step 1 like them: a rank
     # that applied the mean of a step its peers failed would leave the replicas diverged.
-    watcher = StopWatcher(hold_s=4.0)  # resumed after the survivors gave up
+
+    def gave_up() -> bool:  # both survivors' notes are in step 1's directory
+        return all(list(tmp_path.glob(f"gen-*/s-2/{abort_marker(r)}")) for r in (0, 2))
+
+    watcher = StopWatcher(hold_s=4.0, until=gave_up)  # resumed after the survivors gave up
     with fault("before_publish@1@2=sigstop", monkeypatch), watcher:
         results = run_ranks(
             fault_workers.steps_until_error,

@@ -28,7 +28,7 @@ from gradsync._job.liveness import MemberInfo
 from gradsync._step.gather import own_elements
 from gradsync._step.grads import nonfinite_params, validate_grads
 from gradsync._step.plan import Group, Plan
-from ranks import Outcome, run_ranks
+from ranks import Outcome, SharedRanks, run_ranks
 
 
 def expected(
@@ -82,23 +82,56 @@ def test_reducing_from_many_small_params_looks_at_each_piece_a_bounded_number_of
 
 # -- 1. the mean, bit-identical on every rank, whatever the order and strategy -----------
 
+STRATEGIES = [("sharded", False), ("sharded", True), ("root", False), ("root", True)]
+WIDE_SUM_KINDS = [
+    ("sharded", False, 1),
+    ("sharded", True, 1),
+    ("root", True, 1),
+    ("sharded", True, 3),
+]
+# Every workers.average_steps job of the tests below, as (world, steps, kw): the jobs of
+# one world size run one after another in one set of rank processes (see average_jobs).
+AVERAGE_JOBS: list[tuple[int, int, dict[str, Any]]] = [
+    *(
+        (world, 3, {"strategy": strategy, "jitter_s": 0.05, "big": big, "use_mmap": use_mmap})
+        for world in (2, 3)
+        for strategy, big in STRATEGIES
+        for use_mmap in (True, False)
+    ),
+    *(
+        (3, 2, {"strategy": strategy, "big": big, "wide_sum": True, "threads": threads})
+        for strategy, big, threads in WIDE_SUM_KINDS
+    ),
+    *(
+        (3, 2, {"big": True, "checksums": True, "use_mmap": use_mmap, "strategy": strategy})
+        for strategy in ("sharded", "root")
+        for use_mmap in (True, False)
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def average_jobs(tmp_path_factory: pytest.TempPathFactory) -> SharedRanks:
+    jobs = [(world, (steps, kw)) for world, steps, kw in AVERAGE_JOBS]
+    return SharedRanks(workers.average_steps, jobs, tmp_path_factory.mktemp("average"))
+
 
 @pytest.mark.parametrize(
     ("strategy", "big"),
-    [("sharded", False), ("sharded", True), ("root", False), ("root", True)],
+    STRATEGIES,
     ids=["small-replicated", "big-sharded", "small-root", "big-root"],
 )
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("use_mmap", [True, False], ids=["mmap", "pread"])
 def test_every_rank_gets_the_same_bits_as_average_host_grads(
-    tmp_path: Path, strategy: str, big: bool, world: int, use_mmap: bool
+    average_jobs: SharedRanks, strategy: str, big: bool, world: int, use_mmap: bool
 ) -> None:
     # Small payloads are reduced whole by every rank, big ones in shards or by rank 0:
     # all of them must give exactly average_host_grads's bits (float32 in float32 in
     # rank order: one multiply by 0.5 at world 2, a division at 3).
     steps = 3
     kw = {"strategy": strategy, "jitter_s": 0.05, "big": big, "use_mmap": use_mmap}
-    results = run_ranks(workers.average_steps, world, (world, str(tmp_path), steps, kw))
+    results = average_jobs(world, steps, kw)
     assert_ok(results)
     for step in range(steps):
         want = expected(world, step, big=big)
@@ -108,16 +141,16 @@ def test_every_rank_gets_the_same_bits_as_average_host_grads(
 
 @pytest.mark.parametrize(
     ("strategy", "big", "threads"),
-    [("sharded", False, 1), ("sharded", True, 1), ("root", True, 1), ("sharded", True, 3)],
+    WIDE_SUM_KINDS,
     ids=["small-replicated", "big-sharded", "big-root", "big-threads"],
 )
 def test_float64_sums_give_every_rank_average_host_grads_bits(
-    tmp_path: Path, strategy: str, big: bool, threads: int
+    average_jobs: SharedRanks, strategy: str, big: bool, threads: int
 ) -> None:
     # wide_sum=True: float32 summed in float64, by whichever rank reduces each element;
     # the same bits everywhere, and not the float32 sum's.
     kw = {"strategy": strategy, "big": big, "wide_sum": True, "threads": threads}
-    results = run_ranks(workers.average_steps, 3, (3, str(tmp_path), 2, kw))
+    results = average_jobs(3, 2, kw)
     assert_ok(results)
     for step in range(2):
         want = expected(3, step, big=big, wide_sum=True)
@@ -126,30 +159,42 @@ def test_float64_sums_give_every_rank_average_host_grads_bits(
     assert want != expected(3, 1, big=big), "no float32 param whose two sums differ"
 
 
-@pytest.mark.parametrize(
-    ("world", "strategy", "use_mmap", "checksums"),
-    [
-        (2, "sharded", True, False),
-        (3, "sharded", True, False),
-        (2, "root", True, False),
-        (2, "sharded", True, True),
-        (2, "sharded", False, False),
-    ],
-    ids=["w2-mmap", "w3-mmap", "w2-root", "w2-checksums", "w2-pread"],
-)
-def test_threads_change_no_bits(
-    tmp_path: Path, world: int, strategy: str, use_mmap: bool, checksums: bool
-) -> None:
-    # ~7 MiB per rank with 3 threads: copies and reductions run in pieces on workers,
-    # params straddle the pieces' and the shards' boundaries.
-    kw = {
+THREADED = [
+    (2, "sharded", True, False),
+    (3, "sharded", True, False),
+    (2, "root", True, False),
+    (2, "sharded", True, True),
+    (2, "sharded", False, False),
+]
+
+
+def _threaded(strategy: str, use_mmap: bool, checksums: bool) -> dict[str, Any]:
+    return {
         "huge": True,
         "threads": 3,
         "strategy": strategy,
         "use_mmap": use_mmap,
         "checksums": checksums,
     }
-    results = run_ranks(workers.average_steps, world, (world, str(tmp_path), 2, kw))
+
+
+@pytest.fixture(scope="module")
+def threaded_jobs(tmp_path_factory: pytest.TempPathFactory) -> SharedRanks:
+    jobs = [(world, (2, _threaded(*case))) for world, *case in THREADED]
+    return SharedRanks(workers.average_steps, jobs, tmp_path_factory.mktemp("threaded"))
+
+
+@pytest.mark.parametrize(
+    ("world", "strategy", "use_mmap", "checksums"),
+    THREADED,
+    ids=["w2-mmap", "w3-mmap", "w2-root", "w2-checksums", "w2-pread"],
+)
+def test_threads_change_no_bits(
+    threaded_jobs: SharedRanks, world: int, strategy: str, use_mmap: bool, checksums: bool
+) -> None:
+    # ~7 MiB per rank with 3 threads: copies and reductions run in pieces on workers,
+    # params straddle the pieces' and the shards' boundaries.
+    results = threaded_jobs(world, 2, _threaded(strategy, use_mmap, checksums))
     assert_ok(results)
     for step in range(2):
         want = expected(world, step, huge=True)
@@ -159,9 +204,9 @@ def test_threads_change_no_bits(
 
 @pytest.mark.parametrize("use_mmap", [True, False], ids=["mmap", "pread"])
 @pytest.mark.parametrize("strategy", ["sharded", "root"])
-def test_checksums_change_no_bits(tmp_path: Path, use_mmap: bool, strategy: str) -> None:
+def test_checksums_change_no_bits(average_jobs: SharedRanks, use_mmap: bool, strategy: str) -> None:
     kw = {"big": True, "checksums": True, "use_mmap": use_mmap, "strategy": strategy}
-    results = run_ranks(workers.average_steps, 3, (3, str(tmp_path), 2, kw))
+    results = average_jobs(3, 2, kw)
     assert_ok(results)
     for step in range(2):
         for r in range(3):
@@ -376,6 +421,15 @@ def test_live_straggler_times_out_naming_exactly_the_missing_rank(tmp_path: Path
 # -- 4. mismatches are errors, on every rank ----------------------------------------------
 
 
+MISMATCHES = ["shape", "count", "dtype", "step"]
+
+
+@pytest.fixture(scope="module")
+def mismatch_jobs(tmp_path_factory: pytest.TempPathFactory) -> SharedRanks:
+    jobs = [(3, (kind,)) for kind in MISMATCHES]
+    return SharedRanks(workers.mismatched, jobs, tmp_path_factory.mktemp("mismatched"))
+
+
 @pytest.mark.parametrize(
     ("kind", "pattern"),
     [
@@ -398,8 +452,8 @@ def test_live_straggler_times_out_naming_exactly_the_missing_rank(tmp_path: Path
         ),
     ],
 )
-def test_mismatch_fails_every_rank(tmp_path: Path, kind: str, pattern: str) -> None:
-    results = run_ranks(workers.mismatched, 3, (3, str(tmp_path), kind))
+def test_mismatch_fails_every_rank(mismatch_jobs: SharedRanks, kind: str, pattern: str) -> None:
+    results = mismatch_jobs(3, kind)
     for r in range(3):
         out = results[r]
         assert out.error_type in ("MismatchError", "PeerAbortedError"), out.value
@@ -409,13 +463,22 @@ def test_mismatch_fails_every_rank(tmp_path: Path, kind: str, pattern: str) -> N
     assert all(results[r].error_type == "MismatchError" for r in range(3))
 
 
-@pytest.mark.parametrize(("world", "call", "use_mmap"), [(2, 0, True), (3, 3, True), (2, 2, False)])
+SWITCHES = [(2, 0, True), (3, 3, True), (2, 2, False)]
+
+
+@pytest.fixture(scope="module")
+def switch_jobs(tmp_path_factory: pytest.TempPathFactory) -> SharedRanks:
+    jobs = [(world, (call, use_mmap)) for world, call, use_mmap in SWITCHES]
+    return SharedRanks(workers.across_the_switch, jobs, tmp_path_factory.mktemp("switch"))
+
+
+@pytest.mark.parametrize(("world", "call", "use_mmap"), SWITCHES)
 def test_a_mismatch_across_the_small_payload_threshold(
-    tmp_path: Path, world: int, call: int, use_mmap: bool
+    switch_jobs: SharedRanks, world: int, call: int, use_mmap: bool
 ) -> None:
     # Below 256 KiB every rank reduces all, and inputs alternate two files; above, one
     # file a rank: the ranks look for each other's inputs under different names.
-    results = run_ranks(workers.across_the_switch, world, (world, str(tmp_path), call, use_mmap))
+    results = switch_jobs(world, call, use_mmap)
     last = world - 1
     for r in range(world):
         assert results[r].error_type == "MismatchError", results[r].message
@@ -439,26 +502,32 @@ def test_world_size_mismatch_at_rendezvous(tmp_path: Path) -> None:
     assert results[1].message == results[0].message
 
 
-@pytest.mark.parametrize(
-    ("key", "values", "shown"),
-    [
-        ("strategy", ["root", "sharded"], ("'root'", "'sharded'")),
-        ("wide_sum", [True, False], ("True", "False")),
-        # Only a publisher can flag its NaN/Inf or write its CRCs: a rank that asked for
-        # the check would otherwise take a peer's unchecked data silently.
-        ("check_finite", [True, False], ("True", "False")),
-        ("checksums", [False, True], ("False", "True")),
-        # A peer beating every 20 s was declared lost by one waiting 15 s for a beat.
-        ("heartbeat_interval_s", [1.0, 2.0], ("1.0", "2.0")),
-        ("heartbeat_timeout_s", [15.0, 60.0], ("15.0", "60.0")),
-    ],
-)
+SETTINGS = [
+    ("strategy", ["root", "sharded"], ("'root'", "'sharded'")),
+    ("wide_sum", [True, False], ("True", "False")),
+    # Only a publisher can flag its NaN/Inf or write its CRCs: a rank that asked for
+    # the check would otherwise take a peer's unchecked data silently.
+    ("check_finite", [True, False], ("True", "False")),
+    ("checksums", [False, True], ("False", "True")),
+    # A peer beating every 20 s was declared lost by one waiting 15 s for a beat.
+    ("heartbeat_interval_s", [1.0, 2.0], ("1.0", "2.0")),
+    ("heartbeat_timeout_s", [15.0, 60.0], ("15.0", "60.0")),
+]
+
+
+@pytest.fixture(scope="module")
+def settings_jobs(tmp_path_factory: pytest.TempPathFactory) -> SharedRanks:
+    jobs = [(2, (key, values)) for key, values, _ in SETTINGS]
+    return SharedRanks(workers.rendezvous_settings, jobs, tmp_path_factory.mktemp("settings"))
+
+
+@pytest.mark.parametrize(("key", "values", "shown"), SETTINGS)
 def test_settings_mismatch_at_rendezvous(
-    tmp_path: Path, key: str, values: list[object], shown: tuple[str, str]
+    settings_jobs: SharedRanks, key: str, values: list[object], shown: tuple[str, str]
 ) -> None:
     # Both decide what the ranks read and compute: ranks that disagree fail at once, on
     # every rank and with one message, before any step reads another's files.
-    results = run_ranks(workers.rendezvous_settings, 2, (2, str(tmp_path), key, values))
+    results = settings_jobs(2, key, values)
     assert results[0].error_type == "MismatchError", results[0].message
     assert re.fullmatch(
         rf"rendezvous: rank 0 has {key} {re.escape(shown[0])} but rank 1 \(pid \d+ on \S+\) "

@@ -75,16 +75,33 @@ def test_readme_example_runs_on_two_ranks_and_agrees(tmp_path: Path) -> None:
 
 def test_torch_recipes_run_on_two_ranks_and_agree(tmp_path: Path) -> None:
     # DDP over "gradsync", the views of p.grad (function form) and the buffers_like
-    # recipe: one model on both ranks, and the same one from every recipe.
+    # recipe: one model on both ranks, and the same one from every recipe. The three
+    # launches (each its own sync dir) run at once: most of their time is importing torch.
     pytest.importorskip("torch")
-    weights: list[str] = []
+    launches = []
     for i, block in enumerate(_torch_recipes()):
         script = tmp_path / f"torch_{i}.py"
         script.write_text(block)
-        result = _launch(["--nproc", "2", str(script)], tmp_path)
-        assert result.returncode == 0, result.stderr
-        lines = dict(re.findall(r"^\[rank (\d)\] rank \d: (.*)$", result.stdout, re.M))
-        assert set(lines) == {"0", "1"}, result.stdout
+        launches.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "gradsync", "launch", "--nproc", "2", str(script)],
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        outs = [p.communicate(timeout=120) for p in launches]
+    finally:
+        for p in launches:
+            p.kill()
+            p.wait()
+    weights: list[str] = []
+    for p, (stdout, stderr) in zip(launches, outs, strict=True):
+        assert p.returncode == 0, stderr
+        lines = dict(re.findall(r"^\[rank (\d)\] rank \d: (.*)$", stdout, re.M))
+        assert set(lines) == {"0", "1"}, stdout
         weights += lines.values()
     assert len(set(weights)) == 1, weights
 

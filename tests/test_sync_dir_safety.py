@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import syncdir_workers
+import workers
 from gradsync._job.liveness import MemberInfo
 from gradsync._step.transport import Transport
 from gradsync._store.dirs import OWN_MARK
@@ -334,6 +335,7 @@ def test_a_link_put_in_place_of_a_step_dir_a_rank_waits_in_is_never_read(
         step_dir.rename(gen / "moved")
         step_dir.symlink_to(planted)
     finally:
+        workers.mark_done(str(ready), "test")
         job.join(90)
     assert not job.is_alive()
     assert "PLANTED" not in results[0].message

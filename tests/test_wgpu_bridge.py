@@ -1268,6 +1268,7 @@ _BAD_BUFFER_WORKER = textwrap.dedent(
     import numpy as np
     import wgpu
     import gradsync
+    from workers import linger, mark_done
 
     world, rank, sync_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     dev = gradsync.request_device_for_rank(local_rank=rank)
@@ -1285,8 +1286,10 @@ _BAD_BUFFER_WORKER = textwrap.dedent(
         except gradsync.GradSyncError as exc:
             result = f"{type(exc).__name__}: {exc}"
         result += f" ({time.monotonic() - start:.0f} s)"
-        if rank == 1:
-            time.sleep(3)  # alive: its peer must learn of the failure from its note
+        if rank == 0:
+            mark_done(sync_dir, 0)
+        else:
+            linger(sync_dir, [0], 3)  # alive: its peer must learn of the failure from its note
     with open(out, "w") as f:
         f.write(result)
     """

@@ -63,6 +63,22 @@ def grads_for(
     ]
 
 
+def mark_done(sync_dir: str, who: int | str) -> None:
+    """Mark (beside the sync dir, not in it) that ``who`` (a rank's call, or the test's
+    own step) is done."""
+    Path(f"{sync_dir}.done-{who}").touch()
+
+
+def linger(sync_dir: str, peers: list[int] | list[str], cap_s: float) -> None:
+    """Stay alive, as a rank that caught its error would, until every one of ``peers``
+    is marked done, or ``cap_s`` has passed (the fixed wait this replaced)."""
+    deadline = time.monotonic() + cap_s
+    while time.monotonic() < deadline:
+        if all(Path(f"{sync_dir}.done-{r}").exists() for r in peers):
+            return
+        time.sleep(0.01)
+
+
 def average_steps(
     rank: int, world: int, sync_dir: str, steps: int, kw: dict[str, Any]
 ) -> list[list[bytes]]:
@@ -127,13 +143,14 @@ def stall(rank: int, world: int, sync_dir: str, sleeper: int, max_wait_s: float)
     gs = gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=max_wait_s))
     gs.average(grads_for(rank, 0), step=0)
     if rank == sleeper:
-        time.sleep(max_wait_s + 3)
+        linger(sync_dir, [r for r in range(world) if r != sleeper], max_wait_s + 3)
         return "slept"
     start = time.monotonic()
     try:
         gs.average(grads_for(rank, 1), step=1)
     finally:
         globals()["_elapsed"] = time.monotonic() - start
+        mark_done(sync_dir, rank)
     return None
 
 
@@ -270,9 +287,11 @@ def disk_fills_mid_job(rank: int, world: int, sync_dir: str) -> Any:
         gs.average([np.ones(100_000, np.float32)], step=1)
     except gradsync.GradSyncError:
         if rank == 1:
-            time.sleep(4.5)  # alive past the test's bound for rank 0, never publishing
+            linger(sync_dir, [0], 4.5)  # alive until rank 0 heard, never publishing
         raise
     finally:
+        if rank == 0:
+            mark_done(sync_dir, 0)
         gs.close()
 
 
@@ -298,8 +317,11 @@ def rendezvous_fails_on_a_full_disk(rank: int, world: int, sync_dir: str) -> Any
             gs.average([np.ones(4)], step=0)
     except gradsync.GradSyncError:
         if rank == 0:
-            time.sleep(4.5)  # alive past the test's bound for rank 1
+            linger(sync_dir, [1], 4.5)  # alive until rank 1 heard
         raise
+    finally:
+        if rank == 1:
+            mark_done(sync_dir, 1)
 
 
 def _on_first(sync_dir: str, pattern: str, action: Callable[[], object]) -> None:
@@ -349,8 +371,11 @@ def rank_0_interrupted_after_a_joiner_confirmed(rank: int, world: int, sync_dir:
         with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0)) as gs:
             gs.average([np.ones(4)], step=0)
     except KeyboardInterrupt:
-        time.sleep(5)
+        linger(sync_dir, [1], 5)  # alive until rank 1 heard
         raise
+    finally:
+        if rank == 1:
+            mark_done(sync_dir, 1)
 
 
 def interrupted_as_the_engine_starts(rank: int, world: int, sync_dir: str) -> Any:
@@ -382,13 +407,14 @@ def interrupted_as_the_engine_starts(rank: int, world: int, sync_dir: str) -> An
 
 
 def closed_during_a_step(rank: int, world: int, sync_dir: str, how: str) -> Any:
-    """Rank 0 waits in its second call for rank 1 (3 s late) and is closed meanwhile:
-    from a SIGTERM handler that then exits (``how="signal"``) or only closes
-    ("signal-only"), or from another thread ("thread")."""
+    """Rank 0 waits in its second call for rank 1 (late: until rank 0's call and close
+    are over, at most 3 s) and is closed meanwhile: from a SIGTERM handler that then
+    exits (``how="signal"``) or only closes ("signal-only"), or from another thread
+    ("thread")."""
     gs = gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=20.0))
     gs.average([np.ones(4)], step=0)
     if rank == 1:
-        time.sleep(3)
+        linger(sync_dir, [0], 3)
         try:
             gs.average([np.ones(4)], step=1)
         except gradsync.GradSyncError as exc:
@@ -414,6 +440,7 @@ def closed_during_a_step(rank: int, world: int, sync_dir: str, how: str) -> Any:
         outcome = "averaged", ""
     seconds = round(time.monotonic() - start)
     timer.join(5)  # the closing thread finishes once the call has let go
+    mark_done(sync_dir, 0)
     return (*outcome, seconds, repr(gs))
 
 
@@ -514,7 +541,7 @@ def interrupted_while_closing(rank: int, world: int, sync_dir: str) -> Any:
         try:
             gs.close()
         except KeyboardInterrupt:
-            time.sleep(4)
+            linger(sync_dir, [0], 4)  # alive until rank 0 heard
             return "interrupted"
         return "closed"
     start = time.monotonic()
@@ -523,6 +550,7 @@ def interrupted_while_closing(rank: int, world: int, sync_dir: str) -> Any:
     except gradsync.GradSyncError as exc:
         return type(exc).__name__, time.monotonic() - start
     finally:
+        mark_done(sync_dir, 0)
         gs.close()
     return None
 
@@ -536,7 +564,7 @@ def dropped_without_close(rank: int, world: int, sync_dir: str) -> Any:
         del gs
         gc.collect()
         beating = [t.name for t in threading.enumerate() if t.name == "gradsync-heartbeat"]
-        time.sleep(4)
+        linger(sync_dir, [0], 4)  # alive until rank 0 heard
         return beating
     start = time.monotonic()
     try:
@@ -544,6 +572,7 @@ def dropped_without_close(rank: int, world: int, sync_dir: str) -> Any:
     except gradsync.GradSyncError as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start
     finally:
+        mark_done(sync_dir, 0)
         gs.close()
     return None
 
@@ -741,9 +770,15 @@ def crash_after_publish(rank: int, world: int, sync_dir: str) -> Any:
 
 
 def claim(rank: int, world: int, sync_dir: str, as_rank: int) -> Any:
-    with gradsync.GradSync(config(as_rank, world, sync_dir, max_wait_s=8.0)) as gs:
-        gs.average(grads_for(as_rank, 0), step=0)
-        time.sleep(3.0)  # a running job, not one that has already left
+    """Process ``rank`` claims rank ``as_rank``; a job that forms runs on (at most 3 s)
+    until the processes it left out have failed: a running job, not one that has left."""
+    try:
+        with gradsync.GradSync(config(as_rank, world, sync_dir, max_wait_s=8.0)) as gs:
+            gs.average(grads_for(as_rank, 0), step=0)
+            linger(sync_dir, ["left-out"], 3.0)
+    except gradsync.GradSyncError:
+        mark_done(sync_dir, "left-out")
+        raise
     return "joined"
 
 
@@ -864,6 +899,17 @@ def buffers_left_unwritten(rank: int, world: int, sync_dir: str) -> list[Any]:
             except gradsync.GradSyncError as exc:
                 out.append((type(exc).__name__, exc.step, str(exc)))
     return out
+
+
+def torch_buffers_all(
+    rank: int, world: int, sync_dir: str, runs: list[tuple[str, int, int | None]]
+) -> dict[str, Any]:
+    """:func:`torch_grads_in_buffers`, then :func:`torch_buffers_recipes` of ``runs``, in
+    sync dirs of their own: one torch import for every torch test of buffers_like."""
+    return {
+        "in_buffers": torch_grads_in_buffers(rank, world, f"{sync_dir}/in-buffers"),
+        "recipes": torch_buffers_recipes(rank, world, f"{sync_dir}/recipes", runs),
+    }
 
 
 def torch_buffers_recipes(
