@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ._config import FileGradSyncConfig
 from ._errors import GradSyncError, PeerAbortedError, PeerLostError, PeerTimeoutError, clip
 from ._job import notes
-from ._job.reform import Membership, join_running, running_job
+from ._job.ejoin import Membership, join_running, running_job
 from ._job.rendezvous import rendezvous
 from ._names import RDZV, current_name
 from ._stats import StepStats

@@ -16,7 +16,8 @@ from ._config import FileGradSyncConfig
 from ._elastic import member_config, start_elastic
 from ._errors import ConfigError, GradSyncError, clip
 from ._gpu.source import DeviceGrads
-from ._job.reform import Membership, Reformer, forget_job
+from ._job.ejoin import Membership, forget_job
+from ._job.reform import Reformer
 from ._job.rendezvous import Generation, leave, rendezvous
 from ._step.engine import StepEngine
 

@@ -1,14 +1,14 @@
 """Elastic membership over files: re-forming the job after a rank is lost or before
-joiners are admitted, and a late process joining the running job.
+joiners are admitted.
 
 The members of generation G that go on each write ``G/stay-<rank>.json``; the lowest
 of them that lives waits until every member stayed or is gone, decides
 (:mod:`gradsync._job.membership`), claims the decision (``G/next.claim``, created
-exclusively: one decision per membership), makes the next generation with its roster
+exclusively: one decision per membership; ``next.claim.<n>`` once every claimant of
+the attempt before died without deciding), makes the next generation with its roster
 and writes ``G/next.json``, then ``rdzv/current[-<run id>].json`` naming it. Every
-member reads ``next.json`` and takes its new, dense rank. A joiner writes
-``rdzv/ejoin-<nonce>.json`` and waits for a roster of the current generation that
-lists it. docs/elastic.md says why and what is guaranteed.
+member reads ``next.json`` and takes its new, dense rank. Joiners:
+:mod:`gradsync._job.ejoin`. docs/elastic.md says why and what is guaranteed.
 """
 
 from __future__ import annotations
@@ -19,21 +19,17 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from gradsync._config import FileGradSyncConfig
-from gradsync._errors import GradSyncError, PeerLostError, PeerTimeoutError
+from gradsync._errors import GradSyncError, PeerLostError
 from gradsync._faults import fault_point
 from gradsync._names import (
-    EJOIN_PREFIX,
     NEXT,
     RDZV,
     ROSTER,
     claim_name,
     current_name,
-    ejoin_name,
     gen_name,
     intent_name,
     left_name,
@@ -44,49 +40,14 @@ from gradsync._store.dirs import dir_below, make_own_dir
 from gradsync._store.read import names_below
 
 from . import notes
-from .decisions import settings
-from .generation import Generation
-from .liveness import HeartbeatWatch, MemberInfo, judge
+from .ejoin import Membership, decision, join_requests
+from .liveness import HeartbeatWatch, judge
 from .membership import Reform, ReformLook, Standing, decide_reform, refusal, survivors
 
-__all__ = ["Membership", "Reformer", "join_running", "joins_waiting", "running_job"]
+__all__ = ["Reformer"]
 
 _log = logging.getLogger("gradsync")
 _LOOK_EVERY_S = 0.002
-_refused: set[str] = set()  # join requests this process warned it does not admit
-
-
-@dataclass(frozen=True)
-class Membership:
-    """A generation of an elastic job, with who its members were started as."""
-
-    gen: Generation
-    launch: tuple[int, ...]  # each member's rank as started (cfg.rank), in rank order
-    epoch: int = 0
-    next_step: int | None = None  # the step of the members' next call (for joiners)
-    lost: tuple[str, ...] = ()  # who left at this change, and why
-    joined: tuple[int, ...] = ()  # launch ranks admitted at this change
-
-
-def _decision(data: dict[str, Any], sync_dir: Path, me: MemberInfo) -> Membership | None:
-    """The membership ``data`` (a decision, or a new generation's roster) gives ``me``;
-    None if it does not list ``me``. Raises ValueError for a garbled one."""
-    members = [MemberInfo.from_json(m) for m in data["members"]]
-    launch = tuple(int(r) for r in data["launch"])
-    for rank, member in enumerate(members):
-        if member.nonce == me.nonce:
-            gen_id = str(data["gen"])
-            gen = Generation(sync_dir / gen_name(gen_id), gen_id, tuple(members), rank)
-            step = data.get("next_step")
-            return Membership(
-                gen,
-                launch,
-                int(data["epoch"]),
-                step if isinstance(step, int) else None,
-                tuple(str(x) for x in data.get("lost", ())),
-                tuple(int(r) for r in data.get("joined", ())),
-            )
-    return None
 
 
 class Reformer:
@@ -132,7 +93,7 @@ class Reformer:
         while True:
             timed_out = time.monotonic() - start >= self.cfg.max_wait_s
             standings = self._standings()
-            joiners = _joiners(self.cfg) if self._admit else []
+            joiners = join_requests(self.cfg) if self._admit else []
             decided = notes.load(self.gen.path / NEXT)
             look = ReformLook(
                 closing=self._closing is not None and self._closing.is_set(),
@@ -262,7 +223,7 @@ class Reformer:
 
     def _adopt(self, data: dict[str, Any]) -> Membership:
         try:
-            found = _decision(data, self.cfg.sync_dir, self.gen.me)
+            found = decision(data, self.cfg.sync_dir, self.gen.me)
         except (KeyError, TypeError, ValueError) as exc:
             raise PeerLostError(
                 f"rank {self.gen.rank}: unreadable decision in {self.gen.path / NEXT}",
@@ -280,7 +241,10 @@ class Reformer:
         return found
 
     def _failure(self, standings: tuple[Standing, ...], joiners: int) -> PeerLostError:
-        gone = [s.rank for s in standings if s.gone is not None]
+        # The ranks whose loss is why: not those that stayed and gave up or died since.
+        gone = [s.rank for s in standings if s.gone is not None and s.stayed is None] or [
+            s.rank for s in standings if s.gone is not None
+        ]
         pending = [s.rank for s in standings if s.gone is None and s.stayed is None]
         why = refusal(standings, joiners, self.cfg.min_world_size) or (
             f"ranks {pending} neither went on nor were found gone"
@@ -292,127 +256,3 @@ class Reformer:
             ranks=gone,
             path=self.gen.path,
         )
-
-
-def _joiners(cfg: FileGradSyncConfig) -> list[dict[str, Any]]:
-    """The join requests of this run from live processes that share its settings."""
-    rdzv = cfg.sync_dir / RDZV
-    found = []
-    for name in sorted(names_below(rdzv)):
-        if not name.startswith(EJOIN_PREFIX):
-            continue
-        data = notes.load(rdzv / name)
-        member = notes.member_of(data)
-        if data is None or member is None or data.get("run_id") != cfg.run_id:
-            continue
-        if judge(member).alive is False:
-            # Its process on this host ended while it waited (SIGKILLed, say): nobody
-            # else would remove its request.
-            with contextlib.suppress(OSError):
-                notes.unlink(rdzv / name)
-            continue
-        if not isinstance(data.get("launch"), int):
-            continue
-        if data.get("settings") != settings(cfg):
-            if name in _refused:
-                continue  # said once: rank 0 looks every 0.1 s
-            _refused.add(name)
-            _log.warning(
-                "rank %d: not admitting %s (%s): its settings %s differ from %s",
-                cfg.rank,
-                name,
-                member.describe(),
-                data.get("settings"),
-                settings(cfg),
-            )
-            continue
-        found.append(data)
-    return sorted(found, key=lambda d: (d["launch"], d["member"]["nonce"]))
-
-
-def joins_waiting(cfg: FileGradSyncConfig) -> bool:
-    """Whether a process waits to join this run (checked by its rank 0 between calls)."""
-    return bool(_joiners(cfg))
-
-
-def running_job(cfg: FileGradSyncConfig) -> Path | None:
-    """The generation of this run that still has a live member, if the run is going."""
-    pointer = notes.load(cfg.sync_dir / RDZV / current_name(cfg.run_id))
-    if pointer is None or not isinstance(pointer.get("gen"), str):
-        return None
-    gen_path = cfg.sync_dir / gen_name(pointer["gen"])
-    roster = notes.load(gen_path / ROSTER)
-    if roster is None or not isinstance(roster.get("members"), list):
-        return None
-    for raw in roster["members"]:
-        try:
-            member = MemberInfo.from_json(raw)
-        except ValueError:
-            continue
-        if not notes.has_left(gen_path, member.rank) and judge(member).alive is not False:
-            return gen_path
-    return None
-
-
-def forget_job(cfg: FileGradSyncConfig, gen: Generation) -> None:
-    """Remove the note naming ``gen`` as the running job once ``gen`` is gone (its last
-    member left). Never raises: it only tidies."""
-    pointer = cfg.sync_dir / RDZV / current_name(cfg.run_id)
-    named = notes.load(pointer)
-    if named is None or named.get("gen") != gen.gen_id or names_below(gen.path):
-        return
-    with contextlib.suppress(OSError):
-        notes.unlink(pointer)
-
-
-def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Membership:
-    """Ask to join this run's running job and wait (``max_wait_s``) to be admitted at
-    one of its step boundaries.
-
-    Raises:
-        PeerTimeoutError: not admitted within ``max_wait_s``.
-        GradSyncError: ``closing`` was set.
-    """
-    me = MemberInfo.for_self(cfg.rank, secrets.token_hex(8))
-    request = cfg.sync_dir / RDZV / ejoin_name(me.nonce)
-    data = {
-        "member": me.to_json(),
-        "run_id": cfg.run_id,
-        "settings": settings(cfg),
-        "launch": cfg.rank,
-    }
-    notes.write_json(request, data, "asking to join in")
-    start = time.monotonic()
-    try:
-        while time.monotonic() - start < cfg.max_wait_s:
-            if closing is not None and closing.is_set():
-                raise GradSyncError(
-                    f"rank {cfg.rank}'s session was closed while it waited to join",
-                    ranks=[cfg.rank],
-                )
-            found = _admitted(cfg, me)
-            if found is not None:
-                return found
-            time.sleep(_LOOK_EVERY_S * 5)
-    finally:
-        with contextlib.suppress(OSError):
-            notes.unlink(request)
-    raise PeerTimeoutError(
-        f"rank {cfg.rank} ({me.describe()}) was not admitted into the running job in "
-        f"{cfg.sync_dir} within {cfg.max_wait_s} s",
-        ranks=[cfg.rank],
-        path=cfg.sync_dir,
-    )
-
-
-def _admitted(cfg: FileGradSyncConfig, me: MemberInfo) -> Membership | None:
-    pointer = notes.load(cfg.sync_dir / RDZV / current_name(cfg.run_id))
-    if pointer is None or not isinstance(pointer.get("gen"), str):
-        return None
-    roster = notes.load(cfg.sync_dir / gen_name(pointer["gen"]) / ROSTER)
-    if roster is None:
-        return None
-    try:
-        return _decision(roster, cfg.sync_dir, me)
-    except (KeyError, TypeError, ValueError):
-        return None

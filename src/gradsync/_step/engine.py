@@ -21,7 +21,7 @@ import numpy as np
 
 from gradsync._errors import InvalidGradsError, error_note
 from gradsync._faults import fault_point
-from gradsync._job.reform import joins_waiting
+from gradsync._job.ejoin import joins_waiting
 
 # data_name: re-exported for _cli/status.py until it imports it from _names.
 from gradsync._names import JOINS, abort_marker, data_name, step_dir_name

@@ -1,0 +1,199 @@
+"""An elastic job's membership as its members and joiners read it, and a late process
+joining the running job: its join request, the running generation, admission.
+
+A joiner writes ``rdzv/ejoin-<nonce>.json`` and waits for a roster of the current
+generation (``rdzv/current[-<run id>].json``) that lists it; the running job's rank 0
+admits it at a step boundary (:mod:`gradsync._job.reform`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gradsync._config import FileGradSyncConfig
+from gradsync._errors import GradSyncError, PeerTimeoutError
+from gradsync._names import EJOIN_PREFIX, RDZV, ROSTER, current_name, ejoin_name, gen_name
+from gradsync._store.read import names_below
+
+from . import notes
+from .decisions import settings
+from .generation import Generation
+from .liveness import MemberInfo, judge
+
+__all__ = [
+    "Membership",
+    "decision",
+    "forget_job",
+    "join_requests",
+    "join_running",
+    "joins_waiting",
+    "running_job",
+]
+
+_log = logging.getLogger("gradsync")
+_LOOK_EVERY_S = 0.01
+_refused: set[str] = set()  # join requests this process warned it does not admit
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A generation of an elastic job, with who its members were started as."""
+
+    gen: Generation
+    launch: tuple[int, ...]  # each member's rank as started (cfg.rank), in rank order
+    epoch: int = 0
+    next_step: int | None = None  # the step of the members' next call (for joiners)
+    lost: tuple[str, ...] = ()  # who left at this change, and why
+    joined: tuple[int, ...] = ()  # launch ranks admitted at this change
+
+
+def decision(data: dict[str, Any], sync_dir: Path, me: MemberInfo) -> Membership | None:
+    """The membership ``data`` (a decision, or a new generation's roster) gives ``me``;
+    None if it does not list ``me``. Raises ValueError for a garbled one."""
+    members = [MemberInfo.from_json(m) for m in data["members"]]
+    launch = tuple(int(r) for r in data["launch"])
+    for rank, member in enumerate(members):
+        if member.nonce == me.nonce:
+            gen_id = str(data["gen"])
+            gen = Generation(sync_dir / gen_name(gen_id), gen_id, tuple(members), rank)
+            step = data.get("next_step")
+            return Membership(
+                gen,
+                launch,
+                int(data["epoch"]),
+                step if isinstance(step, int) else None,
+                tuple(str(x) for x in data.get("lost", ())),
+                tuple(int(r) for r in data.get("joined", ())),
+            )
+    return None
+
+
+def join_requests(cfg: FileGradSyncConfig) -> list[dict[str, Any]]:
+    """The join requests of this run from live processes that share its settings."""
+    rdzv = cfg.sync_dir / RDZV
+    found = []
+    for name in sorted(names_below(rdzv)):
+        if not name.startswith(EJOIN_PREFIX):
+            continue
+        data = notes.load(rdzv / name)
+        member = notes.member_of(data)
+        if data is None or member is None or data.get("run_id") != cfg.run_id:
+            continue
+        if judge(member).alive is False:
+            # Its process on this host ended while it waited (SIGKILLed, say): nobody
+            # else would remove its request.
+            with contextlib.suppress(OSError):
+                notes.unlink(rdzv / name)
+            continue
+        if not isinstance(data.get("launch"), int):
+            continue
+        if data.get("settings") != settings(cfg):
+            if name in _refused:
+                continue  # said once: rank 0 looks every 0.1 s
+            _refused.add(name)
+            _log.warning(
+                "rank %d: not admitting %s (%s): its settings %s differ from %s",
+                cfg.rank,
+                name,
+                member.describe(),
+                data.get("settings"),
+                settings(cfg),
+            )
+            continue
+        found.append(data)
+    return sorted(found, key=lambda d: (d["launch"], d["member"]["nonce"]))
+
+
+def joins_waiting(cfg: FileGradSyncConfig) -> bool:
+    """Whether a process waits to join this run (checked by its rank 0 between calls)."""
+    return bool(join_requests(cfg))
+
+
+def running_job(cfg: FileGradSyncConfig) -> Path | None:
+    """The generation of this run that still has a live member, if the run is going."""
+    pointer = notes.load(cfg.sync_dir / RDZV / current_name(cfg.run_id))
+    if pointer is None or not isinstance(pointer.get("gen"), str):
+        return None
+    gen_path = cfg.sync_dir / gen_name(pointer["gen"])
+    roster = notes.load(gen_path / ROSTER)
+    if roster is None or not isinstance(roster.get("members"), list):
+        return None
+    for raw in roster["members"]:
+        try:
+            member = MemberInfo.from_json(raw)
+        except ValueError:
+            continue
+        if not notes.has_left(gen_path, member.rank) and judge(member).alive is not False:
+            return gen_path
+    return None
+
+
+def forget_job(cfg: FileGradSyncConfig, gen: Generation) -> None:
+    """Remove the note naming ``gen`` as the running job once ``gen`` is gone (its last
+    member left). Never raises: it only tidies."""
+    pointer = cfg.sync_dir / RDZV / current_name(cfg.run_id)
+    named = notes.load(pointer)
+    if named is None or named.get("gen") != gen.gen_id or names_below(gen.path):
+        return
+    with contextlib.suppress(OSError):
+        notes.unlink(pointer)
+
+
+def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Membership:
+    """Ask to join this run's running job and wait (``max_wait_s``) to be admitted at
+    one of its step boundaries.
+
+    Raises:
+        PeerTimeoutError: not admitted within ``max_wait_s``.
+        GradSyncError: ``closing`` was set.
+    """
+    me = MemberInfo.for_self(cfg.rank, secrets.token_hex(8))
+    request = cfg.sync_dir / RDZV / ejoin_name(me.nonce)
+    data = {
+        "member": me.to_json(),
+        "run_id": cfg.run_id,
+        "settings": settings(cfg),
+        "launch": cfg.rank,
+    }
+    notes.write_json(request, data, "asking to join in")
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < cfg.max_wait_s:
+            if closing is not None and closing.is_set():
+                raise GradSyncError(
+                    f"rank {cfg.rank}'s session was closed while it waited to join",
+                    ranks=[cfg.rank],
+                )
+            found = _admitted(cfg, me)
+            if found is not None:
+                return found
+            time.sleep(_LOOK_EVERY_S)
+    finally:
+        with contextlib.suppress(OSError):
+            notes.unlink(request)
+    raise PeerTimeoutError(
+        f"rank {cfg.rank} ({me.describe()}) was not admitted into the running job in "
+        f"{cfg.sync_dir} within {cfg.max_wait_s} s",
+        ranks=[cfg.rank],
+        path=cfg.sync_dir,
+    )
+
+
+def _admitted(cfg: FileGradSyncConfig, me: MemberInfo) -> Membership | None:
+    pointer = notes.load(cfg.sync_dir / RDZV / current_name(cfg.run_id))
+    if pointer is None or not isinstance(pointer.get("gen"), str):
+        return None
+    roster = notes.load(cfg.sync_dir / gen_name(pointer["gen"]) / ROSTER)
+    if roster is None:
+        return None
+    try:
+        return decision(roster, cfg.sync_dir, me)
+    except (KeyError, TypeError, ValueError):
+        return None
