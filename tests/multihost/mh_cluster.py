@@ -12,14 +12,18 @@ Everything here has a timeout; a job that overruns is stopped by killing its
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 RIG = Path(__file__).resolve().parent / "rig"
@@ -242,3 +246,44 @@ class Cluster:
             if comm == "juicefs":
                 pids.append(int(word))
         return pids
+
+
+@contextlib.contextmanager
+def running_cluster(hosts: int, label: str) -> Iterator[Cluster]:
+    """A fresh cluster of ``hosts`` hosts whose results go to an emptied ``label``
+    directory, brought down after; skipped where none can start (failed under
+    GRADSYNC_MULTIHOST=require)."""
+    import pytest  # noqa: PLC0415 (the rig's scripts use this module without pytest)
+
+    reason = unavailable_reason()
+    if reason is not None:
+        message = f"multihost cluster unavailable: {reason}"
+        if os.environ.get("GRADSYNC_MULTIHOST") == "require":
+            pytest.fail(message)
+        print(f"\nSKIP {message}")
+        pytest.skip(message)
+    c = Cluster(hosts)
+    # One fixed directory, emptied once the fresh cluster has stopped a killed run's ranks.
+    base = c.base = results_root() / label
+    try:
+        for note in c.notes:
+            print(f"\nmultihost: {note}")
+        c.up(fresh=True)
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
+        yield c
+    finally:
+        try:
+            c.down()
+        finally:
+            if os.environ.get("GRADSYNC_MULTIHOST_KEEP") != "1":
+                shutil.rmtree(base, ignore_errors=True)
+
+
+def steps_of(out: Path, rank: int) -> list[dict[str, Any]]:
+    """The steps ``rank`` logged in ``out`` (worker.py's steps-<rank>.jsonl), whole lines only."""
+    try:
+        text = (out / f"steps-{rank}.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.endswith("}")]

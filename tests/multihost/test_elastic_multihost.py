@@ -13,8 +13,6 @@ the rig's settings (``MH_NS``, ``MH_DIR``, ``MH_MOUNT``) from the environment.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mh_cluster import MOUNT, Cluster, Job, results_root, unavailable_reason
+from mh_cluster import MOUNT, Cluster, Job, running_cluster, steps_of
 from mh_data import grads_for
 
 import gradsync
@@ -39,32 +37,8 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    reason = unavailable_reason()
-    if reason is not None:
-        if os.environ.get("GRADSYNC_MULTIHOST") == "require":
-            pytest.fail(f"multihost cluster unavailable: {reason}")
-        pytest.skip(f"multihost cluster unavailable: {reason}")
-    c = Cluster(3)
-    base = c.base = results_root() / "gradsync-mh-elastic-tests"
-    try:
-        c.up(fresh=True)
-        shutil.rmtree(base, ignore_errors=True)
-        base.mkdir(parents=True)
+    with running_cluster(3, "gradsync-mh-elastic-tests") as c:
         yield c
-    finally:
-        try:
-            c.down()
-        finally:
-            if os.environ.get("GRADSYNC_MULTIHOST_KEEP") != "1":
-                shutil.rmtree(base, ignore_errors=True)
-
-
-def _steps(out: Path, rank: int) -> list[dict[str, Any]]:
-    try:
-        text = (out / f"steps-{rank}.jsonl").read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
 
 
 def _pids(out: Path, ranks: list[int], launcher: bool) -> list[int]:
@@ -106,7 +80,7 @@ def _check_survivors(out: Path, survivors: list[int], steps: int, job: Job) -> l
     inputs bit for bit. The records of the calls that lost ranks."""
     losses = []
     for s in range(steps):
-        recs = {r: _steps(out, r) for r in survivors}
+        recs = {r: steps_of(out, r) for r in survivors}
         for r, got in recs.items():
             assert [g["step"] for g in got] == list(range(steps)), f"rank {r}\n{job.log_text()}"
         members = recs[survivors[0]][s]["members"]
@@ -119,13 +93,13 @@ def _check_survivors(out: Path, survivors: list[int], steps: int, job: Job) -> l
     return losses
 
 
-def test_losing_one_of_three_hosts_the_others_go_on_with_identical_steps(
+def test_losing_one_of_three_hosts_the_others_go_on_with_identicalsteps_of(
     cluster: Cluster,
 ) -> None:
     steps = 60
     job, out = _start(cluster, "lose-h3", steps)
     try:
-        _wait_for(lambda: all(len(_steps(out, r)) >= 3 for r in range(6)), 60, "3 steps", job)
+        _wait_for(lambda: all(len(steps_of(out, r)) >= 3 for r in range(6)), 60, "3 steps", job)
         t_kill = time.time()
         cluster.kill_in_host("h3", _pids(out, [4, 5], launcher=True))
         codes = job.wait(120)
@@ -134,7 +108,7 @@ def test_losing_one_of_three_hosts_the_others_go_on_with_identical_steps(
     assert codes["h1"] == 0, f"{codes}\n{job.log_text()}"
     assert codes["h2"] == 0, f"{codes}\n{job.log_text()}"
     losses = _check_survivors(out, [0, 1, 2, 3], steps, job)
-    assert _steps(out, 0)[-1]["members"] == [0, 1, 2, 3]
+    assert steps_of(out, 0)[-1]["members"] == [0, 1, 2, 3]
     assert {r for rec in losses for r in (4, 5) if f"rank {r} " in " ".join(rec["lost"])} == {4, 5}
     delays = [rec["t"] - t_kill for rec in losses]
     # Within the heartbeat timeout of noticing, plus a step and the re-form.
@@ -152,11 +126,11 @@ def test_a_hosts_ranks_killed_after_a_re_form_are_known_gone_from_their_launcher
     steps = 120
     job, out = _start(cluster, "reform-h2", steps)
     try:
-        _wait_for(lambda: all(len(_steps(out, r)) >= 3 for r in range(6)), 60, "3 steps", job)
+        _wait_for(lambda: all(len(steps_of(out, r)) >= 3 for r in range(6)), 60, "3 steps", job)
         cluster.kill_in_host("h1", _pids(out, [1], launcher=False))
 
         def renumbered() -> bool:
-            return any(rec["members"] == [2, 3, 4, 5] for rec in _steps(out, 5))
+            return any(rec["members"] == [2, 3, 4, 5] for rec in steps_of(out, 5))
 
         _wait_for(renumbered, 60, "ranks 2-5 to go on", job)
         t_kill = time.time()
@@ -166,7 +140,7 @@ def test_a_hosts_ranks_killed_after_a_re_form_are_known_gone_from_their_launcher
         job.stop()
     assert codes["h3"] == 0, f"{codes}\n{job.log_text()}"
     losses = _check_survivors(out, [4, 5], steps, job)
-    assert _steps(out, 4)[-1]["members"] == [4, 5]
+    assert steps_of(out, 4)[-1]["members"] == [4, 5]
     late = [rec for rec in losses if rec["t"] > t_kill]
     assert late, job.log_text()
     assert all("heartbeat" not in why for rec in late for why in rec["lost"]), late

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 import uuid
@@ -28,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mh_cluster import MOUNT, Cluster, Job, results_root, unavailable_reason
+from mh_cluster import MOUNT, Cluster, Job, running_cluster, steps_of
 from mh_data import digest, grads_for
 
 import gradsync
@@ -46,29 +45,8 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    reason = unavailable_reason()
-    if reason is not None:
-        message = f"multihost cluster unavailable: {reason}"
-        if os.environ.get("GRADSYNC_MULTIHOST") == "require":
-            pytest.fail(message)
-        print(f"\nSKIP {message}")
-        pytest.skip(message)
-    c = Cluster(2)
-    # One fixed directory, emptied once the fresh cluster has stopped a killed run's ranks.
-    base = c.base = results_root() / "gradsync-mh-tests"
-    try:
-        for note in c.notes:
-            print(f"\nmultihost: {note}")
-        c.up(fresh=True)
-        shutil.rmtree(base, ignore_errors=True)
-        base.mkdir(parents=True)
+    with running_cluster(2, "gradsync-mh-tests") as c:
         yield c
-    finally:
-        try:
-            c.down()
-        finally:
-            if os.environ.get("GRADSYNC_MULTIHOST_KEEP") != "1":
-                shutil.rmtree(base, ignore_errors=True)
 
 
 def _unique(label: str) -> str:
@@ -79,14 +57,6 @@ def _out(cluster: Cluster, label: str) -> Path:
     out = cluster.base / _unique(label)
     out.mkdir()
     return out
-
-
-def _steps(out: Path, rank: int) -> list[dict[str, Any]]:
-    try:
-        text = (out / f"steps-{rank}.jsonl").read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
 
 
 def _json(path: Path) -> dict[str, Any] | None:
@@ -112,7 +82,7 @@ def _check_results(out: Path, seed: int, steps: int, job: Job, layout: str = "mi
     """Every rank's every step equals average_host_grads of the inputs, bit for bit."""
     expected = _expected(seed, steps, layout)
     for r in range(W):
-        got = _steps(out, r)
+        got = steps_of(out, r)
         assert [g["step"] for g in got] == list(range(steps)), f"rank {r}\n{job.log_text()}"
         for s in range(steps):
             raw = (out / f"raw-{r}-{s}").read_bytes()
@@ -216,8 +186,8 @@ def test_compression_applies_across_hosts_and_not_on_one_host(
         for r in range(W):
             assert (runs["int8-one"] / f"raw-{r}-{s}").read_bytes() == exact
     for r in range(W):
-        assert {g["compression"] for g in _steps(runs["int8-two"], r)} == {"int8"}
-        assert {g["compression"] for g in _steps(runs["int8-one"], r)} == {None}
+        assert {g["compression"] for g in steps_of(runs["int8-two"], r)} == {"int8"}
+        assert {g["compression"] for g in steps_of(runs["int8-one"], r)} == {None}
 
 
 @pytest.mark.parametrize("codec", ["bf16", "int8"])
@@ -283,7 +253,7 @@ def killed_then_rerun(cluster: Cluster) -> dict[str, Any]:
     ], out_a)  # fmt: skip
     try:
         _wait_for(
-            lambda: all(len(_steps(out_a, r)) >= 3 for r in range(W)),
+            lambda: all(len(steps_of(out_a, r)) >= 3 for r in range(W)),
             JOB_TIMEOUT_S,
             "3 steps of the first job",
             job_a,
@@ -316,8 +286,8 @@ def killed_then_rerun(cluster: Cluster) -> dict[str, Any]:
 def test_killed_run_is_never_read(killed_then_rerun: dict[str, Any]) -> None:
     k = killed_then_rerun
     _check_results(k["out_b"], k["seed_b"], k["steps_b"], k["job_b"])
-    gen_a = {s["gen"] for r in range(W) for s in _steps(k["out_a"], r)}
-    gen_b = {s["gen"] for r in range(W) for s in _steps(k["out_b"], r)}
+    gen_a = {s["gen"] for r in range(W) for s in steps_of(k["out_a"], r)}
+    gen_b = {s["gen"] for r in range(W) for s in steps_of(k["out_b"], r)}
     assert len(gen_a) == 1, gen_a
     assert len(gen_b) == 1, gen_b
     assert gen_a != gen_b
@@ -328,7 +298,7 @@ def test_killed_multihost_runs_files_are_removed(
 ) -> None:
     """Once its heartbeats have been silent well past the timeout, a later job cleans it up."""
     k = killed_then_rerun
-    gen_a = next(s["gen"] for s in _steps(k["out_a"], 0))
+    gen_a = next(s["gen"] for s in steps_of(k["out_a"], 0))
     time.sleep(max(0.0, k["t_kill"] + 2 * 5.0 - time.monotonic()))
     out_c = _out(cluster, "cleanup")
     job_c = cluster.launch({"h2": 0, "h1": 1}, 2, k["sync_dir"], k["run_id"], [
@@ -349,7 +319,7 @@ def _lost_host_job(cluster: Cluster, label: str) -> tuple[Job, Path]:
         "--seed", "3", "--steps", "1000", "--step-sleep", "0.05", "--expect-loss", *HB,
     ], out)  # fmt: skip
     _wait_for(
-        lambda: all(len(_steps(out, r)) >= 2 for r in range(W)), JOB_TIMEOUT_S, "2 steps", job
+        lambda: all(len(steps_of(out, r)) >= 2 for r in range(W)), JOB_TIMEOUT_S, "2 steps", job
     )
     return job, out
 
