@@ -140,6 +140,24 @@ def test_a_late_joiner_comes_in_at_a_step_boundary_and_averages_with_the_others(
     assert boundary[0]["step"] + 1 == first["step"]
 
 
+def test_a_late_joiner_comes_into_a_compressed_job_at_a_step_boundary(tmp_path: Path) -> None:
+    late = {3: (3, 1.5)}
+    kw = {**FAST, "compression": "int8", "compress_local": True}
+    results = run_ranks(
+        elastic_workers.train,
+        4,
+        (3, str(tmp_path), 40, kw, False, 0.05, late),
+        timeout_s=60,
+    )
+    by_step: dict[int, set[bytes]] = {}
+    for _, rec in _records(results):
+        by_step.setdefault(rec["step"], set()).add(b"".join(rec["after"]))
+    assert all(len(means) == 1 for means in by_step.values())
+    boundary = [r for r in results[0].value["records"] if r["joined"]]
+    assert [r["joined"] for r in boundary] == [(3,)]
+    assert results[3].value["records"][0]["members"] == (0, 1, 2, 3)
+
+
 def test_a_rank_killed_in_a_broadcast_is_left_behind_and_the_broadcast_redone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

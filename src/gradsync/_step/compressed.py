@@ -23,7 +23,7 @@ from .codec import BLOCK, Codec
 from .gather import Piece, Sink, to_the_end
 from .header import KIND_INPUT, KIND_OUTPUT, Layout, block_crcs, crc_placeholder
 from .parallel import split_range
-from .peers import Peer, check_inputs, check_length, reading
+from .peers import Peer, check_length, reading
 from .plan import Group, Plan
 from .publish import Publishing
 from .reduce import CHUNK_ELEMS, Fetch, mean_into
@@ -67,7 +67,7 @@ class Compressing(Publishing):
         outs: dict[int, Peer] = {}
         try:
             last_in = self._peers.wait_for(step_dir, "in", range(self.world), step, self.seq, peers)
-            check_inputs(plan, self.rank, peers, step, step_dir)
+            self._check_inputs(plan, peers, step, step_dir)
             t2 = time.perf_counter()
             means = self._reduce_encoded(plan, wire, payload, peers, step, step_dir)
             self._peers_served = True

@@ -21,13 +21,11 @@ import numpy as np
 
 from gradsync._errors import InvalidGradsError, error_note
 from gradsync._faults import fault_point
-from gradsync._job.ejoin import joins_waiting
 
 # data_name: re-exported for _cli/status.py until it imports it from _names.
-from gradsync._names import JOINS, abort_marker, data_name, step_dir_name
+from gradsync._names import abort_marker, data_name, step_dir_name
 from gradsync._stats import StepStats
-from gradsync._store.api import store
-from gradsync._store.files import translate_oserror, write_note
+from gradsync._store.files import write_note
 
 from .broadcast import Broadcasting, BroadcastView
 from .buffers import SharedBuffers
@@ -35,7 +33,7 @@ from .compressed import Compressing
 from .gather import Gathering, Piece, Sink
 from .grads import HostView, host_view, nonfinite_params, validate_grads
 from .header import KIND_OUTPUT, MAX_PARAMS, block_crcs, crc_placeholder
-from .peers import Peer, check_inputs, check_length
+from .peers import Peer, check_length
 from .plan import Plan
 from .stale import StaleWatch
 
@@ -52,7 +50,6 @@ __all__ = [
 
 _log = logging.getLogger("gradsync")
 # How often an elastic rank 0 looks for processes waiting to join, between calls.
-_JOIN_LOOK_S = 0.1
 
 
 class StepEngine(Broadcasting, Compressing, Gathering):
@@ -135,12 +132,12 @@ class StepEngine(Broadcasting, Compressing, Gathering):
         flats = view.flats
         plan = self._plan_of(view, step)
         nonfinite = nonfinite_params(flats) if self.cfg.check_finite else []
+        if self.cfg.elastic:
+            self._announce_joins(step_dir, step)
         if plan.wire is not None:
             return self._compressed_step(flats, plan, step, step_dir, sink, nonfinite)
         shared, watch, work, runs, publishers = self._route(plan, view, step, sink)
         fault_point("before_publish", self.rank, self.seq)
-        if self.cfg.elastic:
-            self._announce_joins(step_dir, step)
         self._publish(step_dir, plan, flats, step, nonfinite, shared)
         fault_point("after_publish", self.rank, self.seq)
         # Its input is all the peers read of a rank that publishes no shard of the mean.
@@ -150,9 +147,7 @@ class StepEngine(Broadcasting, Compressing, Gathering):
         outs: dict[int, Peer] = {}
         try:
             last_in = self._peers.wait_for(step_dir, "in", range(self.world), step, self.seq, peers)
-            check_inputs(plan, self.rank, peers, step, step_dir)
-            if self.cfg.elastic:
-                self.joins_due = self._joins_announced()
+            self._check_inputs(plan, peers, step, step_dir)
             t2 = time.perf_counter()
             shard = self._reduce_and_publish(work, runs, peers, step, step_dir)
             self._peers_served = True
@@ -176,28 +171,6 @@ class StepEngine(Broadcasting, Compressing, Gathering):
         stats = StepStats.timed(step, self.world, plan.in_len, (t0, t1, t2, t3, t4, t5), last_in)
         _log.debug("%s", stats)
         return stats
-
-    def _announce_joins(self, step_dir: Path, step: int) -> None:
-        """Elastic rank 0: say in this call, before its input, that processes waiting to
-        join come in after it (looking for them at most every ``_JOIN_LOOK_S``)."""
-        self.joins_due = False
-        now = time.monotonic()
-        if self.rank != 0 or now < self._next_join_look:
-            return
-        self._next_join_look = now + _JOIN_LOOK_S
-        if joins_waiting(self.cfg):
-            try:
-                store().create(self._dir.step_fd(self.seq, make=True), JOINS)
-            except OSError as exc:
-                raise translate_oserror(exc, "writing", step_dir / JOINS, step=step) from exc
-
-    def _joins_announced(self) -> bool:
-        """Whether rank 0 said in this call that joiners come in after it."""
-        try:
-            store().stat(self._dir.step_fd(self.seq), JOINS)
-        except FileNotFoundError:
-            return False
-        return True
 
     def _plan_of(self, view: HostView, step: int) -> Plan:
         if len(view.arrays) > MAX_PARAMS:

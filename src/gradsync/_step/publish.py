@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,11 +13,13 @@ import numpy as np
 
 from gradsync._errors import SyncDirError
 from gradsync._faults import fault_point
-from gradsync._names import shared_input_name
+from gradsync._job.ejoin import joins_waiting
+from gradsync._names import JOINS, shared_input_name
 from gradsync._store.api import store
 from gradsync._store.files import place_marker, translate_oserror
 
 from .buffers import SharedBuffers
+from .checks import Peer, check_inputs
 from .header import KIND_INPUT, Layout, block_crcs, crc_placeholder, longest_nonfinite
 from .plan import Plan
 from .stale import StaleWatch
@@ -25,6 +28,8 @@ from .state import EngineState, one_slot, others
 __all__ = ["Publishing"]
 
 _FAULTS_ON = bool(os.environ.get("GRADSYNC_TEST_FAULT"))
+# Rank 0 of an elastic job looks for processes waiting to join at most this often.
+_JOIN_LOOK_S = 0.1
 
 
 class Publishing(EngineState):
@@ -214,3 +219,32 @@ class Publishing(EngineState):
             and one_slot(plan)
             and shared.holds(arrays)
         )
+
+    def _check_inputs(self, plan: Plan, peers: dict[int, Peer], step: int, step_dir: Path) -> None:
+        """Check every rank's input (:func:`check_inputs`); elastic: note whether rank 0
+        said in this call that joiners come in after it."""
+        check_inputs(plan, self.rank, peers, step, step_dir)
+        if self.cfg.elastic:
+            self.joins_due = self._joins_announced()
+
+    def _announce_joins(self, step_dir: Path, step: int) -> None:
+        """Elastic rank 0: say in this call, before its input, that processes waiting to
+        join come in after it (looking for them at most every ``_JOIN_LOOK_S``)."""
+        self.joins_due = False
+        now = time.monotonic()
+        if self.rank != 0 or now < self._next_join_look:
+            return
+        self._next_join_look = now + _JOIN_LOOK_S
+        if joins_waiting(self.cfg):
+            try:
+                store().create(self._dir.step_fd(self.seq, make=True), JOINS)
+            except OSError as exc:
+                raise translate_oserror(exc, "writing", step_dir / JOINS, step=step) from exc
+
+    def _joins_announced(self) -> bool:
+        """Whether rank 0 said in this call that joiners come in after it."""
+        try:
+            store().stat(self._dir.step_fd(self.seq), JOINS)
+        except FileNotFoundError:
+            return False
+        return True
