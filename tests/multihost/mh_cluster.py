@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,23 @@ class Job:
     sync_dir: str
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
+
+    def wait_until(
+        self, cond: Callable[[], bool], timeout_s: float, what: str, *, launchers_live: bool = True
+    ) -> None:
+        """Poll ``cond`` until true; fail the test (stopping the job) after ``timeout_s``, or
+        as soon as a launcher exits if ``launchers_live``."""
+        import pytest  # noqa: PLC0415 (the rig's scripts use this module without pytest)
+
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"timed out after {timeout_s} s waiting for {what}\n{self.log_text()}")
+            if launchers_live and any(p.poll() is not None for p in self.procs.values()):
+                self.stop()
+                pytest.fail(f"a launcher exited while waiting for {what}\n{self.log_text()}")
+            time.sleep(0.05)
 
     def wait(self, timeout_s: float) -> dict[str, int]:
         """Exit codes by host; on timeout every launcher is stopped and TimeoutError raised."""

@@ -66,15 +66,6 @@ def _start(cluster: Cluster, label: str, steps: int) -> tuple[Job, Path]:
     return job, out
 
 
-def _wait_for(cond: Any, timeout_s: float, what: str, job: Job) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            job.stop()
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}\n{job.log_text()}")
-        time.sleep(0.05)
-
-
 def _check_survivors(out: Path, survivors: list[int], steps: int, job: Job) -> list[dict[str, Any]]:
     """Every step of every survivor: done, the same members, and the mean of their
     inputs bit for bit. The records of the calls that lost ranks."""
@@ -99,7 +90,12 @@ def test_losing_one_of_three_hosts_the_others_go_on_with_identicalsteps_of(
     steps = 60
     job, out = _start(cluster, "lose-h3", steps)
     try:
-        _wait_for(lambda: all(len(steps_of(out, r)) >= 3 for r in range(6)), 60, "3 steps", job)
+        job.wait_until(
+            lambda: all(len(steps_of(out, r)) >= 3 for r in range(6)),
+            60,
+            "3 steps",
+            launchers_live=False,
+        )
         t_kill = time.time()
         cluster.kill_in_host("h3", _pids(out, [4, 5], launcher=True))
         codes = job.wait(120)
@@ -126,13 +122,18 @@ def test_a_hosts_ranks_killed_after_a_re_form_are_known_gone_from_their_launcher
     steps = 120
     job, out = _start(cluster, "reform-h2", steps)
     try:
-        _wait_for(lambda: all(len(steps_of(out, r)) >= 3 for r in range(6)), 60, "3 steps", job)
+        job.wait_until(
+            lambda: all(len(steps_of(out, r)) >= 3 for r in range(6)),
+            60,
+            "3 steps",
+            launchers_live=False,
+        )
         cluster.kill_in_host("h1", _pids(out, [1], launcher=False))
 
         def renumbered() -> bool:
             return any(rec["members"] == [2, 3, 4, 5] for rec in steps_of(out, 5))
 
-        _wait_for(renumbered, 60, "ranks 2-5 to go on", job)
+        job.wait_until(renumbered, 60, "ranks 2-5 to go on", launchers_live=False)
         t_kill = time.time()
         cluster.kill_in_host("h2", _pids(out, [2, 3], launcher=False))
         codes = job.wait(120)

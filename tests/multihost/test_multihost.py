@@ -91,18 +91,6 @@ def _check_results(out: Path, seed: int, steps: int, job: Job, layout: str = "mi
             assert got[s]["sha256"] == digest(expected[s])
 
 
-def _wait_for(cond: Any, timeout_s: float, what: str, job: Job) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            job.stop()
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}\n{job.log_text()}")
-        if any(p.poll() is not None for p in job.procs.values()):
-            job.stop()
-            pytest.fail(f"a launcher exited while waiting for {what}\n{job.log_text()}")
-        time.sleep(0.05)
-
-
 def _pids(out: Path, ranks: list[int]) -> list[int]:
     """Launcher and rank pids (host PID namespace numbering) of ``ranks``."""
     pids: set[int] = set()
@@ -252,11 +240,10 @@ def killed_then_rerun(cluster: Cluster) -> dict[str, Any]:
         "--seed", "7", "--steps", "1000", "--step-sleep", "0.05", "--raw", *HB,
     ], out_a)  # fmt: skip
     try:
-        _wait_for(
+        job_a.wait_until(
             lambda: all(len(steps_of(out_a, r)) >= 3 for r in range(W)),
             JOB_TIMEOUT_S,
             "3 steps of the first job",
-            job_a,
         )
         for host, ranks in (("h1", [0, 1]), ("h2", [2, 3])):
             cluster.kill_in_host(host, _pids(out_a, ranks))
@@ -318,8 +305,8 @@ def _lost_host_job(cluster: Cluster, label: str) -> tuple[Job, Path]:
     job = cluster.launch(TWO_HOSTS, 2, f"{MOUNT}/{run_id}", run_id, [
         "--seed", "3", "--steps", "1000", "--step-sleep", "0.05", "--expect-loss", *HB,
     ], out)  # fmt: skip
-    _wait_for(
-        lambda: all(len(steps_of(out, r)) >= 2 for r in range(W)), JOB_TIMEOUT_S, "2 steps", job
+    job.wait_until(
+        lambda: all(len(steps_of(out, r)) >= 2 for r in range(W)), JOB_TIMEOUT_S, "2 steps"
     )
     return job, out
 
