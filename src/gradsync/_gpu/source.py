@@ -17,7 +17,8 @@ from gradsync._step.header import Layout
 from .wait import import_wgpu
 
 if TYPE_CHECKING:
-    from gradsync._step.engine import Sink, StepEngine
+    from gradsync._step.engine import StepEngine
+    from gradsync._step.gather import Sink
 
     from .bridge import WgpuBridge
 

@@ -9,27 +9,23 @@ the same bits. With ``error_feedback`` what encoding lost is added to the next c
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gradsync._faults import fault_point
-from gradsync._stats import StepStats
-
 from .codec import BLOCK, Codec
 from .gather import Piece, Sink, to_the_end
 from .header import KIND_INPUT, KIND_OUTPUT, Layout, block_crcs, crc_placeholder
 from .parallel import split_range
-from .peers import Peer, check_length, reading
+from .peers import Peer, reading
 from .plan import Group, Plan
 from .publish import Publishing
 from .reduce import CHUNK_ELEMS, Fetch, mean_into
 from .wire import Section, Wire, code_dtype
 
-__all__ = ["Compressing"]
+__all__ = ["Compressing", "EncodedStages"]
 
 # (scales, codes) of a run, as arrays.
 Run = tuple[np.ndarray, np.ndarray]
@@ -44,47 +40,13 @@ class Compressing(Publishing):
     _residual_layout: Layout | None = None
     _scratches: dict[str, np.ndarray] | None = None
 
-    def _compressed_step(
-        self,
-        flats: list[np.ndarray],
-        plan: Plan,
-        step: int,
-        step_dir: Path,
-        sink: Sink | None,
-        nonfinite: list[int],
-    ) -> StepStats:
-        """Publish, reduce and gather as :meth:`StepEngine._step` does, compressed."""
+    def _encoded_stages(
+        self, plan: Plan, flats: list[np.ndarray], step: int, sink: Sink | None
+    ) -> EncodedStages:
+        """The stages of a call whose payloads are encoded with ``plan.wire``."""
         assert plan.wire is not None
-        wire = plan.wire
-        t0 = time.perf_counter()
         self._keep_residuals(plan)
-        fault_point("before_publish", self.rank, self.seq)
-        payload = self._publish_encoded(step_dir, plan, wire, flats, step, nonfinite)
-        fault_point("after_publish", self.rank, self.seq)
-        self._peers_served = plan.replicated or not plan.out_lens[self.rank]
-        t1 = time.perf_counter()
-        peers: dict[int, Peer] = {}
-        outs: dict[int, Peer] = {}
-        try:
-            last_in = self._peers.wait_for(step_dir, "in", range(self.world), step, self.seq, peers)
-            self._check_inputs(plan, peers, step, step_dir)
-            t2 = time.perf_counter()
-            means = self._reduce_encoded(plan, wire, payload, peers, step, step_dir)
-            self._peers_served = True
-            fault_point("after_output", self.rank, self.seq)
-            t3 = time.perf_counter()
-            self._peers.wait_for(step_dir, "out", self._publishers, step, self.seq, outs)
-            for q, peer in outs.items():
-                check_length(peer, q, plan.out_lens[q], step)
-            t4 = time.perf_counter()
-            self._gather_encoded(plan, wire, flats, means, outs, step, sink)
-            self._prune()
-            t5 = time.perf_counter()
-        finally:
-            for peer in (*peers.values(), *outs.values()):
-                peer.reader.close()
-        times = (t0, t1, t2, t3, t4, t5)
-        return StepStats.timed(step, self.world, plan.in_len, times, last_in, wire.codec.name)
+        return EncodedStages(self, plan, plan.wire, flats, step, sink)
 
     def _keep_residuals(self, plan: Plan) -> None:
         """Start the error feedback afresh when the layout changes."""
@@ -299,6 +261,41 @@ class Compressing(Publishing):
             self._has_mean = True
 
         to_the_end(write_back)
+
+
+class EncodedStages:
+    """A call whose published payloads are encoded (the stages of ``StepEngine._step``)."""
+
+    def __init__(
+        self,
+        engine: Compressing,
+        plan: Plan,
+        wire: Wire,
+        flats: list[np.ndarray],
+        step: int,
+        sink: Sink | None,
+    ) -> None:
+        self._engine, self._plan, self._wire = engine, plan, wire
+        self._flats, self._step, self._sink = flats, step, sink
+        self.codec: str | None = wire.codec.name
+        self._payload: np.ndarray | None = None
+        self._means: dict[int, np.ndarray] = {}
+
+    def publish(self, step_dir: Path, nonfinite: list[int]) -> None:
+        self._payload = self._engine._publish_encoded(
+            step_dir, self._plan, self._wire, self._flats, self._step, nonfinite
+        )
+
+    def reduce(self, peers: dict[int, Peer], step_dir: Path) -> None:
+        assert self._payload is not None
+        self._means = self._engine._reduce_encoded(
+            self._plan, self._wire, self._payload, peers, self._step, step_dir
+        )
+
+    def gather(self, outs: dict[int, Peer]) -> None:
+        self._engine._gather_encoded(
+            self._plan, self._wire, self._flats, self._means, outs, self._step, self._sink
+        )
 
 
 def _work_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:

@@ -15,41 +15,27 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from gradsync._errors import InvalidGradsError, error_note
 from gradsync._faults import fault_point
-
-# data_name: re-exported for _cli/status.py until it imports it from _names.
-from gradsync._names import abort_marker, data_name, step_dir_name
+from gradsync._names import abort_marker, step_dir_name
 from gradsync._stats import StepStats
 from gradsync._store.files import write_note
 
 from .broadcast import Broadcasting, BroadcastView
-from .buffers import SharedBuffers
 from .compressed import Compressing
-from .gather import Gathering, Piece, Sink
-from .grads import HostView, host_view, nonfinite_params, validate_grads
+from .gather import Gathering, Sink
+from .grads import HostView, host_view, nonfinite_params
 from .header import KIND_OUTPUT, MAX_PARAMS, block_crcs, crc_placeholder
 from .peers import Peer, check_length
 from .plan import Plan
-from .stale import StaleWatch
 
-__all__ = [
-    "HostView",
-    "Piece",
-    "Sink",
-    "StepEngine",
-    "data_name",
-    "host_view",
-    "nonfinite_params",
-    "validate_grads",
-]
+__all__ = ["Stages", "StepEngine"]
 
 _log = logging.getLogger("gradsync")
-# How often an elastic rank 0 looks for processes waiting to join, between calls.
 
 
 class StepEngine(Broadcasting, Compressing, Gathering):
@@ -127,18 +113,16 @@ class StepEngine(Broadcasting, Compressing, Gathering):
 
     def _step(self, view: HostView, step: int, step_dir: Path, sink: Sink | None) -> StepStats:
         """The pipeline: plan, publish the input, wait for the peers' inputs, reduce and
-        publish this rank's shard, wait for the peers' shards, write the mean back."""
+        publish this rank's shard, wait for the peers' shards, write the mean back.
+        What is published and how (as is, or encoded) is the call's :class:`Stages`."""
         t0 = time.perf_counter()
-        flats = view.flats
         plan = self._plan_of(view, step)
-        nonfinite = nonfinite_params(flats) if self.cfg.check_finite else []
+        nonfinite = nonfinite_params(view.flats) if self.cfg.check_finite else []
         if self.cfg.elastic:
             self._announce_joins(step_dir, step)
-        if plan.wire is not None:
-            return self._compressed_step(flats, plan, step, step_dir, sink, nonfinite)
-        shared, watch, work, runs, publishers = self._route(plan, view, step, sink)
+        stages = self._stages(plan, view, step, sink)
         fault_point("before_publish", self.rank, self.seq)
-        self._publish(step_dir, plan, flats, step, nonfinite, shared)
+        stages.publish(step_dir, nonfinite)
         fault_point("after_publish", self.rank, self.seq)
         # Its input is all the peers read of a rank that publishes no shard of the mean.
         self._peers_served = plan.replicated or not plan.out_lens[self.rank]
@@ -149,28 +133,31 @@ class StepEngine(Broadcasting, Compressing, Gathering):
             last_in = self._peers.wait_for(step_dir, "in", range(self.world), step, self.seq, peers)
             self._check_inputs(plan, peers, step, step_dir)
             t2 = time.perf_counter()
-            shard = self._reduce_and_publish(work, runs, peers, step, step_dir)
+            stages.reduce(peers, step_dir)
             self._peers_served = True
             fault_point("after_output", self.rank, self.seq)
             t3 = time.perf_counter()
-            self._peers.wait_for(step_dir, "out", publishers, step, self.seq, outs)
+            self._peers.wait_for(step_dir, "out", self._publishers, step, self.seq, outs)
             for q, peer in outs.items():
                 check_length(peer, q, plan.out_lens[q], step)
             t4 = time.perf_counter()
-            if sink is None:
-                self._gather(work, runs, shard, outs, step, restore=shared is None)
-                if watch is not None:
-                    watch.after()
-            else:
-                self._deliver(sink, plan, flats, shard, outs, step)
+            stages.gather(outs)
             self._prune()
             t5 = time.perf_counter()
         finally:
             for peer in (*peers.values(), *outs.values()):
                 peer.reader.close()
-        stats = StepStats.timed(step, self.world, plan.in_len, (t0, t1, t2, t3, t4, t5), last_in)
+        times = (t0, t1, t2, t3, t4, t5)
+        stats = StepStats.timed(step, self.world, plan.in_len, times, last_in, stages.codec)
         _log.debug("%s", stats)
         return stats
+
+    def _stages(self, plan: Plan, view: HostView, step: int, sink: Sink | None) -> Stages:
+        """How this call publishes, reduces and gathers: encoded when the plan has a wire
+        codec, else as is."""
+        if plan.wire is not None:
+            return self._encoded_stages(plan, view.flats, step, sink)
+        return _PlainStages(self, plan, view, step, sink)
 
     def _plan_of(self, view: HostView, step: int) -> Plan:
         if len(view.arrays) > MAX_PARAMS:
@@ -179,27 +166,6 @@ class StepEngine(Broadcasting, Compressing, Gathering):
                 "gradsync file describes: concatenate small params into fewer arrays"
             )
         return self._plan_for(view.layout)
-
-    def _route(
-        self, plan: Plan, view: HostView, step: int, sink: Sink | None
-    ) -> tuple[SharedBuffers | None, StaleWatch | None, Plan, list[np.ndarray], list[int]]:
-        """Choose once how this call runs: the shared arrays it publishes in place (or
-        None: copied), the watch over its arrays (checked here), what the reduce and the
-        gather walk and its flat arrays, and the peers whose shards it waits for."""
-        shared = self._shared
-        if shared is not None and not self._publishes_in_place(shared, plan, view.arrays):
-            shared = None
-        watch = self._watch if sink is None else None
-        if watch is not None and (shared is not None or watch.given(view.arrays)):
-            watch.before(step)
-        else:
-            watch = None
-        publishers = self._publishers
-        if shared is not None:
-            # Arrays published in place lie in payload order in one file: the reduce and
-            # the gather take one run of elements per dtype group, not a piece per param.
-            return shared, watch, plan.runs, list(shared.runs), publishers
-        return None, watch, plan, view.flats, publishers
 
     def _reduce_and_publish(
         self,
@@ -233,3 +199,69 @@ class StepEngine(Broadcasting, Compressing, Gathering):
             half = len(shard) // 2
             self._write(step_dir, "out", [head, shard[:half], shard[half:]], step)
         return shard
+
+
+class Stages(Protocol):
+    """One call's publishing, reducing and gathering, which :meth:`StepEngine._step`
+    runs around its waits for the peers' files."""
+
+    codec: str | None  # the wire codec's name, None when published as is
+
+    def publish(self, step_dir: Path, nonfinite: list[int]) -> None:
+        """Write and publish this rank's input."""
+
+    def reduce(self, peers: dict[int, Peer], step_dir: Path) -> None:
+        """Reduce this rank's shard from every rank's input and publish it."""
+
+    def gather(self, outs: dict[int, Peer]) -> None:
+        """Write the whole mean back (or hand it to the sink)."""
+
+
+class _PlainStages:
+    """A call published as is: from the shared arrays in place, or copied."""
+
+    codec: str | None = None
+
+    def __init__(
+        self, engine: StepEngine, plan: Plan, view: HostView, step: int, sink: Sink | None
+    ) -> None:
+        self._engine, self._plan, self._step, self._sink = engine, plan, step, sink
+        self._flats = view.flats
+        shared = engine.shared
+        if shared is not None and not engine._publishes_in_place(shared, plan, view.arrays):
+            shared = None
+        self._shared = shared
+        watch = engine._watch if sink is None else None
+        if watch is not None and (shared is not None or watch.given(view.arrays)):
+            watch.before(step)
+        else:
+            watch = None
+        self._watch = watch
+        # Arrays published in place lie in payload order in one file: the reduce and the
+        # gather take one run of elements per dtype group, not a piece per param.
+        self._work = plan if shared is None else plan.runs
+        self._runs = view.flats if shared is None else list(shared.runs)
+        self._shard: np.ndarray | None = None
+
+    def publish(self, step_dir: Path, nonfinite: list[int]) -> None:
+        self._engine._publish(
+            step_dir, self._plan, self._flats, self._step, nonfinite, self._shared
+        )
+
+    def reduce(self, peers: dict[int, Peer], step_dir: Path) -> None:
+        self._shard = self._engine._reduce_and_publish(
+            self._work, self._runs, peers, self._step, step_dir
+        )
+
+    def gather(self, outs: dict[int, Peer]) -> None:
+        assert self._shard is not None
+        if self._sink is not None:
+            self._engine._deliver(
+                self._sink, self._plan, self._flats, self._shard, outs, self._step
+            )
+            return
+        self._engine._gather(
+            self._work, self._runs, self._shard, outs, self._step, restore=self._shared is None
+        )
+        if self._watch is not None:
+            self._watch.after()
