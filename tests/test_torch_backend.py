@@ -85,6 +85,13 @@ def _collectives(rank: int, world: int, dist: Any) -> dict[str, Any]:
     out["avg in"] = avg.numpy().tobytes()
     dist.all_reduce(avg, op=dist.ReduceOp.AVG)
     out["avg"] = avg.numpy().tobytes()
+    for name, dtype in (("f32", np.float32), ("f16", np.float16)):
+        summed = torch.from_numpy(rng.standard_normal(9).astype(dtype))
+        out[f"sum {name} in"] = summed.numpy().tobytes()
+        strided = summed.clone()[::2]  # not contiguous: averaged through a copy
+        dist.all_reduce(summed)  # SUM, as DDP's default hook calls it
+        dist.all_reduce(strided)
+        out[f"sum {name}"] = (summed.numpy().tobytes(), strided.contiguous().numpy().tobytes())
     works = [dist.all_reduce(torch.ones(3), async_op=True) for _ in range(4)]
     out["async sums"] = [w.wait() and True for w in works]
     dist.barrier()
@@ -199,6 +206,21 @@ def test_avg_is_gradsyncs_mean_and_async_works_complete(
     for out in ranks.values():
         assert out["avg"] == want
         assert out["async sums"] == [True] * 4
+
+
+def test_float_sum_is_the_mean_times_the_world_size_on_every_rank(
+    ranks: dict[int, dict[str, Any]],
+) -> None:
+    import gradsync  # noqa: PLC0415
+
+    world = len(ranks)
+    for name, dtype in (("f32", np.float32), ("f16", np.float16)):
+        inputs = [np.frombuffer(ranks[r][f"sum {name} in"], dtype) for r in range(world)]
+        whole = gradsync.average_host_grads([[a.copy()] for a in inputs])[0] * dtype(world)
+        every_other = gradsync.average_host_grads([[a[::2].copy()] for a in inputs])[0]
+        want = (whole.astype(dtype).tobytes(), (every_other * dtype(world)).astype(dtype).tobytes())
+        for out in ranks.values():
+            assert out[f"sum {name}"] == want, name
 
 
 def _one_rank_dies(rank: int, world: int, tmp: str) -> str:

@@ -144,10 +144,22 @@ class GradSync(CallGuard):
             WgpuBridgeError: a GPU copy failed (the device was lost, say).
             GradSyncError: this instance is closed or an earlier step failed.
         """
+        return self._average(grads, step, device, dtype, None)
+
+    def _average(
+        self,
+        grads: Sequence[Any],
+        step: int | None,
+        device: Any,
+        dtype: npt.DTypeLike | Sequence[npt.DTypeLike] | None,
+        scale: int | None,
+    ) -> StepStats:
+        """:meth:`average`; with ``scale``, host arrays get the mean times ``scale``
+        (written in one pass: the torch backend's SUM)."""
         self._check_process()
         if self._background.busy() and not self._background.on_thread():
             # Behind the steps still in flight: calls complete in the order they are made.
-            return self.average_async(grads, step=step, device=device, dtype=dtype).wait()
+            return self._submit(grads, step, device, dtype, scale).wait()
         with self._call():
             self._check_usable()
             if step is None and self.cfg.elastic and self.cfg.enabled:
@@ -157,7 +169,7 @@ class GradSync(CallGuard):
             self._next_step = step + 1
             try:
                 if device is None:
-                    call = functools.partial(self._average_host, grads, step)
+                    call = functools.partial(self._average_host, grads, step, scale)
                 else:
                     call = functools.partial(self._average_device, grads, device, dtype, step)
                 if self.cfg.elastic and self.cfg.enabled:
@@ -189,12 +201,20 @@ class GradSync(CallGuard):
         Raises:
             GradSyncError: this instance is closed, or belongs to another process.
         """
+        return self._submit(grads, step, device, dtype, None)
+
+    def _submit(
+        self,
+        grads: Sequence[Any],
+        step: int | None,
+        device: Any,
+        dtype: npt.DTypeLike | Sequence[npt.DTypeLike] | None,
+        scale: int | None,
+    ) -> StepHandle:
         self._check_process()
         if self._closed or self._closing.is_set():
             raise GradSyncError(f"this GradSync (rank {self.cfg.rank}) is closed")
-        return self._background.submit(
-            lambda: self.average(grads, step=step, device=device, dtype=dtype)
-        )
+        return self._background.submit(lambda: self._average(grads, step, device, dtype, scale))
 
     def buffers_like(self, like: Sequence[Any]) -> list[np.ndarray]:
         """Zero-filled gradient arrays shaped like ``like`` that :meth:`average` publishes
@@ -303,16 +323,20 @@ class GradSync(CallGuard):
                 self._failed(exc, None)
                 raise
 
-    def _average_host(self, grads: Sequence[Any], step: int) -> StepStats:
+    def _average_host(self, grads: Sequence[Any], step: int, scale: int | None) -> StepStats:
         if self._session.engine is None:
             # Checked before the session starts: one rank has nothing to meet. Later
             # calls' steps check them (telling the peers of a failure).
             with self._before_step():
                 view = host_view(grads)
             if not self.cfg.enabled:
-                return alone(self.cfg, view.arrays, step, sum(a.nbytes for a in view.arrays))
-            return self._started().step(view, step)
-        return self._session.engine.step(grads, step)
+                stats = alone(self.cfg, view.arrays, step, sum(a.nbytes for a in view.arrays))
+                if scale is not None:
+                    for a in view.arrays:
+                        np.multiply(a, scale, out=a)
+                return stats
+            return self._started().step(view, step, scale=scale)
+        return self._session.engine.step(grads, step, scale=scale)
 
     def _average_device(
         self, buffers: Sequence[Any], device: Any, dtype: Any, step: int

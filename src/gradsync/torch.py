@@ -125,12 +125,11 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def _float_allreduce(self, tensors: list[torch.Tensor], scale: int | None) -> Any:
         staged = [_staging(t) for t in tensors]
-        handle = self.sync.average_async([s.numpy() for s in staged])
+        # SUM: the mean times W, written in the pass that writes the mean back.
+        handle = self.sync._submit([s.numpy() for s in staged], None, None, None, scale)
 
         def finish() -> list[torch.Tensor]:
             for t, s in zip(tensors, staged, strict=True):
-                if scale is not None:
-                    s.mul_(scale)  # the same rounding on every rank
                 if s is not t:
                     t.copy_(s)
             return tensors

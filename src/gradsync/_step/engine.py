@@ -27,7 +27,7 @@ from gradsync._store.files import write_note
 
 from .broadcast import Broadcasting, BroadcastView
 from .compressed import Compressing
-from .gather import Gathering, Sink
+from .gather import Gathering, Sink, scaled_into
 from .grads import HostView, host_view, nonfinite_params
 from .header import KIND_OUTPUT, MAX_PARAMS, block_crcs, crc_placeholder
 from .peers import Peer, check_length
@@ -42,7 +42,12 @@ class StepEngine(Broadcasting, Compressing, Gathering):
     """Runs averaging steps for one rank of one generation."""
 
     def step(
-        self, grads: HostView | Sequence[Any], step: int, sink: Sink | None = None
+        self,
+        grads: HostView | Sequence[Any],
+        step: int,
+        sink: Sink | None = None,
+        *,
+        scale: int | None = None,
     ) -> StepStats:
         """Average ``grads`` (a :func:`host_view`, or arrays to validate) in place with
         every rank's call of the same sequence number.
@@ -50,7 +55,8 @@ class StepEngine(Broadcasting, Compressing, Gathering):
         With ``sink``, the mean is handed to it instead of being copied into the
         arrays: one call, once every shard is in, with pieces that cover every element
         once. Their arrays are valid only during the call; the arrays are then scratch
-        (a source that cannot be mapped is read into them first).
+        (a source that cannot be mapped is read into them first). With ``scale``, the
+        arrays get the mean times ``scale`` instead, in the same pass.
 
         On any error this rank tells its peers (``abort-<rank>``) before raising, so
         they fail at once with the same error instead of waiting for it.
@@ -58,7 +64,8 @@ class StepEngine(Broadcasting, Compressing, Gathering):
 
         def call(step_dir: Path) -> StepStats:
             view = grads if isinstance(grads, HostView) else host_view(grads)
-            return self._step(view, step, step_dir, sink)
+            into = sink if scale is None else scaled_into(view.flats, scale, self.workers)
+            return self._step(view, step, step_dir, into)
 
         return self._run(call)
 

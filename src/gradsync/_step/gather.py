@@ -13,14 +13,14 @@ from gradsync._errors import GradSyncError
 from gradsync._faults import fault_point
 
 from .header import decode_header, header_length
-from .parallel import SMALL_COPY_BYTES, split_range
+from .parallel import SMALL_COPY_BYTES, Workers, split_range
 from .peers import Peer, reading
 from .plan import Group, Plan
 from .reduce import CHUNK_ELEMS, Fetch, mean_into
 from .state import EngineState, others
 from .transport import ChecksumError
 
-__all__ = ["Gathering", "Piece", "Sink", "own_elements", "to_the_end"]
+__all__ = ["Gathering", "Piece", "Sink", "own_elements", "scaled_into", "to_the_end"]
 
 _log = logging.getLogger("gradsync")
 # Bigger chunks for a threaded reduce: small ones made it slower than one thread (GIL
@@ -281,5 +281,27 @@ def _mean_job(
             chunk_elems=chunk,
             wide=wide,
         )
+
+    return job
+
+
+def scaled_into(flats: list[np.ndarray], scale: int, workers: Workers) -> Sink:
+    """A sink writing the mean times ``scale`` into ``flats``: one pass over the
+    elements, where a copy and then a multiply would take two."""
+
+    def sink(pieces: list[Piece]) -> None:
+        jobs = []
+        for p, start, mean in pieces:
+            dst = flats[p][start : start + len(mean)]
+            for a, b in split_range(len(mean), workers.pieces(mean.nbytes), CHUNK_ELEMS):
+                jobs.append(_scale_job(mean[a:b], scale, dst[a:b]))
+        workers.run(jobs)
+
+    return sink
+
+
+def _scale_job(src: np.ndarray, scale: int, dst: np.ndarray) -> Callable[[], None]:
+    def job() -> None:
+        np.multiply(src, scale, out=dst)
 
     return job
