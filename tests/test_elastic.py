@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -403,3 +404,57 @@ def test_a_short_chaos_run_ends_with_every_rank_alive_and_the_same_state(
     assert result["kills"] == result["restarts"] == 4
     assert result["tracebacks"] == 0
     assert result["test_acc"] > 0.9
+
+
+_GPU_RANK = """
+import json, sys
+import numpy as np
+import wgpu
+import gradsync
+from test_wgpu_bridge import _WGPU_LAYOUT, _wgpu_inputs
+
+world, rank, sync_dir, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dev = gradsync.request_device_for_rank(local_rank=rank)
+usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+dtypes = [dt for _, dt in _WGPU_LAYOUT]
+cfg = gradsync.FileGradSyncConfig(world, rank, sync_dir, elastic=True, **json.loads(sys.argv[5]))
+bufs = [dev.create_buffer(size=n * np.dtype(dt).itemsize, usage=usage) for n, dt in _WGPU_LAYOUT]
+records = []
+with gradsync.GradSync(cfg) as gs:
+    for step in range(5):
+        for b, d in zip(bufs, _wgpu_inputs(rank, step)):
+            dev.queue.write_buffer(b, 0, d)
+        stats = gs.average(bufs, device=dev, dtype=dtypes)
+        after = b"".join(bytes(dev.queue.read_buffer(b)) for b in bufs)
+        records.append({"step": stats.step, "members": stats.members, "after": after.hex()})
+with open(out, "w") as f:
+    json.dump(records, f)
+"""
+
+
+@pytest.mark.wgpu
+@pytest.mark.parametrize("phase", ["after_publish", "after_output"])
+def test_gpu_buffers_of_the_survivors_of_a_lost_rank_get_the_mean_of_the_rest(
+    tmp_path: Path, phase: str
+) -> None:
+    from test_wgpu_bridge import _adapter_reason, _run_rank_scripts, _wgpu_inputs  # noqa: PLC0415
+
+    if (reason := _adapter_reason()) is not None:
+        pytest.skip(reason)
+    outs = _run_rank_scripts(
+        tmp_path,
+        _GPU_RANK,
+        3,
+        [json.dumps(FAST)],
+        fault=f"{phase}@2@3=sigkill",
+        returncodes={2: -signal.SIGKILL},
+    )
+    survivors = [json.loads(outs[r].read_text()) for r in (0, 1)]
+    assert survivors[0] == survivors[1]  # the same members and bits on both
+    members = [tuple(rec["members"]) for rec in survivors[0]]
+    assert members[:2] == [(0, 1, 2)] * 2, members
+    assert members[3:] == [(0, 1)] * 2, members
+    for rec in survivors[0]:
+        inputs = [_wgpu_inputs(r, rec["step"]) for r in rec["members"]]
+        want = b"".join(a.tobytes() for a in gradsync.average_host_grads(inputs))
+        assert bytes.fromhex(rec["after"]) == want, rec["step"]
