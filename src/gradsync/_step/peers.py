@@ -106,7 +106,7 @@ class PeerFiles:
         gen: Generation,
         transport: Transport,
         path_of: Callable[[int, str], Path],
-        input_names: Callable[[int, int], Sequence[Path]],
+        data_names: Callable[[int, str, int], Sequence[Path]],
         dirs: GenDir,
         closing: threading.Event | None = None,
     ) -> None:
@@ -117,7 +117,7 @@ class PeerFiles:
         self.world = cfg.world_size
         self._transport = transport
         self._path_of = path_of  # (rank, "in" or "out") -> its data file for this call
-        self._input_names = input_names  # (rank, call) -> every name its input may have
+        self._data_names = data_names  # (rank, "in"/"out", call) -> every name it may have
         self._dirs = dirs  # the generation's directory and this rank's step dirs, held open
         self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
         self._next_link_check = 0.0
@@ -282,17 +282,18 @@ class PeerFiles:
     def _open_published(self, rank: int, prefix: str, kind: int, step: int, seq: int) -> Peer:
         """Open the data file that ``rank``'s marker of call ``seq`` announces.
 
-        A peer whose layout differs from this rank's may have put its input under the
-        other name (one file, or two alternating slots: StepEngine.data_path): found
-        there, its header shows the mismatch (check_inputs), not a missing file.
+        A peer whose layout differs from this rank's may have put its input under
+        another name (one file, or two alternating slots: StepEngine.data_path): found
+        there, its header shows the mismatch (check_inputs), not a missing file. A peer
+        that sees the filesystem as local where this rank does not (an NFS server's
+        host) reuses its files where this rank expects one per call: looked for there.
+        Only a header of this very call, rank and generation is taken, wherever found.
         """
         path = self._path_of(rank, prefix)
         try:
             return self._open(path, rank, kind, step, seq)
         except (SyncDirError, CorruptFileError, StaleError):
-            if kind != KIND_INPUT:
-                raise
-            for other in self._input_names(rank, seq):
+            for other in self._data_names(rank, prefix, seq):
                 if other != path:
                     with contextlib.suppress(SyncDirError, CorruptFileError, StaleError):
                         return self._open(other, rank, kind, step, seq)
