@@ -5,7 +5,9 @@ A rank looks for ``<prefix>-<q>`` markers in the call's step directory (backing 
 between looks) and opens a peer's data file once its marker is there. A file still
 showing an earlier call is a stale view of a shared filesystem, looked at again for
 ``max_wait_s``. A peer still missing is checked (its process on this host, else its
-heartbeat) after ``_FIRST_LIVENESS_CHECK_S`` and then every ``_LIVENESS_EVERY_S``.
+heartbeat) after ``_FIRST_LIVENESS_CHECK_S`` (``_LIVENESS_EVERY_S`` on a shared
+filesystem, where the check lists the generation and reads heartbeats through its client)
+and then every ``_LIVENESS_EVERY_S``.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ _FIRST_LIVENESS_CHECK_S = 0.01
 _LISTING_CALLS = 5
 # A shared filesystem's look is a round trip its client also needs for the peers' writes.
 _LOOK_GAP = 4  # times the last look's time between looks
-_MAX_GAP_S = 0.002  # on a loaded host a look's time is mostly waiting for a CPU
+_WAIT_SHARE = 8  # ...and at least 1/8 of the wait so far: a long wait's end is no surprise
+_MAX_GAP_S = 0.005  # on a loaded host a look's time is mostly waiting for a CPU
 
 
 @dataclass
@@ -145,6 +148,8 @@ class PeerFiles:
             refuse_link(self.gen.path, step=step)
         wait = _Wait(step_dir, prefix, step, seq, [q for q in ranks if q not in found])
         wait.next_warn = self.cfg.warn_after_s
+        if self._transport.shared:
+            wait.next_check = _LIVENESS_EVERY_S
         if not wait.missing:
             return None
         names = self._look_up(wait)
@@ -174,7 +179,8 @@ class PeerFiles:
             looked = time.monotonic()
             names = self._step_names(step_dir, step, seq)
             if self._transport.shared:
-                wait.gap_s = min(_LOOK_GAP * (time.monotonic() - looked), _MAX_GAP_S)
+                took = time.monotonic() - looked
+                wait.gap_s = min(max(_LOOK_GAP * took, elapsed / _WAIT_SHARE), _MAX_GAP_S)
             wait.first_look = False
 
     def _open_arrived(self, wait: _Wait, names: set[str], found: dict[int, Peer]) -> None:
