@@ -1236,17 +1236,18 @@ def one_call(rank: int, world: int, sync_dir: str, run_id: str | None) -> None:
 
 
 def per_call_files(rank: int, world: int, sync_dir: str, local_ranks: list[int]) -> dict[str, Any]:
-    """Five calls of SHAPES_BIG (one input file a rank, sharded) with the sync dir taken
-    for one other hosts share, except by ``local_ranks`` (an NFS server's own host,
-    which maps the files and reuses them). Returns each call's result as bytes and
-    the data files in the generation directory after each call."""
+    """Five calls, of SHAPES_BIG (one input file a rank, sharded) but the third of SHAPES
+    (small: no shards), with the sync dir taken for one other hosts share, except by
+    ``local_ranks`` (an NFS server's own host, which maps the files and reuses them).
+    Returns each call's result as bytes and the data files in the generation
+    directory after each call."""
     from gradsync._step import state as _state  # noqa: PLC0415
 
     _state.local_filesystem = lambda path: rank in local_ranks  # type: ignore[assignment]
     results, files = [], []
     with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=30.0)) as gs:
         for step in range(5):
-            grads = grads_for(rank, step, SHAPES_BIG)
+            grads = grads_for(rank, step, SHAPES if step == 2 else SHAPES_BIG)
             gs.average(grads, step=step)
             results.append([g.tobytes() for g in grads])
             gen = next(Path(sync_dir).glob("gen-*"))
