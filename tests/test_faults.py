@@ -957,7 +957,7 @@ def test_a_peer_gone_since_the_listing_is_named_by_the_note_it_left(tmp_path: Pa
             gen,
             Transport(mapped=False, head_bytes=64),
             lambda r, k: tmp_path,
-            lambda r, s: [],
+            lambda r, k, s: [],
             GenDir(gen_path),
         )
         with pytest.raises(gradsync.PeerLostError) as info:

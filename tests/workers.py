@@ -1177,17 +1177,19 @@ def stale_view(
     _state.local_filesystem = lambda path: not shared  # type: ignore[assignment]
     if rank == 1:
         snapshot_name = "d-0.in-as-of-call-1"  # beside it: the transport opens by name
+        # Rank 0's input of the first and third calls: one reused file, or (shared) one each.
+        first_name, third_name = ("d-0-c1.in", "d-0-c3.in") if shared else ("d-0.in", "d-0.in")
         real_open = Transport.open
         opens = {"all": 0, "stale": 0}
 
         def stale_open(self: Transport, path: Path) -> Any:
-            if path.name != "d-0.in":
+            if path.name not in (first_name, third_name):
                 return real_open(self, path)
             opens["all"] += 1
             snapshot = path.with_name(snapshot_name)
             if opens["all"] == 1:
                 shutil.copyfile(path, snapshot)
-            elif opens["all"] >= 3:
+            elif path.name == third_name and opens["all"] >= (2 if shared else 3):
                 first = opens.setdefault("first_stale_at", time.monotonic())
                 if time.monotonic() - first < stale_s if stale_s else opens["stale"] < stale_opens:
                     opens["stale"] += 1
@@ -1231,3 +1233,23 @@ def one_call(rank: int, world: int, sync_dir: str, run_id: str | None) -> None:
     """One averaging call of a job with ``run_id``."""
     with gradsync.GradSync(config(rank, world, sync_dir, run_id=run_id)) as gs:
         gs.average([np.ones(4)])
+
+
+def per_call_files(rank: int, world: int, sync_dir: str, local_ranks: list[int]) -> dict[str, Any]:
+    """Five calls, of SHAPES_BIG (one input file a rank, sharded) but the third of SHAPES
+    (small: no shards), with the sync dir taken for one other hosts share, except by
+    ``local_ranks`` (an NFS server's own host, which maps the files and reuses them).
+    Returns each call's result as bytes and the data files in the generation
+    directory after each call."""
+    from gradsync._step import state as _state  # noqa: PLC0415
+
+    _state.local_filesystem = lambda path: rank in local_ranks  # type: ignore[assignment]
+    results, files = [], []
+    with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=30.0)) as gs:
+        for step in range(5):
+            grads = grads_for(rank, step, SHAPES if step == 2 else SHAPES_BIG)
+            gs.average(grads, step=step)
+            results.append([g.tobytes() for g in grads])
+            gen = next(Path(sync_dir).glob("gen-*"))
+            files.append(sorted(p.name for p in gen.glob("d-*")))
+    return {"results": results, "files": files}

@@ -21,6 +21,7 @@ Standard library only (the launcher's watchdog reads it without numpy)::
         left-<rank>                  rank <rank> left (and how it ended)
         seen-<host key>.json         a rank 0's look at the heartbeats of a dead job
         d-<rank>[-<slot>].in|.out    a rank's input and its shard of the mean
+        d-<rank>-c<seq>.in|.out      the same, new for call <seq> (shared filesystems)
         d-<rank>-b<n>.in             a rank's buffers_like file
         s-<seq>/                     call <seq>: in-<rank>, out-<rank>, abort-<rank>,
                                      joins (elastic: rank 0 admits joiners after it)
@@ -46,6 +47,7 @@ __all__ = [
     "RIVAL",
     "ROSTER",
     "abort_marker",
+    "call_data_name",
     "claim_name",
     "current_name",
     "data_name",
@@ -57,6 +59,7 @@ __all__ = [
     "heartbeat_name",
     "input_marker",
     "intent_name",
+    "is_call_data_name",
     "is_leader_name",
     "is_offer_name",
     "join_name",
@@ -90,6 +93,7 @@ EJOIN_PREFIX = "ejoin-"
 JOINS = "joins"
 NEXT = "next.json"
 _SHARED_INPUT = re.compile(r"d-(\d+)-b\d+\.in")
+_CALL_DATA = re.compile(r"d-\d+-c\d+\.(in|out)")
 
 
 def gen_name(gen_id: str) -> str:
@@ -175,6 +179,16 @@ def left_name(rank: int) -> str:
 def data_name(rank: int, kind: str, slot: int | None = None) -> str:
     """Rank ``rank``'s data file of ``kind`` "in" or "out", in ``slot`` if it has two."""
     return f"d-{rank}.{kind}" if slot is None else f"d-{rank}-{slot}.{kind}"
+
+
+def call_data_name(rank: int, kind: str, seq: int) -> str:
+    """Rank ``rank``'s data file of ``kind`` made for call ``seq`` alone."""
+    return f"d-{rank}-c{seq}.{kind}"
+
+
+def is_call_data_name(name: str) -> bool:
+    """Whether ``name`` is a data file of one call (:func:`call_data_name`)."""
+    return _CALL_DATA.fullmatch(name) is not None
 
 
 def shared_input_name(rank: int, serial: int) -> str:

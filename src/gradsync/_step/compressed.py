@@ -89,13 +89,19 @@ class Compressing(Publishing):
     def _input_chunks(self, plan: Plan, buf: np.ndarray, head: int) -> list[np.ndarray | int]:
         """The input file's bytes to write: its own shard left out (skipped bytes) where
         peers read only theirs and no checksum covers it; only this rank reads it, from
-        memory. Across hosts that is 1/W fewer bytes through the filesystem's client."""
+        memory. Across hosts that is 1/W fewer bytes through the filesystem's client.
+        Not where the shard is several runs (int8's scales and codes): JuiceFS counts
+        each gap as a piece of the file, and a reader of a file of five pieces or more
+        rewrites it whole (benchmarks/RESULTS.md, 2026-12-06)."""
         if self.cfg.checksums or plan.replicated or self.cfg.strategy != "sharded":
             return [buf]
         assert plan.wire is not None
+        spans = plan.wire.shard_spans(plan.groups, self.rank)
+        if len(spans) > 1:
+            return [buf]
         chunks: list[np.ndarray | int] = []
         at = 0
-        for a, b in plan.wire.shard_spans(plan.groups, self.rank):
+        for a, b in spans:
             chunks += [buf[at : head + a], b - a]
             at = head + b
         chunks.append(buf[at:])

@@ -5,7 +5,9 @@ A rank looks for ``<prefix>-<q>`` markers in the call's step directory (backing 
 between looks) and opens a peer's data file once its marker is there. A file still
 showing an earlier call is a stale view of a shared filesystem, looked at again for
 ``max_wait_s``. A peer still missing is checked (its process on this host, else its
-heartbeat) after ``_FIRST_LIVENESS_CHECK_S`` and then every ``_LIVENESS_EVERY_S``.
+heartbeat) after ``_FIRST_LIVENESS_CHECK_S`` (``_LIVENESS_EVERY_S`` on a shared
+filesystem, where the check lists the generation and reads heartbeats through its client)
+and then every ``_LIVENESS_EVERY_S``.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ _FIRST_LIVENESS_CHECK_S = 0.01
 _LISTING_CALLS = 5
 # A shared filesystem's look is a round trip its client also needs for the peers' writes.
 _LOOK_GAP = 4  # times the last look's time between looks
-_MAX_GAP_S = 0.002  # on a loaded host a look's time is mostly waiting for a CPU
+_WAIT_SHARE = 8  # ...and at least 1/8 of the wait so far: a long wait's end is no surprise
+_MAX_GAP_S = 0.005  # on a loaded host a look's time is mostly waiting for a CPU
 
 
 @dataclass
@@ -106,7 +109,7 @@ class PeerFiles:
         gen: Generation,
         transport: Transport,
         path_of: Callable[[int, str], Path],
-        input_names: Callable[[int, int], Sequence[Path]],
+        data_names: Callable[[int, str, int], Sequence[Path]],
         dirs: GenDir,
         closing: threading.Event | None = None,
     ) -> None:
@@ -117,7 +120,7 @@ class PeerFiles:
         self.world = cfg.world_size
         self._transport = transport
         self._path_of = path_of  # (rank, "in" or "out") -> its data file for this call
-        self._input_names = input_names  # (rank, call) -> every name its input may have
+        self._data_names = data_names  # (rank, "in"/"out", call) -> every name it may have
         self._dirs = dirs  # the generation's directory and this rank's step dirs, held open
         self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
         self._next_link_check = 0.0
@@ -145,6 +148,8 @@ class PeerFiles:
             refuse_link(self.gen.path, step=step)
         wait = _Wait(step_dir, prefix, step, seq, [q for q in ranks if q not in found])
         wait.next_warn = self.cfg.warn_after_s
+        if self._transport.shared:
+            wait.next_check = _LIVENESS_EVERY_S
         if not wait.missing:
             return None
         names = self._look_up(wait)
@@ -174,7 +179,8 @@ class PeerFiles:
             looked = time.monotonic()
             names = self._step_names(step_dir, step, seq)
             if self._transport.shared:
-                wait.gap_s = min(_LOOK_GAP * (time.monotonic() - looked), _MAX_GAP_S)
+                took = time.monotonic() - looked
+                wait.gap_s = min(max(_LOOK_GAP * took, elapsed / _WAIT_SHARE), _MAX_GAP_S)
             wait.first_look = False
 
     def _open_arrived(self, wait: _Wait, names: set[str], found: dict[int, Peer]) -> None:
@@ -282,17 +288,18 @@ class PeerFiles:
     def _open_published(self, rank: int, prefix: str, kind: int, step: int, seq: int) -> Peer:
         """Open the data file that ``rank``'s marker of call ``seq`` announces.
 
-        A peer whose layout differs from this rank's may have put its input under the
-        other name (one file, or two alternating slots: StepEngine.data_path): found
-        there, its header shows the mismatch (check_inputs), not a missing file.
+        A peer whose layout differs from this rank's may have put its input under
+        another name (one file, or two alternating slots: StepEngine.data_path): found
+        there, its header shows the mismatch (check_inputs), not a missing file. A peer
+        that sees the filesystem as local where this rank does not (an NFS server's
+        host) reuses its files where this rank expects one per call: looked for there.
+        Only a header of this very call, rank and generation is taken, wherever found.
         """
         path = self._path_of(rank, prefix)
         try:
             return self._open(path, rank, kind, step, seq)
         except (SyncDirError, CorruptFileError, StaleError):
-            if kind != KIND_INPUT:
-                raise
-            for other in self._input_names(rank, seq):
+            for other in self._data_names(rank, prefix, seq):
                 if other != path:
                     with contextlib.suppress(SyncDirError, CorruptFileError, StaleError):
                         return self._open(other, rank, kind, step, seq)

@@ -129,6 +129,21 @@ class Publishing(EngineState):
             place_marker(marker, reuse, dir_fd=self._dir.step_fd(self.seq), reuse_dir_fd=old)
         except OSError as exc:
             raise translate_oserror(exc, "publishing", marker, step=step) from exc
+        if self._per_call and kind == "in":
+            self._remove_old(step)
+
+    def _remove_old(self, step: int) -> None:
+        """Remove this rank's files of call seq-2 (every call publishes an input, not
+        every call a shard): all their readers have finished (StepEngine.data_path)."""
+        for kind in ("in", "out"):
+            path = self.data_path(self.rank, kind, self.seq - 2)
+            self._transport.forget(path)
+            try:
+                store().remove(self._dir.fd, path.name)
+            except FileNotFoundError:
+                pass  # the first calls, a call without a shard, or a new generation
+            except OSError as exc:
+                raise translate_oserror(exc, "removing", path, step=step) from exc
 
     def _link_input(self, target: Path, step: int) -> None:
         """Point this rank's input-file name at ``target`` (no reader is active: the

@@ -13,7 +13,7 @@ from gradsync._config import FileGradSyncConfig
 from gradsync._errors import InvalidGradsError, SyncDirError
 from gradsync._job.liveness import Heartbeat
 from gradsync._job.rendezvous import Generation
-from gradsync._names import data_name, input_marker, output_marker
+from gradsync._names import call_data_name, data_name, input_marker, output_marker
 from gradsync._store.dirs import GenDir
 from gradsync._store.files import translate_oserror
 
@@ -91,8 +91,11 @@ class EngineState:
         self._transport = Transport(
             mapped=mapped, head_bytes=HEADER_READ_BYTES, shared=not local, dir_fd=self._dir.fd
         )
+        # Files rewritten in place pile up slices that JuiceFS's readers merge (reading
+        # and rewriting them whole): where other hosts read, each call's files are new.
+        self._per_call = not local and not mapped
         self._peers = PeerFiles(
-            cfg, gen, self._transport, self.data_path, self._input_names, self._dir, closing
+            cfg, gen, self._transport, self.data_path, self._data_names, self._dir, closing
         )
         self._heartbeat = gen.heartbeat or Heartbeat(
             gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s
@@ -142,21 +145,30 @@ class EngineState:
         (``d-<r>-<seq % 2>.<kind>``). The names differ because the layout, and with it
         the plan, may change between calls: a one-file call right after a two-slot
         one must not overwrite what that call's last readers may still be reading.
+
+        Where other hosts read them (not mapped, not a local filesystem), each call has
+        files of its own (``d-<r>-c<seq>.<kind>``) that their writer removes two calls
+        later, when all their readers have finished, as above.
         """
         plan = self._plan
         single = plan is not None and one_slot(plan)
         call = self.seq if seq is None else seq
+        if self._per_call:
+            return self.gen.path / call_data_name(rank, kind, call)
         key = (rank, kind, None if single else call % 2)
         path = self._data_paths.get(key)
         if path is None:  # built once: joining paths is a visible share of a small step
             path = self._data_paths[key] = self.gen.path / data_name(rank, kind, key[2])
         return path
 
-    def _input_names(self, rank: int, seq: int) -> tuple[Path, Path]:
-        """Both names ``rank``'s input of call ``seq`` may have, whatever its plan."""
+    def _data_names(self, rank: int, kind: str, seq: int) -> tuple[Path, ...]:
+        """Every name ``rank``'s ``kind`` data of call ``seq`` may have: one file, two
+        slots, or a file of that call alone (a peer that sees the filesystem as its own
+        host's keeps reusing files where this rank does not)."""
         return (
-            self.gen.path / data_name(rank, "in", None),
-            self.gen.path / data_name(rank, "in", seq % 2),
+            self.gen.path / data_name(rank, kind, None),
+            self.gen.path / data_name(rank, kind, seq % 2),
+            self.gen.path / call_data_name(rank, kind, seq),
         )
 
     def _input_name(self) -> Path:

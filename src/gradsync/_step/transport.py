@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from gradsync import _proc
+from gradsync._names import is_call_data_name
 from gradsync._store.api import store
 from gradsync._store.files import write_in_place
 
@@ -188,7 +189,9 @@ class Transport:
                 mm = active.map(fd, st.st_size, writable=False)
                 assert mm is not None  # the file is not empty
                 cached = (st.st_ino, st.st_size, mm, np.frombuffer(mm, dtype=np.uint8))
-                self._maps[path] = cached
+                # A file of one call is read in that call only: its mapping is not kept.
+                if not is_call_data_name(path.name):
+                    self._maps[path] = cached
         finally:
             if fd >= 0:
                 active.close(fd)

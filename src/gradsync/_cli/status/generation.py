@@ -17,6 +17,7 @@ from gradsync._names import (
     ABORT,
     ROSTER,
     abort_marker,
+    call_data_name,
     data_name,
     gen_id_of,
     heartbeat_name,
@@ -97,11 +98,12 @@ def last_call(by_call: dict[int, set[str]], rank: int) -> int | None:
 def _user_step(gen: Path, rank: int, call: int) -> int | None:
     """The step ``rank`` passed on call ``call``, from its data file's header, if kept.
 
-    Large gradients reuse one file every call, small ones alternate two slots: the
-    file whose header is of ``call`` holds it.
+    Large gradients reuse one file every call, small ones alternate two slots, and
+    across hosts each call has its own: the file whose header is of ``call`` holds it.
     """
-    for slot in (None, 0, 1):
-        path = gen / data_name(rank, "in", slot)
+    names = [data_name(rank, "in", slot) for slot in (None, 0, 1)]
+    for name in [call_data_name(rank, "in", call), *names]:
+        path = gen / name
         try:
             # Never a plain open: a FIFO in the file's place would block it forever.
             with os.fdopen(_open_data(gen, path), "rb") as f:
