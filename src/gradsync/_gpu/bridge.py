@@ -155,8 +155,8 @@ class WgpuBridge:
         if self._layout is None:
             return
         for ch in self._layout.chunks:
-            ch.remap = None
-            for buf in (ch.read, ch.write):
+            ch.remaps = [None] * len(ch.remaps)
+            for buf in (ch.read, *ch.writes):
                 if buf is not None:
                     release(buf)
         self._layout = None

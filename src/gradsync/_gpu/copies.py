@@ -11,7 +11,7 @@ import numpy.typing as npt
 
 from gradsync._step.parallel import Workers
 
-from .layout import StagingLayout, write_staging
+from .layout import StagingChunk, StagingLayout, part_writes, write_staging
 from .wait import import_wgpu, map_for_reading, release, wait_for
 
 __all__ = ["Fence", "download_staged", "upload_staged"]
@@ -70,39 +70,49 @@ def upload_staged(
     wait: bool = True,
 ) -> None:
     """Upload through ``layout``'s mapped staging buffers: each ``(chunk, byte
-    offset, array)`` of ``writes`` is copied there, then every buffer from its slot.
+    offset, array)`` of ``writes`` is copied there, then every buffer from its slot,
+    part by part (the GPU copies a part while the host writes the next).
     Without ``wait``, return once the copies are submitted; the staging buffers
     are mapped again in the background and waited for at their next use."""
-    wgpu = import_wgpu()
-    for ch in layout.chunks:
-        if ch.write is None:
-            ch.write = device.create_buffer(
-                label="gradsync-upload",
-                size=ch.nbytes,
-                usage=wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC,
-                mapped_at_creation=True,
-            )
-        if ch.remap is not None:
-            remap, ch.remap = ch.remap, None
-            wait_for(remap, device, spin_s)
-        if str(ch.write.map_state) != "mapped":
-            ch.write.map_sync(wgpu.MapMode.WRITE)
-    write_staging(layout, writes, workers)
-    for ch in layout.chunks:
-        ch.write.unmap()
-    enc = device.create_command_encoder(label="gradsync-upload")
-    for buf, (c, off, size) in zip(buffers, layout.slots, strict=True):
-        if size:
-            enc.copy_buffer_to_buffer(layout.chunks[c].write, off, buf, 0, size)
-    device.queue.submit([enc.finish()])
+    copies = layout.part_copies
+    for c, ch in enumerate(layout.chunks):
+        for p, (a, b) in enumerate(ch.parts):
+            buf = _ready_part(device, ch, p, b - a, spin_s)
+            write_staging(buf, ch.host[a:b], part_writes(writes, c, a, b), workers)
+            buf.unmap()
+            enc = device.create_command_encoder(label="gradsync-upload")
+            for param, src_off, dst_off, size in copies[c][p]:
+                enc.copy_buffer_to_buffer(buf, src_off, buffers[param], dst_off, size)
+            device.queue.submit([enc.finish()])
     # Mapping again waits for the copies (no separate fence needed) and leaves the
     # buffer ready for the next upload; asked for now and waited for at the next
     # upload, it costs the step no round trip to the GPU.
+    mode = import_wgpu().MapMode.WRITE
     for ch in layout.chunks:
-        if wait:
-            ch.write.map_sync(wgpu.MapMode.WRITE)
-        else:
-            ch.remap = ch.write.map_async(wgpu.MapMode.WRITE)
+        for p, buf in enumerate(ch.writes):
+            if wait:
+                buf.map_sync(mode)
+            else:
+                ch.remaps[p] = buf.map_async(mode)
+
+
+def _ready_part(device: Any, ch: StagingChunk, p: int, nbytes: int, spin_s: float) -> Any:
+    """Upload part ``p``'s staging buffer of ``ch``, created or waited for until mapped."""
+    wgpu = import_wgpu()
+    if ch.writes[p] is None:
+        ch.writes[p] = device.create_buffer(
+            label="gradsync-upload",
+            size=nbytes,
+            usage=wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC,
+            mapped_at_creation=True,
+        )
+    buf = ch.writes[p]
+    if ch.remaps[p] is not None:
+        remap, ch.remaps[p] = ch.remaps[p], None
+        wait_for(remap, device, spin_s)
+    if str(buf.map_state) != "mapped":
+        buf.map_sync(wgpu.MapMode.WRITE)
+    return buf
 
 
 class Fence:
