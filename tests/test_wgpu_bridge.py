@@ -374,19 +374,23 @@ def test_upload_pieces_queued_without_waiting(
 
 @pytest.mark.wgpu
 @pytest.mark.parametrize("staged", ["mapping", "host-staged"])
-def test_upload_in_parts_crossing_params(
+def test_copies_in_parts_crossing_params(
     device: Any, bridge: WgpuBridge, monkeypatch: pytest.MonkeyPatch, staged: str
 ) -> None:
-    # Parts of 4 KiB: params straddle part boundaries, each part its own staging buffer.
-    monkeypatch.setattr(gradsync._gpu.layout, "UPLOAD_PART_BYTES", 4096)
+    # Parts of 4 KiB: params straddle part boundaries, each part its own staging buffers.
+    monkeypatch.setattr(gradsync._gpu.layout, "PART_BYTES", 4096)
     monkeypatch.setattr(gradsync._gpu.bridge, "DIRECT_MAX_PIECES", 0)
     if staged == "host-staged":
         monkeypatch.setattr(gradsync._gpu.layout, "writable_mapping", lambda buf, nbytes: None)
     dts = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float32)]
     sizes = (3001, 6, 2003)
     bufs = [_buffer(device, np.zeros(n, dt)) for n, dt in zip(sizes, dts, strict=True)]
+    want = [np.zeros(n, dt) for n, dt in zip(sizes, dts, strict=True)]
     for k in range(3):
-        bridge.download(bufs, dts)
+        into = [np.empty_like(w) for w in want]
+        for got in (bridge.download(bufs, dts), bridge.download(bufs, dts, into)):
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w)
         want = [(np.arange(n) * (k + 1)).astype(dt) for n, dt in zip(sizes, dts, strict=True)]
         if k == 1:
             bridge.upload(bufs, want)
@@ -593,7 +597,7 @@ def test_host_arrays_are_not_mapped_memory(device: Any, bridge: WgpuBridge) -> N
     (h,) = bridge.download([buf], [np.dtype(np.float32)])
     layout = bridge._layout
     assert layout is not None
-    assert layout.chunks[0].read.map_state == "unmapped"
+    assert layout.chunks[0].reads[0].map_state == "unmapped"
     assert np.shares_memory(h, layout.chunks[0].host)
 
 
@@ -605,10 +609,10 @@ def test_staging_reused_for_same_set_recreated_for_new_set(device: Any, bridge: 
     bridge.download([a, b], [f32, f32])
     first = bridge._layout
     assert first is not None
-    staging = first.chunks[0].read
+    staging = first.chunks[0].reads[0]
     bridge.download([a, b], [f32, f32])
     assert bridge._layout is first
-    assert first.chunks[0].read is staging
+    assert first.chunks[0].reads[0] is staging
     c = _buffer(device, np.ones(8, np.float32))
     (hc,) = bridge.download([c], [f32])
     assert bridge._layout is not first

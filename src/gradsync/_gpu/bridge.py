@@ -156,7 +156,7 @@ class WgpuBridge:
             return
         for ch in self._layout.chunks:
             ch.remaps = [None] * len(ch.remaps)
-            for buf in (ch.read, *ch.writes):
+            for buf in (*ch.reads, *ch.writes):
                 if buf is not None:
                     release(buf)
         self._layout = None

@@ -1,5 +1,5 @@
-"""The bridge's copies through its staging buffers: one command buffer, one submit and
-one mapping per direction."""
+"""The bridge's copies through its staging buffers: per direction and part of a chunk
+(see ``layout.PART_BYTES``) one command buffer, one submit and one mapping."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ from gradsync._step.parallel import Workers
 from .layout import StagingChunk, StagingLayout, part_writes, write_staging
 from .wait import import_wgpu, map_for_reading, release, wait_for
 
-__all__ = ["Fence", "download_staged", "upload_staged"]
+__all__ = ["DOWNLOAD_AHEAD", "Fence", "download_staged", "upload_staged"]
+
+# Parts of a download submitted ahead of the one the host copies: each part is its own
+# submit, so its mapping resolves once its own copies are done.
+DOWNLOAD_AHEAD = 1
 
 
 def download_staged(
@@ -26,37 +30,51 @@ def download_staged(
     spin_s: float,
 ) -> None:
     """Copy every buffer into ``layout``'s read buffers, then to the host: ``into``, or
-    the layout's host mirror."""
-    wgpu = import_wgpu()
-    for ch in layout.chunks:
-        if ch.read is None:
-            ch.read = device.create_buffer(
-                label="gradsync-download",
-                size=ch.nbytes,
-                usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
-            )
-    enc = device.create_command_encoder(label="gradsync-download")
-    for buf, (c, off, size) in zip(buffers, layout.slots, strict=True):
-        if size:  # an empty buffer has nothing to copy (and cannot be probed)
-            enc.copy_buffer_to_buffer(buf, 0, layout.chunks[c].read, off, size)
-    device.queue.submit([enc.finish()])
-    for c, ch in enumerate(layout.chunks):
-        map_for_reading(ch.read, device, spin_s)
+    the layout's host mirror; part by part, the host copying one part while the GPU
+    copies the next."""
+    parts = [(c, p) for c, ch in enumerate(layout.chunks) for p in range(len(ch.parts))]
+    for k in range(min(DOWNLOAD_AHEAD, len(parts))):
+        _submit_download(device, buffers, layout, *parts[k])
+    for k, (c, p) in enumerate(parts):
+        if k + DOWNLOAD_AHEAD < len(parts):
+            _submit_download(device, buffers, layout, *parts[k + DOWNLOAD_AHEAD])
+        ch = layout.chunks[c]
+        a, b = ch.parts[p]
+        buf = ch.reads[p]
+        map_for_reading(buf, device, spin_s)
         try:
-            mapped = np.frombuffer(ch.read.read_mapped(0, ch.nbytes, copy=False), np.uint8)
+            mapped = np.frombuffer(buf.read_mapped(0, b - a, copy=False), np.uint8)
             if into is None:
-                pairs = [(ch.host, mapped)]
+                pairs = [(ch.host[a:b], mapped)]
             else:
                 pairs = [
-                    (dst.reshape(-1).view(np.uint8), mapped[off : off + size])
-                    for dst, (cc, off, size) in zip(into, layout.slots, strict=True)
-                    if cc == c
+                    (into[param].reshape(-1).view(np.uint8)[at : at + n], mapped[off : off + n])
+                    for param, off, at, n in layout.part_copies[c][p]
                 ]
             workers.copy(pairs)
             # No numpy view of mapped memory may outlive unmap().
             del mapped, pairs
         finally:
-            ch.read.unmap()
+            buf.unmap()
+
+
+def _submit_download(
+    device: Any, buffers: Sequence[Any], layout: StagingLayout, c: int, p: int
+) -> None:
+    """Submit the GPU copies of part ``p`` of chunk ``c`` into its read buffer (made if new)."""
+    ch = layout.chunks[c]
+    a, b = ch.parts[p]
+    if ch.reads[p] is None:
+        wgpu = import_wgpu()
+        ch.reads[p] = device.create_buffer(
+            label="gradsync-download",
+            size=b - a,
+            usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
+        )
+    enc = device.create_command_encoder(label="gradsync-download")
+    for param, off, at, n in layout.part_copies[c][p]:
+        enc.copy_buffer_to_buffer(buffers[param], at, ch.reads[p], off, n)
+    device.queue.submit([enc.finish()])
 
 
 def upload_staged(

@@ -20,11 +20,11 @@ __all__ = ["StagingChunk", "StagingLayout", "write_staging"]
 # read_mapped/write_mapped offsets must be multiples of 8 in wgpu-py, and 8 also keeps
 # every float64 host view aligned.
 _SLOT_ALIGNMENT = 8
-# A large upload goes through several staging buffers, each copied to the GPU as soon as
-# it is written, so the GPU copies one part while the host writes the next (parts of at
-# least UPLOAD_PART_BYTES, at most MAX_UPLOAD_PARTS a chunk, cut on multiples of 4 KiB).
-UPLOAD_PART_BYTES = 32 << 20
-MAX_UPLOAD_PARTS = 4
+# A large copy goes through several staging buffers, each copied on as soon as it is
+# ready, so the GPU copies one part while the host copies the other (parts of at
+# least PART_BYTES, at most MAX_PARTS a chunk, cut on multiples of 4 KiB).
+PART_BYTES = 32 << 20
+MAX_PARTS = 4
 _PART_ALIGNMENT = 4096
 
 # One GPU copy: (param, byte offset in the staging part, byte offset in the param, bytes).
@@ -37,15 +37,17 @@ class StagingChunk:
 
     nbytes: int
     host: npt.NDArray[np.uint8]
-    # The upload's parts: byte ranges of the chunk, each with its own staging buffer.
+    # Byte ranges of the chunk, each with its own staging buffers.
     parts: list[tuple[int, int]] = field(default_factory=list)
-    read: Any = None  # MAP_READ | COPY_DST, created lazily by download()
+    # Per part: MAP_READ | COPY_DST, created lazily by download().
+    reads: list[Any] = field(default_factory=list)
     # Per part: MAP_WRITE | COPY_SRC, kept mapped while idle; created lazily by upload.
     writes: list[Any] = field(default_factory=list)
     # Per part: the promise of its mapping, asked for after an upload (or None).
     remaps: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.reads = [None] * len(self.parts)
         self.writes = [None] * len(self.parts)
         self.remaps = [None] * len(self.parts)
 
@@ -97,7 +99,7 @@ class StagingLayout:
             end = offset + size
             offset = round_up(end, _SLOT_ALIGNMENT)
         sizes.append(max(end, _SLOT_ALIGNMENT))
-        chunks = [StagingChunk(n, np.empty(n, np.uint8), _upload_parts(n)) for n in sizes]
+        chunks = [StagingChunk(n, np.empty(n, np.uint8), _parts(n)) for n in sizes]
         views = [
             chunks[c].host[off : off + size].view(dt)
             for (c, off, size), dt in zip(slots, dtypes, strict=True)
@@ -116,8 +118,8 @@ class StagingLayout:
         return out
 
 
-def _upload_parts(nbytes: int) -> list[tuple[int, int]]:
-    count = max(1, min(MAX_UPLOAD_PARTS, nbytes // UPLOAD_PART_BYTES))
+def _parts(nbytes: int) -> list[tuple[int, int]]:
+    count = max(1, min(MAX_PARTS, nbytes // PART_BYTES))
     return split_range(nbytes, count, _PART_ALIGNMENT)
 
 
