@@ -379,6 +379,7 @@ def test_copies_in_parts_crossing_params(
 ) -> None:
     # Parts of 4 KiB: params straddle part boundaries, each part its own staging buffers.
     monkeypatch.setattr(gradsync._gpu.layout, "PART_BYTES", 4096)
+    monkeypatch.setattr(bridge, "_spin_s", 1e-4)  # as on a GPU: CPU adapters copy in one piece
     monkeypatch.setattr(gradsync._gpu.bridge, "DIRECT_MAX_PIECES", 0)
     if staged == "host-staged":
         monkeypatch.setattr(gradsync._gpu.layout, "writable_mapping", lambda buf, nbytes: None)

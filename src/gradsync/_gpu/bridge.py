@@ -145,7 +145,11 @@ class WgpuBridge:
             layout.buffers, layout.dtypes = tuple(buffers), dtypes
             return layout
         self._destroy_staging()
-        self._layout = StagingLayout.build(key, buffers, dtypes, self._max_buffer_size)
+        # On a CPU adapter the "GPU" copies of one part take the cores the host copies of
+        # the next need: copied in one piece there.
+        self._layout = StagingLayout.build(
+            key, buffers, dtypes, self._max_buffer_size, in_parts=self._spin_s > 0
+        )
         return self._layout
 
     def _destroy_staging(self) -> None:

@@ -85,6 +85,8 @@ class StagingLayout:
         buffers: Sequence[Any],
         dtypes: Sequence[np.dtype[Any]],
         max_buffer_size: int,
+        *,
+        in_parts: bool = True,
     ) -> StagingLayout:
         """Lay ``buffers`` out in chunks of at most ``max_buffer_size`` bytes."""
         slots: list[tuple[int, int, int]] = []
@@ -99,7 +101,7 @@ class StagingLayout:
             end = offset + size
             offset = round_up(end, _SLOT_ALIGNMENT)
         sizes.append(max(end, _SLOT_ALIGNMENT))
-        chunks = [StagingChunk(n, np.empty(n, np.uint8), _parts(n)) for n in sizes]
+        chunks = [StagingChunk(n, np.empty(n, np.uint8), _parts(n, in_parts)) for n in sizes]
         views = [
             chunks[c].host[off : off + size].view(dt)
             for (c, off, size), dt in zip(slots, dtypes, strict=True)
@@ -118,8 +120,8 @@ class StagingLayout:
         return out
 
 
-def _parts(nbytes: int) -> list[tuple[int, int]]:
-    count = max(1, min(MAX_PARTS, nbytes // PART_BYTES))
+def _parts(nbytes: int, in_parts: bool) -> list[tuple[int, int]]:
+    count = max(1, min(MAX_PARTS, nbytes // PART_BYTES)) if in_parts else 1
     return split_range(nbytes, count, _PART_ALIGNMENT)
 
 
