@@ -364,45 +364,12 @@ def test_upload_pieces_queued_without_waiting(
         assert chunk is not None
         # Gathered: the staging buffer is being mapped again in the background, not
         # waited for; only the host-staged path goes through the host mirror.
-        assert (chunk.remaps[0] is not None) == (mode != "write_buffer")
+        assert (chunk.remap is not None) == (mode != "write_buffer")
         np.testing.assert_array_equal(host[0], want[0] if mode == "host-staged" else downloaded)
         for buf, w in zip(bufs, want, strict=True):
             np.testing.assert_array_equal(_read(device, buf, w.dtype), w)
     bridge.close()  # with a mapping still pending when gathered
     assert bridge._layout is None
-
-
-@pytest.mark.wgpu
-@pytest.mark.parametrize("staged", ["mapping", "host-staged"])
-def test_copies_in_parts_crossing_params(
-    device: Any, bridge: WgpuBridge, monkeypatch: pytest.MonkeyPatch, staged: str
-) -> None:
-    # Parts of 4 KiB: params straddle part boundaries, each part its own staging buffers.
-    monkeypatch.setattr(gradsync._gpu.layout, "PART_BYTES", 4096)
-    monkeypatch.setattr(bridge, "_spin_s", 1e-4)  # as on a GPU: CPU adapters copy in one piece
-    monkeypatch.setattr(gradsync._gpu.bridge, "DIRECT_MAX_PIECES", 0)
-    if staged == "host-staged":
-        monkeypatch.setattr(gradsync._gpu.layout, "writable_mapping", lambda buf, nbytes: None)
-    dts = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float32)]
-    sizes = (3001, 6, 2003)
-    bufs = [_buffer(device, np.zeros(n, dt)) for n, dt in zip(sizes, dts, strict=True)]
-    want = [np.zeros(n, dt) for n, dt in zip(sizes, dts, strict=True)]
-    for k in range(3):
-        into = [np.empty_like(w) for w in want]
-        for got in (bridge.download(bufs, dts), bridge.download(bufs, dts, into)):
-            for g, w in zip(got, want, strict=True):
-                np.testing.assert_array_equal(g, w)
-        want = [(np.arange(n) * (k + 1)).astype(dt) for n, dt in zip(sizes, dts, strict=True)]
-        if k == 1:
-            bridge.upload(bufs, want)
-        else:
-            pieces = [(p, a, w[a:b]) for p, w in enumerate(want) for a, b in ((0, 5), (5, len(w)))]
-            bridge.upload(bufs, dtypes=dts, pieces=pieces[::-1])
-        layout = bridge._layout
-        assert layout is not None
-        assert len(layout.chunks[0].parts) == 4
-        for buf, w in zip(bufs, want, strict=True):
-            np.testing.assert_array_equal(_read(device, buf, w.dtype), w)
 
 
 @pytest.mark.wgpu
@@ -536,7 +503,7 @@ def test_polled_waits_roundtrip(device: Any) -> None:
             np.testing.assert_array_equal(h, start * 2**k)
             bridge.upload([buf], dtypes=f16, pieces=[(0, 1, h[1:] * 2), (0, 0, h[:1] * 2)])
             assert bridge._layout is not None
-            assert bridge._layout.chunks[0].remaps[0] is not None
+            assert bridge._layout.chunks[0].remap is not None
         bridge.upload([buf], [np.full(300, 7, np.float16)])
         np.testing.assert_array_equal(_read(device, buf, np.float16), np.full(300, 7))
 
@@ -551,7 +518,7 @@ def test_unaligned_piece_goes_through_the_staging_buffer(device: Any, bridge: Wg
     want = np.array([1, 2, 3, 4], np.float16)
     bridge.upload([buf], dtypes=dts, pieces=[(0, 0, want[:1]), (0, 1, want[1:])])
     assert bridge._layout is not None
-    assert bridge._layout.chunks[0].remaps[0] is not None
+    assert bridge._layout.chunks[0].remap is not None
     np.testing.assert_array_equal(_read(device, buf, np.float16), want)
 
 
@@ -598,7 +565,7 @@ def test_host_arrays_are_not_mapped_memory(device: Any, bridge: WgpuBridge) -> N
     (h,) = bridge.download([buf], [np.dtype(np.float32)])
     layout = bridge._layout
     assert layout is not None
-    assert layout.chunks[0].reads[0].map_state == "unmapped"
+    assert layout.chunks[0].read.map_state == "unmapped"
     assert np.shares_memory(h, layout.chunks[0].host)
 
 
@@ -610,10 +577,10 @@ def test_staging_reused_for_same_set_recreated_for_new_set(device: Any, bridge: 
     bridge.download([a, b], [f32, f32])
     first = bridge._layout
     assert first is not None
-    staging = first.chunks[0].reads[0]
+    staging = first.chunks[0].read
     bridge.download([a, b], [f32, f32])
     assert bridge._layout is first
-    assert first.chunks[0].reads[0] is staging
+    assert first.chunks[0].read is staging
     c = _buffer(device, np.ones(8, np.float32))
     (hc,) = bridge.download([c], [f32])
     assert bridge._layout is not first

@@ -145,11 +145,7 @@ class WgpuBridge:
             layout.buffers, layout.dtypes = tuple(buffers), dtypes
             return layout
         self._destroy_staging()
-        # On a CPU adapter the "GPU" copies of one part take the cores the host copies of
-        # the next need: copied in one piece there.
-        self._layout = StagingLayout.build(
-            key, buffers, dtypes, self._max_buffer_size, in_parts=self._spin_s > 0
-        )
+        self._layout = StagingLayout.build(key, buffers, dtypes, self._max_buffer_size)
         return self._layout
 
     def _destroy_staging(self) -> None:
@@ -159,8 +155,8 @@ class WgpuBridge:
         if self._layout is None:
             return
         for ch in self._layout.chunks:
-            ch.remaps = [None] * len(ch.remaps)
-            for buf in (*ch.reads, *ch.writes):
+            ch.remap = None
+            for buf in (ch.read, ch.write):
                 if buf is not None:
                     release(buf)
         self._layout = None

@@ -1,5 +1,5 @@
-"""The bridge's copies through its staging buffers: per direction and part of a chunk
-(see ``layout.PART_BYTES``) one command buffer, one submit and one mapping."""
+"""The bridge's copies through its staging buffers: one command buffer, one submit and
+one mapping per direction."""
 
 from __future__ import annotations
 
@@ -11,14 +11,10 @@ import numpy.typing as npt
 
 from gradsync._step.parallel import Workers
 
-from .layout import StagingChunk, StagingLayout, part_writes, write_staging
+from .layout import StagingLayout, write_staging
 from .wait import import_wgpu, map_for_reading, release, wait_for
 
-__all__ = ["DOWNLOAD_AHEAD", "Fence", "download_staged", "upload_staged"]
-
-# Parts of a download submitted ahead of the one the host copies: each part is its own
-# submit, so its mapping resolves once its own copies are done.
-DOWNLOAD_AHEAD = 1
+__all__ = ["Fence", "download_staged", "upload_staged"]
 
 
 def download_staged(
@@ -30,51 +26,37 @@ def download_staged(
     spin_s: float,
 ) -> None:
     """Copy every buffer into ``layout``'s read buffers, then to the host: ``into``, or
-    the layout's host mirror; part by part, the host copying one part while the GPU
-    copies the next."""
-    parts = [(c, p) for c, ch in enumerate(layout.chunks) for p in range(len(ch.parts))]
-    for k in range(min(DOWNLOAD_AHEAD, len(parts))):
-        _submit_download(device, buffers, layout, *parts[k])
-    for k, (c, p) in enumerate(parts):
-        if k + DOWNLOAD_AHEAD < len(parts):
-            _submit_download(device, buffers, layout, *parts[k + DOWNLOAD_AHEAD])
-        ch = layout.chunks[c]
-        a, b = ch.parts[p]
-        buf = ch.reads[p]
-        map_for_reading(buf, device, spin_s)
+    the layout's host mirror."""
+    wgpu = import_wgpu()
+    for ch in layout.chunks:
+        if ch.read is None:
+            ch.read = device.create_buffer(
+                label="gradsync-download",
+                size=ch.nbytes,
+                usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
+            )
+    enc = device.create_command_encoder(label="gradsync-download")
+    for buf, (c, off, size) in zip(buffers, layout.slots, strict=True):
+        if size:  # an empty buffer has nothing to copy (and cannot be probed)
+            enc.copy_buffer_to_buffer(buf, 0, layout.chunks[c].read, off, size)
+    device.queue.submit([enc.finish()])
+    for c, ch in enumerate(layout.chunks):
+        map_for_reading(ch.read, device, spin_s)
         try:
-            mapped = np.frombuffer(buf.read_mapped(0, b - a, copy=False), np.uint8)
+            mapped = np.frombuffer(ch.read.read_mapped(0, ch.nbytes, copy=False), np.uint8)
             if into is None:
-                pairs = [(ch.host[a:b], mapped)]
+                pairs = [(ch.host, mapped)]
             else:
                 pairs = [
-                    (into[param].reshape(-1).view(np.uint8)[at : at + n], mapped[off : off + n])
-                    for param, off, at, n in layout.part_copies[c][p]
+                    (dst.reshape(-1).view(np.uint8), mapped[off : off + size])
+                    for dst, (cc, off, size) in zip(into, layout.slots, strict=True)
+                    if cc == c
                 ]
             workers.copy(pairs)
             # No numpy view of mapped memory may outlive unmap().
             del mapped, pairs
         finally:
-            buf.unmap()
-
-
-def _submit_download(
-    device: Any, buffers: Sequence[Any], layout: StagingLayout, c: int, p: int
-) -> None:
-    """Submit the GPU copies of part ``p`` of chunk ``c`` into its read buffer (made if new)."""
-    ch = layout.chunks[c]
-    a, b = ch.parts[p]
-    if ch.reads[p] is None:
-        wgpu = import_wgpu()
-        ch.reads[p] = device.create_buffer(
-            label="gradsync-download",
-            size=b - a,
-            usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
-        )
-    enc = device.create_command_encoder(label="gradsync-download")
-    for param, off, at, n in layout.part_copies[c][p]:
-        enc.copy_buffer_to_buffer(buffers[param], at, ch.reads[p], off, n)
-    device.queue.submit([enc.finish()])
+            ch.read.unmap()
 
 
 def upload_staged(
@@ -88,49 +70,39 @@ def upload_staged(
     wait: bool = True,
 ) -> None:
     """Upload through ``layout``'s mapped staging buffers: each ``(chunk, byte
-    offset, array)`` of ``writes`` is copied there, then every buffer from its slot,
-    part by part (the GPU copies a part while the host writes the next).
+    offset, array)`` of ``writes`` is copied there, then every buffer from its slot.
     Without ``wait``, return once the copies are submitted; the staging buffers
     are mapped again in the background and waited for at their next use."""
-    copies = layout.part_copies
-    for c, ch in enumerate(layout.chunks):
-        for p, (a, b) in enumerate(ch.parts):
-            buf = _ready_part(device, ch, p, b - a, spin_s)
-            write_staging(buf, ch.host[a:b], part_writes(writes, c, a, b), workers)
-            buf.unmap()
-            enc = device.create_command_encoder(label="gradsync-upload")
-            for param, src_off, dst_off, size in copies[c][p]:
-                enc.copy_buffer_to_buffer(buf, src_off, buffers[param], dst_off, size)
-            device.queue.submit([enc.finish()])
+    wgpu = import_wgpu()
+    for ch in layout.chunks:
+        if ch.write is None:
+            ch.write = device.create_buffer(
+                label="gradsync-upload",
+                size=ch.nbytes,
+                usage=wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC,
+                mapped_at_creation=True,
+            )
+        if ch.remap is not None:
+            remap, ch.remap = ch.remap, None
+            wait_for(remap, device, spin_s)
+        if str(ch.write.map_state) != "mapped":
+            ch.write.map_sync(wgpu.MapMode.WRITE)
+    write_staging(layout, writes, workers)
+    for ch in layout.chunks:
+        ch.write.unmap()
+    enc = device.create_command_encoder(label="gradsync-upload")
+    for buf, (c, off, size) in zip(buffers, layout.slots, strict=True):
+        if size:
+            enc.copy_buffer_to_buffer(layout.chunks[c].write, off, buf, 0, size)
+    device.queue.submit([enc.finish()])
     # Mapping again waits for the copies (no separate fence needed) and leaves the
     # buffer ready for the next upload; asked for now and waited for at the next
     # upload, it costs the step no round trip to the GPU.
-    mode = import_wgpu().MapMode.WRITE
     for ch in layout.chunks:
-        for p, buf in enumerate(ch.writes):
-            if wait:
-                buf.map_sync(mode)
-            else:
-                ch.remaps[p] = buf.map_async(mode)
-
-
-def _ready_part(device: Any, ch: StagingChunk, p: int, nbytes: int, spin_s: float) -> Any:
-    """Upload part ``p``'s staging buffer of ``ch``, created or waited for until mapped."""
-    wgpu = import_wgpu()
-    if ch.writes[p] is None:
-        ch.writes[p] = device.create_buffer(
-            label="gradsync-upload",
-            size=nbytes,
-            usage=wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC,
-            mapped_at_creation=True,
-        )
-    buf = ch.writes[p]
-    if ch.remaps[p] is not None:
-        remap, ch.remaps[p] = ch.remaps[p], None
-        wait_for(remap, device, spin_s)
-    if str(buf.map_state) != "mapped":
-        buf.map_sync(wgpu.MapMode.WRITE)
-    return buf
+        if wait:
+            ch.write.map_sync(wgpu.MapMode.WRITE)
+        else:
+            ch.remap = ch.write.map_async(wgpu.MapMode.WRITE)
 
 
 class Fence:
