@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -159,7 +159,7 @@ class GradSync(CallGuard):
         self._check_process()
         if self._background.busy() and not self._background.on_thread():
             # Behind the steps still in flight: calls complete in the order they are made.
-            return self._submit(grads, step, device, dtype, scale).wait()
+            return self._submit(lambda: self._average(grads, step, device, dtype, scale)).wait()
         with self._call():
             self._check_usable()
             if step is None and self.cfg.elastic and self.cfg.enabled:
@@ -201,20 +201,14 @@ class GradSync(CallGuard):
         Raises:
             GradSyncError: this instance is closed, or belongs to another process.
         """
-        return self._submit(grads, step, device, dtype, None)
+        return self._submit(lambda: self._average(grads, step, device, dtype, None))
 
-    def _submit(
-        self,
-        grads: Sequence[Any],
-        step: int | None,
-        device: Any,
-        dtype: npt.DTypeLike | Sequence[npt.DTypeLike] | None,
-        scale: int | None,
-    ) -> StepHandle:
+    def _submit(self, call: Callable[[], StepStats]) -> StepHandle:
+        """Queue ``call`` (an :meth:`_average`) on the background thread; its handle."""
         self._check_process()
         if self._closed or self._closing.is_set():
             raise GradSyncError(f"this GradSync (rank {self.cfg.rank}) is closed")
-        return self._background.submit(lambda: self._average(grads, step, device, dtype, scale))
+        return self._background.submit(call)
 
     def buffers_like(self, like: Sequence[Any]) -> list[np.ndarray]:
         """Zero-filled gradient arrays shaped like ``like`` that :meth:`average` publishes

@@ -126,7 +126,8 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def _float_allreduce(self, tensors: list[torch.Tensor], scale: int | None) -> Any:
         staged = [_staging(t) for t in tensors]
         # SUM: the mean times W, written in the pass that writes the mean back.
-        handle = self.sync._submit([s.numpy() for s in staged], None, None, None, scale)
+        arrays = [s.numpy() for s in staged]
+        handle = self.sync._submit(lambda: self.sync._average(arrays, None, None, None, scale))
 
         def finish() -> list[torch.Tensor]:
             for t, s in zip(tensors, staged, strict=True):
