@@ -17,7 +17,8 @@ step (the slowest rank gates the next optimizer step); the table shows its media
 and p90 over the measured steps (after warm-up), plus the median phases of the
 slowest rank (publish / wait for inputs / reduce / wait for shards / gather), and
 the CPU a step costs: the ranks' together, and the JuiceFS clients' (ms per step;
-on 2 shared cores CPU, not bandwidth, bounds the step).
+on 2 shared cores CPU, not bandwidth, bounds the step), and the MiB per step the
+clients fetched from and stored in the object store (what a real network carries).
 
     sudo python benchmarks/multihost.py                   # 4 KiB, 1 MiB, 16 MiB
     sudo python benchmarks/multihost.py --sizes 4096 --steps 100 --json
@@ -95,6 +96,7 @@ def _run_config(
     run_id = f"bench-{uuid.uuid4().hex[:10]}"
     out = cluster.new_out(run_id)
     clients_before = _clients_cpu_s(cluster, cluster.hosts)
+    moved_before = _object_bytes(cluster, sync_root)
     job = cluster.launch(
         placement, nproc, f"{sync_root}/{run_id}", run_id,
         ["--worker", "--bytes", str(nbytes), "--steps", str(steps + warmup), *extra],
@@ -103,6 +105,7 @@ def _run_config(
     codes = job.wait(timeout_s)
     # Both hosts' clients: each serves the other's reads of the files it wrote.
     clients_s = _clients_cpu_s(cluster, cluster.hosts) - clients_before
+    moved = _object_bytes(cluster, sync_root) - moved_before
     if any(codes.values()):
         raise RuntimeError(f"{name}: exit codes {codes}\n{job.log_text()}")
     world = nproc * len(placement)
@@ -130,6 +133,8 @@ def _run_config(
             for s in range(warmup, warmup + steps)
         ),
         "clients_cpu_ms": 1e3 * clients_s / (steps + warmup),
+        # Objects the clients fetched and stored (mean over the run, start-up too).
+        "object_mib": moved / (1 << 20) / (steps + warmup),
     }
 
 
@@ -141,6 +146,18 @@ def _clients_cpu_s(cluster: Any, hosts: list[str]) -> float:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _object_bytes(cluster: Any, sync_root: str) -> int:
+    """Bytes the hosts' JuiceFS clients have fetched from and stored in the object store
+    so far, from the ``.stats`` at the root of the volume (0 for a sync dir elsewhere)."""
+    total = 0
+    for host in cluster.hosts:
+        stats = cluster.on(host, "cat", f"{sync_root}/.stats")
+        for line in stats.stdout.splitlines():
+            if line.startswith("juicefs_object_request_data_bytes{"):
+                total += int(float(line.rsplit(None, 1)[1]))
+    return total
 
 
 def _size(n: int) -> str:
@@ -220,7 +237,8 @@ def main() -> int:
     print(f"W=4, {len(args.sizes)} sizes; step time = slowest rank's GradSync.average per step")
     head = (
         "| size | config | steps | median ms | p90 ms "
-        "| publish | wait in | reduce | wait out | gather | ranks' CPU | FS clients' CPU |"
+        "| publish | wait in | reduce | wait out | gather | ranks' CPU | FS clients' CPU "
+        "| objects MiB |"
     )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -230,7 +248,7 @@ def main() -> int:
             f"| {_size(r['bytes'])} | {r['config']} | {r['steps']} | {r['median_ms']:.1f} "
             f"| {r['p90_ms']:.1f} | "
             + " | ".join(f"{ph[k]:.1f}" for k in PHASES)
-            + f" | {r['ranks_cpu_ms']:.0f} | {r['clients_cpu_ms']:.0f} |"
+            + f" | {r['ranks_cpu_ms']:.0f} | {r['clients_cpu_ms']:.0f} | {r['object_mib']:.1f} |"
         )
     return 0
 

@@ -46,7 +46,12 @@ def grads_for(rank: int, step: int, shapes: list[tuple[tuple[int, ...], str]]) -
 
 
 def steps(rank: int, world: int, sync_dir: str, count: int, small: bool, kw: dict[str, Any]) -> Any:
-    """Average ``count`` steps; return each step's inputs and results (bytes)."""
+    """Average ``count`` steps; return each step's inputs and results (bytes). With
+    ``kw["across_hosts"]`` the sync dir is taken for one other hosts share."""
+    if kw.pop("across_hosts", False):
+        from gradsync._step import state as _state  # noqa: PLC0415
+
+        _state.local_filesystem = lambda path: False  # type: ignore[assignment]
     shapes = SMALL if small else SHAPES
     out = []
     with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:

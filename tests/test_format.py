@@ -400,7 +400,7 @@ def test_checksum_mismatch() -> None:
         decode_header(bytes(encoded), PATH)
 
 
-@pytest.mark.parametrize("kind", [0, 3, 255])
+@pytest.mark.parametrize("kind", [0, 4, 255])
 def test_unknown_kind(kind: int) -> None:
     with corrupt(f"{PATH} has unknown kind {kind}"):
         decode_header(encode_header(**sample_fields(kind=kind)), PATH)

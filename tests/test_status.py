@@ -45,9 +45,14 @@ def _status(sync_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _stuck(rank: int, world: int, sync_dir: str, big: bool) -> object:
+def _stuck(rank: int, world: int, sync_dir: str, big: bool, across_hosts: bool = False) -> object:
     """Ranks 0 and 1 average two steps; rank 2 stops after one and idles, alive, until
-    the test has read the status (at most 30 s), then makes its second call."""
+    the test has read the status (at most 30 s), then makes its second call. With
+    ``across_hosts`` the sync dir is taken for one other hosts share."""
+    if across_hosts:
+        from gradsync._step import state as _state  # noqa: PLC0415
+
+        _state.local_filesystem = lambda path: False  # type: ignore[assignment]
     gs = gradsync.GradSync(gradsync.FileGradSyncConfig(world, rank, sync_dir, max_wait_s=40.0))
     shapes = workers.SHAPES_BIG if big else workers.SHAPES
     gs.average(workers.grads_for(rank, 0, shapes), step=7)
@@ -58,14 +63,20 @@ def _stuck(rank: int, world: int, sync_dir: str, big: bool) -> object:
     return "averaged"
 
 
-@pytest.mark.parametrize("big", [False, True], ids=["two-slots", "one-slot"])
-def test_status_names_the_rank_everyone_waits_for(tmp_path: Path, big: bool) -> None:
-    # Small gradients alternate two data files per rank, large ones reuse one: the
-    # step of every rank's last call is read from whichever holds that call.
+@pytest.mark.parametrize(
+    ("big", "across_hosts"),
+    [(False, False), (True, False), (True, True)],
+    ids=["two-slots", "one-slot", "a-file-per-shard"],
+)
+def test_status_names_the_rank_everyone_waits_for(
+    tmp_path: Path, big: bool, across_hosts: bool
+) -> None:
+    # Small gradients alternate two data files per rank, large ones reuse one, and
+    # across hosts a large one is a file per peer: the step of every rank's last call
+    # is read from whichever holds that call.
     box: dict[str, object] = {}
-    thread = threading.Thread(
-        target=lambda: box.update(run_ranks(_stuck, 3, (3, str(tmp_path), big), timeout_s=60))
-    )
+    args = (3, str(tmp_path), big, across_hosts)
+    thread = threading.Thread(target=lambda: box.update(run_ranks(_stuck, 3, args, timeout_s=60)))
     thread.start()
     try:
         deadline = 30

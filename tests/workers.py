@@ -1177,8 +1177,11 @@ def stale_view(
     _state.local_filesystem = lambda path: not shared  # type: ignore[assignment]
     if rank == 1:
         snapshot_name = "d-0.in-as-of-call-1"  # beside it: the transport opens by name
-        # Rank 0's input of the first and third calls: one reused file, or (shared) one each.
-        first_name, third_name = ("d-0-c1.in", "d-0-c3.in") if shared else ("d-0.in", "d-0.in")
+        # Rank 0's input of the first and third calls: one reused file, or (shared) the part
+        # rank 1 reduces, a file each call.
+        first_name, third_name = (
+            ("d-0-c1-s1.in", "d-0-c3-s1.in") if shared else ("d-0.in", "d-0.in")
+        )
         real_open = Transport.open
         opens = {"all": 0, "stale": 0}
 

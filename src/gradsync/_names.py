@@ -74,6 +74,8 @@ __all__ = [
     "output_marker",
     "rival_name",
     "seen_name",
+    "shard_data_glob",
+    "shard_data_name",
     "shared_input_name",
     "shared_input_rank",
     "stay_name",
@@ -93,7 +95,7 @@ EJOIN_PREFIX = "ejoin-"
 JOINS = "joins"
 NEXT = "next.json"
 _SHARED_INPUT = re.compile(r"d-(\d+)-b\d+\.in")
-_CALL_DATA = re.compile(r"d-\d+-c\d+\.(in|out)")
+_CALL_DATA = re.compile(r"d-\d+-c\d+(-s\d+\.in|\.(in|out))")
 
 
 def gen_name(gen_id: str) -> str:
@@ -186,8 +188,20 @@ def call_data_name(rank: int, kind: str, seq: int) -> str:
     return f"d-{rank}-c{seq}.{kind}"
 
 
+def shard_data_name(rank: int, shard: int, seq: int) -> str:
+    """The part of rank ``rank``'s input of call ``seq`` that the reducer of shard
+    ``shard`` reads, in a file of its own."""
+    return f"d-{rank}-c{seq}-s{shard}.in"
+
+
+def shard_data_glob(rank: int, seq: int) -> str:
+    """A glob pattern of every :func:`shard_data_name` of ``rank``'s input of call ``seq``."""
+    return f"d-{rank}-c{seq}-s*.in"
+
+
 def is_call_data_name(name: str) -> bool:
-    """Whether ``name`` is a data file of one call (:func:`call_data_name`)."""
+    """Whether ``name`` is a data file of one call (:func:`call_data_name`,
+    :func:`shard_data_name`)."""
     return _CALL_DATA.fullmatch(name) is not None
 
 

@@ -180,9 +180,9 @@ def test_compression_applies_across_hosts_and_not_on_one_host(
 
 @pytest.mark.parametrize("codec", ["bf16", "int8"])
 def test_compressed_steps_across_hosts_give_one_hosts_bits(cluster: Cluster, codec: str) -> None:
-    """Across hosts a rank's input file leaves its own shard unwritten and peers read
-    theirs by pread; on one host (tmpfs, compress_local) files are mapped and written
-    whole: same bits."""
+    """Across hosts a rank's input is a file for each peer, holding what that peer
+    reduces, read by pread; on one host (tmpfs, compress_local) files are mapped and
+    written whole: same bits."""
     seed, steps = 3, 3
     mount = os.environ.get("MH_MOUNT", MOUNT)
     args = ["--seed", str(seed), "--steps", str(steps), "--raw", "--compression", codec]

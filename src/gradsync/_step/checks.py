@@ -27,7 +27,7 @@ from gradsync._errors import (
 from gradsync._store.files import translate_oserror
 
 from .datafile import ChecksumError, DataReader
-from .header import FLAG_NONFINITE, NONFINITE_LISTED, Header, Layout
+from .header import FLAG_NONFINITE, KIND_SHARD, NONFINITE_LISTED, Header, Layout
 from .plan import Plan
 
 __all__ = [
@@ -168,7 +168,8 @@ def check_length(peer: Peer, rank: int, expected: int, step: int) -> None:
 
 def check_inputs(plan: Plan, rank: int, peers: dict[int, Peer], step: int, step_dir: Path) -> None:
     """Check every rank's input against this rank's ``plan``: one step number, one
-    layout and length, and no non-finite values reported.
+    layout and length, and no non-finite values reported. A file holding only the
+    part of an input that this rank reduces is then read at the whole input's offsets.
 
     Raises:
         MismatchError, CorruptFileError, NonFiniteGradError.
@@ -198,7 +199,12 @@ def check_inputs(plan: Plan, rank: int, peers: dict[int, Peer], step: int, step_
             if not theirs and "broadcast" in _checked_meta(peers[q], q, step, Header.full_meta):
                 raise call_mismatch(rank, "average", q, step, step_dir)
             raise _mismatch(plan.layout, theirs, rank, q, step, step_dir)
-        check_length(peers[q], q, plan.in_len, step)
+        if other.kind == KIND_SHARD:
+            spans = plan.input_spans(rank)
+            check_length(peers[q], q, sum(b - a for a, b in spans), step)
+            peers[q].reader.relocate(spans, other.payload_offset)
+        else:
+            check_length(peers[q], q, plan.in_len, step)
     bad: list[tuple[int, int]] = []
     unlisted: dict[int, int] = {}
     for q in range(len(peers)):

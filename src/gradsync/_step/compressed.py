@@ -79,6 +79,12 @@ class Compressing(Publishing):
         for k, group in enumerate(plan.groups):
             x = _group_input(group, flats)
             self._encode(wire.codecs[k], group, x, payload, wire.inputs[k], 0, "in", k)
+        if self._shard_inputs(plan):
+            spans = plan.input_spans
+            self._write_shards(
+                step_dir, plan, step, nonfinite, lambda q: [payload[a:b] for a, b in spans(q)]
+            )
+            return payload
         if self.cfg.checksums:
             crc = block_crcs([payload.data], plan.in_len)
         head = self._header(KIND_INPUT, step, plan, plan.in_len, nonfinite, crc)
@@ -89,10 +95,9 @@ class Compressing(Publishing):
     def _input_chunks(self, plan: Plan, buf: np.ndarray, head: int) -> list[np.ndarray | int]:
         """The input file's bytes to write: its own shard left out (skipped bytes) where
         peers read only theirs and no checksum covers it; only this rank reads it, from
-        memory. Across hosts that is 1/W fewer bytes through the filesystem's client.
-        Not where the shard is several runs (int8's scales and codes): JuiceFS counts
-        each gap as a piece of the file, and a reader of a file of five pieces or more
-        rewrites it whole (benchmarks/RESULTS.md, 2026-12-06)."""
+        memory. Not where the shard is several runs (int8's scales and codes): JuiceFS
+        counts each gap as a piece of the file, and a reader of a file of five pieces or
+        more rewrites it whole (benchmarks/RESULTS.md, 2026-12-06)."""
         if self.cfg.checksums or plan.replicated or self.cfg.strategy != "sharded":
             return [buf]
         assert plan.wire is not None

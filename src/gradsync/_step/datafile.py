@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,32 @@ class DataReader:
         self._payload_offset = 0
         self._payload_len = 0
         self._verified: set[int] = set()
+        # A shard file (relocate): where each span of the whole payload lies in this file.
+        self._spans: list[tuple[int, int, int]] = []
+
+    def relocate(self, spans: Sequence[tuple[int, int]], payload_offset: int) -> None:
+        """Read this file, which holds only ``spans`` of a whole input payload back to
+        back, at the offsets of that whole file (``payload_offset`` + payload offset)."""
+        at = payload_offset
+        self._spans = []
+        for a, b in spans:
+            self._spans.append((payload_offset + a, payload_offset + b, at))
+            at += b - a
+
+    def _place(self, offset: int, nbytes: int) -> int:
+        """Where bytes ``offset..offset + nbytes`` of the whole file lie in this one.
+
+        Raises:
+            EOFError: they lie outside the spans this file holds.
+        """
+        if not self._spans:
+            return offset
+        if nbytes == 0:  # an empty run (bf16 has no scales): nothing is read
+            return self._spans[0][2]
+        for a, b, at in self._spans:
+            if a <= offset and offset + nbytes <= b:
+                return at + offset - a
+        raise EOFError(f"{self.path} holds no bytes {offset}..{offset + nbytes} of its input")
 
     def expect_crcs(self, crc_hex: str, payload_offset: int, payload_len: int) -> None:
         """Check every block of the payload against ``crc_hex`` before it is first used."""
@@ -112,7 +139,7 @@ class DataReader:
         if nbytes <= len(self.head) or len(self.head) >= self.size:
             return self.head
         buf = np.empty(min(nbytes, self.size), dtype=np.uint8)
-        self.read_into(0, buf)
+        self._read_at(0, buf)
         return buf.tobytes()
 
     def _check_mapped_end(self, offset: int, nbytes: int) -> None:
@@ -128,6 +155,7 @@ class DataReader:
         """
         if self._buf is None:
             return None
+        offset = self._place(offset, count * dtype.itemsize)
         self._check_mapped_end(offset, count * dtype.itemsize)
         self._verify(offset, count * dtype.itemsize)
         return np.frombuffer(self._buf, dtype=dtype, count=count, offset=offset)
@@ -139,6 +167,9 @@ class DataReader:
             EOFError: the file is shorter. ChecksumError: a block fails its CRC.
             OSError: reading failed.
         """
+        self._read_at(self._place(offset, dst.nbytes), dst)
+
+    def _read_at(self, offset: int, dst: np.ndarray) -> None:
         if self._buf is not None:
             self._check_mapped_end(offset, dst.nbytes)
         self._verify(offset, dst.nbytes)

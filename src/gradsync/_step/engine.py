@@ -128,13 +128,14 @@ class StepEngine(Broadcasting, Compressing, Gathering):
         if self.cfg.elastic:
             self._announce_joins(step_dir, step)
         stages = self._stages(plan, view, step, sink)
+        self.own_input = None
         fault_point("before_publish", self.rank, self.seq)
         stages.publish(step_dir, nonfinite)
         fault_point("after_publish", self.rank, self.seq)
         # Its input is all the peers read of a rank that publishes no shard of the mean.
         self._peers_served = plan.replicated or not plan.out_lens[self.rank]
         t1 = time.perf_counter()
-        peers: dict[int, Peer] = {}
+        peers: dict[int, Peer] = {} if self.own_input is None else {self.rank: self.own_input}
         outs: dict[int, Peer] = {}
         try:
             last_in = self._peers.wait_for(step_dir, "in", range(self.world), step, self.seq, peers)

@@ -28,6 +28,7 @@ __all__ = [
     "HEADER_READ_BYTES",
     "KIND_INPUT",
     "KIND_OUTPUT",
+    "KIND_SHARD",
     "MAX_META",
     "MAX_PARAMS",
     "NONFINITE_LISTED",
@@ -47,7 +48,8 @@ MAGIC = b"GSYN"
 VERSION = 1
 KIND_INPUT = 1  # a rank's whole gradient, as handed in
 KIND_OUTPUT = 2  # a rank's reduced shard of the mean
-_KINDS = (KIND_INPUT, KIND_OUTPUT)
+KIND_SHARD = 3  # the part of a rank's input that one shard's reducer reads (names.shard_data_name)
+_KINDS = (KIND_INPUT, KIND_OUTPUT, KIND_SHARD)
 FLAG_NONFINITE = 1
 FLAG_CHECKSUMS = 2  # meta["crc"]: CRC-32 of every CRC_BLOCK bytes of payload, 8 hex digits each
 CRC_BLOCK = 1 << 20

@@ -51,7 +51,14 @@ from .checks import (
     stale_error,
     unusable,
 )
-from .header import FLAG_CHECKSUMS, KIND_INPUT, KIND_OUTPUT, decode_header, header_length
+from .header import (
+    FLAG_CHECKSUMS,
+    KIND_INPUT,
+    KIND_OUTPUT,
+    KIND_SHARD,
+    decode_header,
+    header_length,
+)
 from .transport import Transport
 
 __all__ = ["Peer", "PeerFiles", "check_inputs", "check_length", "nonfinite_error", "reading"]
@@ -119,7 +126,7 @@ class PeerFiles:
         self.rank = cfg.rank
         self.world = cfg.world_size
         self._transport = transport
-        self._path_of = path_of  # (rank, "in" or "out") -> its data file for this call
+        self._path_of = path_of  # (rank, "in" or "out") -> its file this rank reads this call
         self._data_names = data_names  # (rank, "in"/"out", call) -> every name it may have
         self._dirs = dirs  # the generation's directory and this rank's step dirs, held open
         self._watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
@@ -328,6 +335,8 @@ class PeerFiles:
         except (OSError, EOFError) as exc:
             reader.close()
             raise translate_oserror(OSError(str(exc)), "reading", path, step=step) from exc
+        if kind == KIND_INPUT and header.kind == KIND_SHARD:
+            kind = KIND_SHARD  # the part of its input this rank reads (check_inputs)
         ours = (header.kind, header.rank, header.generation) == (kind, rank, self.gen.header_id)
         if ours and header.seq < seq:
             # Its marker of call seq is there, so it wrote this file before: what this

@@ -176,6 +176,26 @@ class Plan:
             self.layout_text,
         )
 
+    def input_spans(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """Byte ranges ``[a, b)`` of an input payload holding ``rank``'s shard of every
+        group, in order: what its reducer reads of each rank's input."""
+        return self._input_spans[rank]
+
+    @functools.cached_property
+    def _input_spans(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        world = len(self.out_lens)
+        if self.wire is not None:
+            return tuple(tuple(self.wire.shard_spans(self.groups, q)) for q in range(world))
+        return tuple(
+            tuple(
+                (g.in_offset + lo * g.dtype.itemsize, g.in_offset + hi * g.dtype.itemsize)
+                for g in self.groups
+                for lo, hi in [g.shards[q]]
+                if lo < hi
+            )
+            for q in range(world)
+        )
+
     def ordered_params(self) -> list[int]:
         """Param indices in payload order."""
         return [index for g in self.groups for index, _, _ in g.params]

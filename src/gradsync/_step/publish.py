@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +14,22 @@ import numpy as np
 from gradsync._errors import SyncDirError
 from gradsync._faults import fault_point
 from gradsync._job.ejoin import joins_waiting
-from gradsync._names import JOINS, shared_input_name
+from gradsync._names import JOINS, shard_data_name, shared_input_name
 from gradsync._store.api import store
 from gradsync._store.files import place_marker, translate_oserror
 
 from .buffers import SharedBuffers
 from .checks import Peer, check_inputs
-from .header import KIND_INPUT, Layout, block_crcs, crc_placeholder, longest_nonfinite
+from .datafile import DataReader
+from .header import (
+    KIND_INPUT,
+    KIND_SHARD,
+    Layout,
+    block_crcs,
+    crc_placeholder,
+    decode_header,
+    longest_nonfinite,
+)
 from .plan import Plan
 from .stale import StaleWatch
 from .state import EngineState, one_slot, others
@@ -51,6 +60,9 @@ class Publishing(EngineState):
     ) -> None:
         """Publish this rank's input: only the header when ``shared`` holds the arrays."""
         self._make_step_dir(step_dir, step)
+        if self._shard_inputs(plan):  # never with shared arrays: those are mapped
+            self._write_shards(step_dir, plan, step, nonfinite, _plain_parts(plan, flats))
+            return
 
         def payload() -> list[np.ndarray]:
             return [flats[i] for i in plan.ordered_params() if flats[i].size]
@@ -104,22 +116,56 @@ class Publishing(EngineState):
         """Write this rank's ``kind`` data in place (no ``chunks``: already written
         through a mapping; an int: that many bytes nobody reads), then publish its
         marker."""
+        if chunks:
+            self._write_file(self.data_path(self.rank, kind), chunks, step, kind)
+        elif _FAULTS_ON:
+            fault_point(f"mid_{'publish' if kind == 'in' else 'output'}", self.rank, self.seq)
+        self._announce(step_dir, kind, step)
 
+    def _write_shards(
+        self,
+        step_dir: Path,
+        plan: Plan,
+        step: int,
+        nonfinite: list[int],
+        parts: Callable[[int], list[np.ndarray]],
+    ) -> None:
+        """Write what each peer q reduces of this rank's input (``parts(q)``: the bytes
+        of ``plan.input_spans(q)``) into a file of its own, then publish the marker.
+        This rank reads its own part from memory: its file is only a header, kept here."""
+        for q in range(self.world):
+            payload = [p.reshape(-1).view(np.uint8) for p in parts(q)]
+            size = sum(len(p) for p in payload)
+            crc = block_crcs([p.data for p in payload], size) if self.cfg.checksums else None
+            head = self._header(KIND_SHARD, step, plan, size, nonfinite, crc)
+            path = self.gen.path / shard_data_name(self.rank, q, self.seq)
+            if q == self.rank:
+                reader = DataReader(path, head, len(head) + size, None, None)
+                self.own_input = Peer(reader, decode_header(head, str(path)), path)
+                continue
+            self._write_file(path, [head, *payload], step, "in")
+        self._announce(step_dir, "in", step)
+
+    def _write_file(
+        self,
+        path: Path,
+        chunks: Sequence[bytes | memoryview | np.ndarray | int],
+        step: int,
+        kind: str,
+    ) -> None:
         def midway() -> None:
             fault_point(f"mid_{'publish' if kind == 'in' else 'output'}", self.rank, self.seq)
 
         views = [c if not isinstance(c, np.ndarray) else c.data for c in chunks]
-        path = self.data_path(self.rank, kind)
-        if not views:  # already written in place through a mapping
-            if _FAULTS_ON:
-                midway()
-        else:
-            try:
-                self._transport.write(
-                    path, views, midway if _FAULTS_ON else None, self.workers.copy
-                )
-            except OSError as exc:
-                raise translate_oserror(exc, "writing", path, step=step) from exc
+        try:
+            self._transport.write(path, views, midway if _FAULTS_ON else None, self.workers.copy)
+        except OSError as exc:
+            raise translate_oserror(exc, "writing", path, step=step) from exc
+        if self._per_call:
+            self._call_files.setdefault(self.seq, []).append(path)
+
+    def _announce(self, step_dir: Path, kind: str, step: int) -> None:
+        """Publish this rank's marker of ``kind`` data in this call's directory."""
         name = self._markers[kind]
         marker = step_dir / name
         # Nobody looks at this rank's marker of call seq-2 any more (docs/protocol.md).
@@ -133,15 +179,14 @@ class Publishing(EngineState):
             self._remove_old(step)
 
     def _remove_old(self, step: int) -> None:
-        """Remove this rank's files of call seq-2 (every call publishes an input, not
-        every call a shard): all their readers have finished (StepEngine.data_path)."""
-        for kind in ("in", "out"):
-            path = self.data_path(self.rank, kind, self.seq - 2)
+        """Remove this rank's files of call seq-2: all their readers have finished
+        (StepEngine.data_path)."""
+        for path in self._call_files.pop(self.seq - 2, []):
             self._transport.forget(path)
             try:
                 store().remove(self._dir.fd, path.name)
             except FileNotFoundError:
-                pass  # the first calls, a call without a shard, or a new generation
+                pass  # a new generation
             except OSError as exc:
                 raise translate_oserror(exc, "removing", path, step=step) from exc
 
@@ -263,3 +308,13 @@ class Publishing(EngineState):
         except FileNotFoundError:
             return False
         return True
+
+
+def _plain_parts(plan: Plan, flats: list[np.ndarray]) -> Callable[[int], list[np.ndarray]]:
+    """The arrays holding rank q's shard of every group, in payload order."""
+
+    def parts(q: int) -> list[np.ndarray]:
+        pieces = (g.segments(*g.shards[q]) for g in plan.groups)
+        return [flats[p][a:b] for segments in pieces for p, a, b, _ in segments]
+
+    return parts

@@ -13,17 +13,25 @@ from gradsync._config import FileGradSyncConfig
 from gradsync._errors import InvalidGradsError, SyncDirError
 from gradsync._job.liveness import Heartbeat
 from gradsync._job.rendezvous import Generation
-from gradsync._names import call_data_name, data_name, input_marker, output_marker
+from gradsync._names import (
+    call_data_name,
+    data_name,
+    input_marker,
+    output_marker,
+    shard_data_name,
+)
 from gradsync._store.dirs import GenDir
 from gradsync._store.files import translate_oserror
 
 from .buffers import SharedBuffers
+from .checks import Peer
 from .codec import Codec, codec_for
 from .header import (
     FLAG_CHECKSUMS,
     FLAG_NONFINITE,
     HEADER_READ_BYTES,
     KIND_INPUT,
+    KIND_SHARD,
     MAX_META,
     Layout,
     encode_header,
@@ -75,6 +83,10 @@ class EngineState:
         self._shared_serial = 0
         self._watch: StaleWatch | None = None  # over the last buffers_like arrays
         self._linked: Path | None = None  # the shared file this rank's input name points at
+        # Across hosts: the files this rank wrote for each call, removed two calls later.
+        self._call_files: dict[int, list[Path]] = {}
+        # This call's own input as peers see it, where this rank writes no file to read.
+        self.own_input: Peer | None = None
         self._markers = {"in": input_marker(self.rank), "out": output_marker(self.rank)}
         # Every rank's markers: what rank 0 expects in a step directory it removes.
         self._marker_names = [
@@ -95,7 +107,7 @@ class EngineState:
         # and rewriting them whole): where other hosts read, each call's files are new.
         self._per_call = not local and not mapped
         self._peers = PeerFiles(
-            cfg, gen, self._transport, self.data_path, self._data_names, self._dir, closing
+            cfg, gen, self._transport, self._peer_path, self._data_names, self._dir, closing
         )
         self._heartbeat = gen.heartbeat or Heartbeat(
             gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s
@@ -163,13 +175,30 @@ class EngineState:
 
     def _data_names(self, rank: int, kind: str, seq: int) -> tuple[Path, ...]:
         """Every name ``rank``'s ``kind`` data of call ``seq`` may have: one file, two
-        slots, or a file of that call alone (a peer that sees the filesystem as its own
-        host's keeps reusing files where this rank does not)."""
-        return (
+        slots, a file of that call alone, or the part of its input that this rank reads
+        (a peer that sees the filesystem as its own host's keeps reusing files where
+        this rank does not)."""
+        names = (
             self.gen.path / data_name(rank, kind, None),
             self.gen.path / data_name(rank, kind, seq % 2),
             self.gen.path / call_data_name(rank, kind, seq),
         )
+        if kind == "in":
+            return (*names, self.gen.path / shard_data_name(rank, self.rank, seq))
+        return names
+
+    def _shard_inputs(self, plan: Plan) -> bool:
+        """Whether this rank writes its input as one file per shard, each read by that
+        shard's reducer alone: across hosts, where a reader of a range of a shared file
+        fetches whole blocks of it (the filesystem's, 4 MiB on JuiceFS)."""
+        return self._per_call and one_slot(plan) and self.cfg.strategy == "sharded"
+
+    def _peer_path(self, rank: int, kind: str) -> Path:
+        """The file of ``rank``'s ``kind`` data of this call that this rank reads."""
+        plan = self._plan
+        if kind == "in" and plan is not None and self._shard_inputs(plan):
+            return self.gen.path / shard_data_name(rank, self.rank, self.seq)
+        return self.data_path(rank, kind)
 
     def _input_name(self) -> Path:
         """This rank's input file of a one-file plan, the name that links to shared
@@ -201,7 +230,7 @@ class EngineState:
         crc: str | None = None,
         payload_offset: int | None = None,
     ) -> bytes:
-        layout_text = plan.layout_text if kind == KIND_INPUT else None
+        layout_text = plan.layout_text if kind in (KIND_INPUT, KIND_SHARD) else None
         meta = encode_meta(layout_text, nonfinite, crc)
         if len(meta) > MAX_META:
             # Readers would take the file for corrupt: refuse it here, before publishing.

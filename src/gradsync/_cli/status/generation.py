@@ -25,6 +25,7 @@ from gradsync._names import (
     left_name,
     member_rank,
     output_marker,
+    shard_data_glob,
     step_dir_name,
 )
 from gradsync._step.header import HEADER_READ_BYTES, decode_header, header_length
@@ -99,10 +100,12 @@ def _user_step(gen: Path, rank: int, call: int) -> int | None:
     """The step ``rank`` passed on call ``call``, from its data file's header, if kept.
 
     Large gradients reuse one file every call, small ones alternate two slots, and
-    across hosts each call has its own: the file whose header is of ``call`` holds it.
+    across hosts each call has its own (or one for each peer, the part it reduces):
+    the file whose header is of ``call`` holds it.
     """
     names = [data_name(rank, "in", slot) for slot in (None, 0, 1)]
-    for name in [call_data_name(rank, "in", call), *names]:
+    parts = sorted(p.name for p in gen.glob(shard_data_glob(rank, call)))
+    for name in [call_data_name(rank, "in", call), *parts[:1], *names]:
         path = gen / name
         try:
             # Never a plain open: a FIFO in the file's place would block it forever.
