@@ -7,6 +7,7 @@ codec must not change a byte."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -182,3 +183,24 @@ def test_a_run_encoded_in_pieces_on_block_boundaries_is_the_same(name: str) -> N
         codec.encode(x[a:b], s, got_codes[a:b])
     assert _bits(got_scales) == _bits(scales)
     assert _bits(got_codes) == _bits(codes)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp16"])
+def test_threads_encoding_at_once_get_their_own_bytes(name: str) -> None:
+    codec = CODECS[name]
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal(3 << 16).astype(np.float32) * 10.0**k for k in range(-4, 4)]
+    wanted = [ref_encode(name, x) for x in inputs]
+
+    def encode(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        scales = np.empty(codec.scale_count(len(x)), np.float32)
+        codes = np.empty(len(x), codec.code)
+        for _ in range(5):
+            codec.encode(x, scales, codes)
+        return scales, codes
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(encode, inputs))
+    for (scales, codes), (want_scales, want_codes) in zip(got, wanted, strict=True):
+        assert _bits(scales) == _bits(want_scales)
+        assert _bits(codes) == _bits(want_codes)

@@ -11,6 +11,7 @@ says what each codec keeps of a value, and what becomes of NaN and Inf.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +33,7 @@ _INT8_NONFINITE = -128
 _INF_BITS = 0x7F800000
 # 1.5 * 2^23: a float32 in [2^23, 2^24) is an integer, with 1 between neighbours.
 _ROUNDER = np.float32(1.5 * 2**23)
+_kept = threading.local()
 
 
 @dataclass(frozen=True)
@@ -54,33 +56,32 @@ class Codec:
     def encode(self, x: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
         """Encode the float array ``x`` into ``scales`` (float32) and ``codes``."""
         full = len(x) // BLOCK * BLOCK
-        encoder = _ENCODERS[self.name]
-        # One scratch for every chunk (two where the input is first cast to float32).
-        work = np.empty((min(_CHUNK, max(full, BLOCK)) // BLOCK, BLOCK), np.float32)
-        cast = None if x.dtype == np.float32 else np.empty_like(work)
+        encoder, count = _ENCODERS[self.name]
+        # The encoder's scratch arrays, then one for x cast to float32.
+        work = _scratch(count + 1, min(_CHUNK, max(full, BLOCK)) // BLOCK)
         with np.errstate(all="ignore"):
             for a in range(0, full, _CHUNK):
                 b = min(a + _CHUNK, full)
                 rows = x[a:b].reshape(-1, BLOCK)
-                if cast is not None:
-                    rows = cast[: len(rows)]
-                    np.copyto(rows, x[a:b].reshape(-1, BLOCK), casting="same_kind")
+                if x.dtype != np.float32:
+                    np.copyto(work[-1, : len(rows)], rows, casting="same_kind")
+                    rows = work[-1, : len(rows)]
                 s = scales[a // BLOCK : b // BLOCK] if self.scaled else scales
-                encoder(rows, s, codes[a:b].reshape(-1, BLOCK), work[: len(rows)])
+                encoder(rows, s, codes[a:b].reshape(-1, BLOCK), work[:-1, : len(rows)])
             if full < len(x):
                 # The last, partial block: padded with zeros, which change no scale.
                 tail = np.zeros((1, BLOCK), np.float32)
                 tail[0, : len(x) - full] = x[full:]
                 out = np.empty((1, BLOCK), self.code)
                 s = scales[full // BLOCK :] if self.scaled else scales
-                encoder(tail, s, out, work[:1])
+                encoder(tail, s, out, work[:-1, :1])
                 codes[full:] = out[0, : len(x) - full]
 
     def decode(self, scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
         """Decode ``codes`` (and their ``scales``) into the float array ``out``."""
         full = len(out) // BLOCK * BLOCK
         decoder = _DECODERS[self.name]
-        cast = None if out.dtype == np.float32 else np.empty((_CHUNK // BLOCK, BLOCK), np.float32)
+        cast = None if out.dtype == np.float32 else _scratch(1, _CHUNK // BLOCK)[0]
         with np.errstate(all="ignore"):
             for a in range(0, full, _CHUNK):
                 b = min(a + _CHUNK, full)
@@ -95,6 +96,16 @@ class Codec:
                 dst = np.empty((1, BLOCK), np.float32)
                 decoder(scales[full // BLOCK :] if self.scaled else scales, padded, dst)
                 np.copyto(out[full:], dst[0, : len(out) - full], casting="unsafe")
+
+
+def _scratch(count: int, rows: int) -> np.ndarray:
+    """``count`` float32 arrays of ``rows`` blocks, kept by this thread from call to
+    call: fresh pages cost a fault each, and a codec call holds only one scratch."""
+    size = count * rows * BLOCK
+    buf: np.ndarray | None = getattr(_kept, "scratch", None)
+    if buf is None or len(buf) < size:
+        buf = _kept.scratch = np.empty(size, np.float32)
+    return buf[:size].reshape(count, rows, BLOCK)
 
 
 def _amax(rows: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -119,13 +130,13 @@ def _flag(scales: np.ndarray, rows: np.ndarray) -> None:
 
 
 def _encode_int8(rows: np.ndarray, scales: np.ndarray, codes: np.ndarray, work: np.ndarray) -> None:
-    amax, finite = _amax(rows, work)
+    amax, finite = _amax(rows, work[0])
     small = amax < _TINY
     inv = np.float32(127) / amax
     inv[small] = 0
     # einsum: the broadcast multiply, with less overhead per row. It turns a -0.0
     # product into 0.0, the same code.
-    scaled = np.einsum("ij,i->ij", rows, inv, out=work)
+    scaled = np.einsum("ij,i->ij", rows, inv, out=work[0])
     # rint and the cast in one pass: the sum rounds to an integer, ties to even as rint
     # does, and the low byte of its bits (all the cast keeps) is the code.
     scaled += _ROUNDER
@@ -150,32 +161,32 @@ def _decode_int8(scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None
 
 
 def _encode_fp16(rows: np.ndarray, scales: np.ndarray, codes: np.ndarray, work: np.ndarray) -> None:
-    amax, finite = _amax(rows, work)
+    amax, finite = _amax(rows, work[0])
     # A power of two putting the block's largest value in [2^14, 2^15): exact to apply,
     # and far below float16's largest, 65504.
     _, exp = np.frexp(np.maximum(amax, _TINY))
     np.ldexp(np.float32(1), exp - 15, out=scales)
     inv = np.ldexp(np.float32(1), 15 - exp).astype(np.float32)
-    scaled = np.multiply(rows, inv[:, None], out=work)  # not einsum: -0.0 stays -0.0
+    scaled = np.multiply(rows, inv[:, None], out=work[0])  # not einsum: -0.0 stays -0.0
     if finite:
-        _float16_bits(scaled, codes.view(np.uint16))
+        _float16_bits(scaled, codes.view(np.uint16), work[1:])
         return
     bad = ~np.isfinite(scaled)
     nonfinite = scaled[bad].astype(np.float16)
-    _float16_bits(scaled, codes.view(np.uint16))
+    _float16_bits(scaled, codes.view(np.uint16), work[1:])
     codes[bad] = nonfinite
     _flag(scales, rows)
 
 
-def _float16_bits(x: np.ndarray, out: np.ndarray) -> None:
+def _float16_bits(x: np.ndarray, out: np.ndarray, spare: np.ndarray) -> None:
     """float32 ``x`` (finite, below 2^15 in magnitude) as float16 bits in ``out``,
     rounded to nearest even; magnitudes below float16's smallest normal become 0.
-    Overwrites ``x``."""
+    Overwrites ``x`` and the two arrays of ``spare``."""
     bits = x.view(np.uint32)
-    sign = bits >> 16
+    sign = np.right_shift(bits, 16, out=spare[0].view(np.uint32))
     sign &= 0x8000
     bits &= 0x7FFFFFFF
-    up = bits >> 13
+    up = np.right_shift(bits, 13, out=spare[1].view(np.uint32))
     up &= 1
     up += 0xFFF
     bits += up
@@ -207,7 +218,7 @@ def _encode_bf16(
 ) -> None:
     bits = rows.view(np.uint32)
     # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, keep the top half.
-    up = np.right_shift(bits, 16, out=work.view(np.uint32))
+    up = np.right_shift(bits, 16, out=work[0].view(np.uint32))
     up &= 1
     up += bits
     up += 0x7FFF
@@ -226,7 +237,9 @@ def _decode_bf16(_scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> Non
     bits <<= 16
 
 
-_ENCODERS = {"int8": _encode_int8, "fp16": _encode_fp16, "bf16": _encode_bf16}
+# Each encoder, and how many float32 scratch arrays the size of its rows it takes
+# (``work``, whose contents it may overwrite).
+_ENCODERS = {"int8": (_encode_int8, 1), "fp16": (_encode_fp16, 3), "bf16": (_encode_bf16, 1)}
 _DECODERS = {"int8": _decode_int8, "fp16": _decode_fp16, "bf16": _decode_bf16}
 
 CODECS: dict[str, Codec] = {
