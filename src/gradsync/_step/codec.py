@@ -34,6 +34,8 @@ _INF_BITS = 0x7F800000
 # 1.5 * 2^23: a float32 in [2^23, 2^24) is an integer, with 1 between neighbours.
 _ROUNDER = np.float32(1.5 * 2**23)
 _kept = threading.local()
+# Where the blocks of a chunk start.
+_STARTS = np.arange(0, _CHUNK, BLOCK)
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,8 @@ def _amax(rows: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, bool]:
     every element is finite. Overwrites ``work``."""
     # From the bits: finite magnitudes order as their integers do; Inf and NaN lie above.
     magnitude = np.bitwise_and(rows.view(np.uint32), 0x7FFFFFFF, out=work.view(np.uint32))
-    top = magnitude.max(axis=1)
+    # reduceat: the maximum per row, with less overhead per row than max(axis=1).
+    top = np.maximum.reduceat(magnitude.reshape(-1), _STARTS[: len(rows)])
     bad = top >= _INF_BITS
     if not bad.any():
         return top.view(np.float32), True
