@@ -36,6 +36,7 @@ _ROUNDER = np.float32(1.5 * 2**23)
 _kept = threading.local()
 # Where the blocks of a chunk start.
 _STARTS = np.arange(0, _CHUNK, BLOCK)
+_NO_SCRATCH = np.empty((0, 0, BLOCK), np.float32)
 
 
 @dataclass(frozen=True)
@@ -59,24 +60,25 @@ class Codec:
         """Encode the float array ``x`` into ``scales`` (float32) and ``codes``."""
         full = len(x) // BLOCK * BLOCK
         encoder, count = _ENCODERS[self.name]
+        cast = x.dtype != np.float32
         # The encoder's scratch arrays, then one for x cast to float32.
-        work = _scratch(count + 1, min(_CHUNK, max(full, BLOCK)) // BLOCK)
+        work = _scratch(count + cast, min(_CHUNK, max(full, BLOCK)) // BLOCK)
         with np.errstate(all="ignore"):
             for a in range(0, full, _CHUNK):
                 b = min(a + _CHUNK, full)
                 rows = x[a:b].reshape(-1, BLOCK)
-                if x.dtype != np.float32:
-                    np.copyto(work[-1, : len(rows)], rows, casting="same_kind")
-                    rows = work[-1, : len(rows)]
+                if cast:
+                    np.copyto(work[count, : len(rows)], rows, casting="same_kind")
+                    rows = work[count, : len(rows)]
                 s = scales[a // BLOCK : b // BLOCK] if self.scaled else scales
-                encoder(rows, s, codes[a:b].reshape(-1, BLOCK), work[:-1, : len(rows)])
+                encoder(rows, s, codes[a:b].reshape(-1, BLOCK), work[:count, : len(rows)])
             if full < len(x):
                 # The last, partial block: padded with zeros, which change no scale.
                 tail = np.zeros((1, BLOCK), np.float32)
                 tail[0, : len(x) - full] = x[full:]
                 out = np.empty((1, BLOCK), self.code)
                 s = scales[full // BLOCK :] if self.scaled else scales
-                encoder(tail, s, out, work[:-1, :1])
+                encoder(tail, s, out, work[:count, :1])
                 codes[full:] = out[0, : len(x) - full]
 
     def decode(self, scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
@@ -104,6 +106,8 @@ def _scratch(count: int, rows: int) -> np.ndarray:
     """``count`` float32 arrays of ``rows`` blocks, kept by this thread from call to
     call: fresh pages cost a fault each, and a codec call holds only one scratch."""
     size = count * rows * BLOCK
+    if not size:
+        return _NO_SCRATCH
     buf: np.ndarray | None = getattr(_kept, "scratch", None)
     if buf is None or len(buf) < size:
         buf = _kept.scratch = np.empty(size, np.float32)
@@ -217,14 +221,14 @@ def _decode_fp16(scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None
 
 
 def _encode_bf16(
-    rows: np.ndarray, _scales: np.ndarray, codes: np.ndarray, work: np.ndarray
+    rows: np.ndarray, _scales: np.ndarray, codes: np.ndarray, _work: np.ndarray
 ) -> None:
     bits = rows.view(np.uint32)
     # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, keep the top half.
-    up = np.right_shift(bits, 16, out=work[0].view(np.uint32))
+    up = bits >> 16
     up &= 1
-    up += bits
     up += 0x7FFF
+    up += bits
     up >>= 16
     np.copyto(codes, up, casting="unsafe")
     # The least element is NaN where any is: one pass that reads (isnan would also write).
@@ -242,7 +246,7 @@ def _decode_bf16(_scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> Non
 
 # Each encoder, and how many float32 scratch arrays the size of its rows it takes
 # (``work``, whose contents it may overwrite).
-_ENCODERS = {"int8": (_encode_int8, 1), "fp16": (_encode_fp16, 3), "bf16": (_encode_bf16, 1)}
+_ENCODERS = {"int8": (_encode_int8, 1), "fp16": (_encode_fp16, 3), "bf16": (_encode_bf16, 0)}
 _DECODERS = {"int8": _decode_int8, "fp16": _decode_fp16, "bf16": _decode_bf16}
 
 CODECS: dict[str, Codec] = {
