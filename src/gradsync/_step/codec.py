@@ -36,7 +36,7 @@ _ROUNDER = np.float32(1.5 * 2**23)
 _kept = threading.local()
 # Where the blocks of a chunk start.
 _STARTS = np.arange(0, _CHUNK, BLOCK)
-_NO_SCRATCH = np.empty((0, 0, BLOCK), np.float32)
+_PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -60,32 +60,33 @@ class Codec:
         """Encode the float array ``x`` into ``scales`` (float32) and ``codes``."""
         full = len(x) // BLOCK * BLOCK
         encoder, count = _ENCODERS[self.name]
-        cast = x.dtype != np.float32
-        # The encoder's scratch arrays, then one for x cast to float32.
-        work = _scratch(count + cast, min(_CHUNK, max(full, BLOCK)) // BLOCK)
+        cast = int(x.dtype != np.float32)
+        # The float32 copy of x where it is not float32, then the encoder's scratch.
+        arrays = _scratch(cast + count, min(_CHUNK, max(full, BLOCK)) // BLOCK, x)
         with np.errstate(all="ignore"):
             for a in range(0, full, _CHUNK):
                 b = min(a + _CHUNK, full)
                 rows = x[a:b].reshape(-1, BLOCK)
                 if cast:
-                    np.copyto(work[count, : len(rows)], rows, casting="same_kind")
-                    rows = work[count, : len(rows)]
+                    np.copyto(arrays[0][: len(rows)], rows, casting="same_kind")
+                    rows = arrays[0][: len(rows)]
                 s = scales[a // BLOCK : b // BLOCK] if self.scaled else scales
-                encoder(rows, s, codes[a:b].reshape(-1, BLOCK), work[:count, : len(rows)])
+                work = [w[: len(rows)] for w in arrays[cast:]]
+                encoder(rows, s, codes[a:b].reshape(-1, BLOCK), work)
             if full < len(x):
                 # The last, partial block: padded with zeros, which change no scale.
                 tail = np.zeros((1, BLOCK), np.float32)
                 tail[0, : len(x) - full] = x[full:]
                 out = np.empty((1, BLOCK), self.code)
                 s = scales[full // BLOCK :] if self.scaled else scales
-                encoder(tail, s, out, work[:count, :1])
+                encoder(tail, s, out, [w[:1] for w in arrays[cast:]])
                 codes[full:] = out[0, : len(x) - full]
 
     def decode(self, scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
         """Decode ``codes`` (and their ``scales``) into the float array ``out``."""
         full = len(out) // BLOCK * BLOCK
         decoder = _DECODERS[self.name]
-        cast = None if out.dtype == np.float32 else _scratch(1, _CHUNK // BLOCK)[0]
+        cast = None if out.dtype == np.float32 else _scratch(1, _CHUNK // BLOCK, out)[0]
         with np.errstate(all="ignore"):
             for a in range(0, full, _CHUNK):
                 b = min(a + _CHUNK, full)
@@ -102,16 +103,32 @@ class Codec:
                 np.copyto(out[full:], dst[0, : len(out) - full], casting="unsafe")
 
 
-def _scratch(count: int, rows: int) -> np.ndarray:
+def _scratch(count: int, rows: int, near: np.ndarray) -> list[np.ndarray]:
     """``count`` float32 arrays of ``rows`` blocks, kept by this thread from call to
-    call: fresh pages cost a fault each, and a codec call holds only one scratch."""
-    size = count * rows * BLOCK
-    if not size:
-        return _NO_SCRATCH
+    call (fresh pages cost a fault each; a codec call holds one scratch at a time).
+    Each starts 1 KiB on (mod 4 KiB) from the one before, the first from ``near``:
+    streams whose addresses agree mod 4 KiB stall each other (4K aliasing)."""
+    key = (count, rows, near.ctypes.data % _PAGE)
+    kept: dict[tuple[int, int, int], list[np.ndarray]] = getattr(_kept, "arrays", {})
+    if key in kept:
+        return kept[key]
+    size = rows * BLOCK * 4
     buf: np.ndarray | None = getattr(_kept, "scratch", None)
-    if buf is None or len(buf) < size:
-        buf = _kept.scratch = np.empty(size, np.float32)
-    return buf[:size].reshape(count, rows, BLOCK)
+    if buf is None or len(buf) < count * (size + _PAGE):
+        buf = _kept.scratch = np.empty(count * (size + _PAGE), np.uint8)
+        kept = {}
+    elif len(kept) >= 32:
+        kept = {}
+    _kept.arrays = kept
+    base, at, start = buf.ctypes.data, key[2], 0
+    arrays = []
+    for _ in range(count):
+        at = -(-(at + 1024) // 64) * 64
+        start += (at - base - start) % _PAGE
+        arrays.append(buf[start : start + size].view(np.float32).reshape(rows, BLOCK))
+        at, start = base + start, start + size
+    kept[key] = arrays
+    return arrays
 
 
 def _amax(rows: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -136,7 +153,9 @@ def _flag(scales: np.ndarray, rows: np.ndarray) -> None:
     scales[marked] = np.copysign(scales[marked], -1)
 
 
-def _encode_int8(rows: np.ndarray, scales: np.ndarray, codes: np.ndarray, work: np.ndarray) -> None:
+def _encode_int8(
+    rows: np.ndarray, scales: np.ndarray, codes: np.ndarray, work: list[np.ndarray]
+) -> None:
     amax, finite = _amax(rows, work[0])
     small = amax < _TINY
     inv = np.float32(127) / amax
@@ -167,7 +186,9 @@ def _decode_int8(scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None
         out[k][codes[k] == _INT8_NONFINITE] = np.nan
 
 
-def _encode_fp16(rows: np.ndarray, scales: np.ndarray, codes: np.ndarray, work: np.ndarray) -> None:
+def _encode_fp16(
+    rows: np.ndarray, scales: np.ndarray, codes: np.ndarray, work: list[np.ndarray]
+) -> None:
     amax, finite = _amax(rows, work[0])
     # A power of two putting the block's largest value in [2^14, 2^15): exact to apply,
     # and far below float16's largest, 65504.
@@ -185,7 +206,7 @@ def _encode_fp16(rows: np.ndarray, scales: np.ndarray, codes: np.ndarray, work: 
     _flag(scales, rows)
 
 
-def _float16_bits(x: np.ndarray, out: np.ndarray, spare: np.ndarray) -> None:
+def _float16_bits(x: np.ndarray, out: np.ndarray, spare: list[np.ndarray]) -> None:
     """float32 ``x`` (finite, below 2^15 in magnitude) as float16 bits in ``out``,
     rounded to nearest even; magnitudes below float16's smallest normal become 0.
     Overwrites ``x`` and the two arrays of ``spare``."""
@@ -221,11 +242,11 @@ def _decode_fp16(scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None
 
 
 def _encode_bf16(
-    rows: np.ndarray, _scales: np.ndarray, codes: np.ndarray, _work: np.ndarray
+    rows: np.ndarray, _scales: np.ndarray, codes: np.ndarray, work: list[np.ndarray]
 ) -> None:
     bits = rows.view(np.uint32)
     # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, keep the top half.
-    up = bits >> 16
+    up = np.right_shift(bits, 16, out=work[0].view(np.uint32))
     up &= 1
     up += 0x7FFF
     up += bits
@@ -246,7 +267,7 @@ def _decode_bf16(_scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> Non
 
 # Each encoder, and how many float32 scratch arrays the size of its rows it takes
 # (``work``, whose contents it may overwrite).
-_ENCODERS = {"int8": (_encode_int8, 1), "fp16": (_encode_fp16, 3), "bf16": (_encode_bf16, 0)}
+_ENCODERS = {"int8": (_encode_int8, 1), "fp16": (_encode_fp16, 3), "bf16": (_encode_bf16, 1)}
 _DECODERS = {"int8": _decode_int8, "fp16": _decode_fp16, "bf16": _decode_bf16}
 
 CODECS: dict[str, Codec] = {
