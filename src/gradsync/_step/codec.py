@@ -10,6 +10,8 @@ says what each codec keeps of a value, and what becomes of NaN and Inf.
 
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,6 +29,14 @@ _CHUNK = 1 << 16
 _TINY = np.float32(2.0**-100)
 # An int8 code meaning "not finite" (decoded as NaN); finite values use -127..127.
 _INT8_NONFINITE = -128
+# float32 bits at and above this (magnitude) are Inf or NaN.
+_INF_BITS = 0x7F800000
+# 1.5 * 2^23: a float32 in [2^23, 2^24) is an integer, with 1 between neighbours.
+_ROUNDER = np.float32(1.5 * 2**23)
+_kept = threading.local()
+# Where the blocks of a chunk start.
+_STARTS = np.arange(0, _CHUNK, BLOCK)
+_PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -49,54 +59,92 @@ class Codec:
     def encode(self, x: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
         """Encode the float array ``x`` into ``scales`` (float32) and ``codes``."""
         full = len(x) // BLOCK * BLOCK
+        encoder, count = _ENCODERS[self.name]
+        cast = int(x.dtype != np.float32)
+        # The float32 copy of x where it is not float32, then the encoder's scratch.
+        arrays = _scratch(cast + count, min(_CHUNK, max(full, BLOCK)) // BLOCK, x)
         with np.errstate(all="ignore"):
             for a in range(0, full, _CHUNK):
                 b = min(a + _CHUNK, full)
-                part = x[a:b] if x.dtype == np.float32 else x[a:b].astype(np.float32)
+                rows = x[a:b].reshape(-1, BLOCK)
+                if cast:
+                    np.copyto(arrays[0][: len(rows)], rows, casting="same_kind")
+                    rows = arrays[0][: len(rows)]
                 s = scales[a // BLOCK : b // BLOCK] if self.scaled else scales
-                _ENCODERS[self.name](part.reshape(-1, BLOCK), s, codes[a:b].reshape(-1, BLOCK))
+                work = [w[: len(rows)] for w in arrays[cast:]]
+                encoder(rows, s, codes[a:b].reshape(-1, BLOCK), work)
             if full < len(x):
                 # The last, partial block: padded with zeros, which change no scale.
                 tail = np.zeros((1, BLOCK), np.float32)
                 tail[0, : len(x) - full] = x[full:]
                 out = np.empty((1, BLOCK), self.code)
                 s = scales[full // BLOCK :] if self.scaled else scales
-                _ENCODERS[self.name](tail, s, out)
+                encoder(tail, s, out, [w[:1] for w in arrays[cast:]])
                 codes[full:] = out[0, : len(x) - full]
 
     def decode(self, scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
         """Decode ``codes`` (and their ``scales``) into the float array ``out``."""
         full = len(out) // BLOCK * BLOCK
-        direct = out.dtype == np.float32
+        decoder = _DECODERS[self.name]
+        cast = None if out.dtype == np.float32 else _scratch(1, _CHUNK // BLOCK, out)[0]
         with np.errstate(all="ignore"):
             for a in range(0, full, _CHUNK):
                 b = min(a + _CHUNK, full)
-                dst = out[a:b] if direct else np.empty(b - a, np.float32)
-                s = scales[a // BLOCK : b // BLOCK] if self.scaled else scales
-                _DECODERS[self.name](s, codes[a:b].reshape(-1, BLOCK), dst.reshape(-1, BLOCK))
-                if not direct:
-                    np.copyto(out[a:b], dst, casting="unsafe")
+                rows = codes[a:b].reshape(-1, BLOCK)
+                dst = out[a:b].reshape(-1, BLOCK) if cast is None else cast[: len(rows)]
+                decoder(scales[a // BLOCK : b // BLOCK] if self.scaled else scales, rows, dst)
+                if cast is not None:
+                    np.copyto(out[a:b], dst.reshape(-1), casting="unsafe")
             if full < len(out):
                 padded = np.zeros((1, BLOCK), self.code)
                 padded[0, : len(out) - full] = codes[full:]
                 dst = np.empty((1, BLOCK), np.float32)
-                s = scales[full // BLOCK :] if self.scaled else scales
-                _DECODERS[self.name](s, padded, dst)
+                decoder(scales[full // BLOCK :] if self.scaled else scales, padded, dst)
                 np.copyto(out[full:], dst[0, : len(out) - full], casting="unsafe")
 
 
-def _amax(rows: np.ndarray) -> tuple[np.ndarray, bool]:
+def _scratch(count: int, rows: int, near: np.ndarray) -> list[np.ndarray]:
+    """``count`` float32 arrays of ``rows`` blocks, kept by this thread from call to
+    call (fresh pages cost a fault each; a codec call holds one scratch at a time).
+    Each starts 1 KiB on (mod 4 KiB) from the one before, the first from ``near``:
+    streams whose addresses agree mod 4 KiB stall each other (4K aliasing)."""
+    key = (count, rows, near.ctypes.data % _PAGE)
+    kept: dict[tuple[int, int, int], list[np.ndarray]] = getattr(_kept, "arrays", {})
+    if key in kept:
+        return kept[key]
+    size = rows * BLOCK * 4
+    buf: np.ndarray | None = getattr(_kept, "scratch", None)
+    if buf is None or len(buf) < count * (size + _PAGE):
+        buf = _kept.scratch = np.empty(count * (size + _PAGE), np.uint8)
+        kept = {}
+    elif len(kept) >= 32:
+        kept = {}
+    _kept.arrays = kept
+    base, at, start = buf.ctypes.data, key[2], 0
+    arrays = []
+    for _ in range(count):
+        at = -(-(at + 1024) // 64) * 64
+        start += (at - base - start) % _PAGE
+        arrays.append(buf[start : start + size].view(np.float32).reshape(rows, BLOCK))
+        at, start = base + start, start + size
+    kept[key] = arrays
+    return arrays
+
+
+def _amax(rows: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, bool]:
     """The largest finite magnitude of each row (0 for a row of none), and whether
-    every element is finite."""
-    amax = np.max(np.abs(rows), axis=1)
-    bad = ~np.isfinite(amax)
+    every element is finite. Overwrites ``work``."""
+    # From the bits: finite magnitudes order as their integers do; Inf and NaN lie above.
+    magnitude = np.bitwise_and(rows.view(np.uint32), 0x7FFFFFFF, out=work.view(np.uint32))
+    # reduceat: the maximum per row, with less overhead per row than max(axis=1).
+    top = np.maximum.reduceat(magnitude.reshape(-1), _STARTS[: len(rows)])
+    bad = top >= _INF_BITS
     if not bad.any():
-        return amax, True
+        return top.view(np.float32), True
     for k in np.flatnonzero(bad):
-        row = np.abs(rows[k])
-        finite = row[np.isfinite(row)]
-        amax[k] = finite.max() if finite.size else 0
-    return amax, False
+        finite = magnitude[k][magnitude[k] < _INF_BITS]
+        top[k] = finite.max() if finite.size else 0
+    return top.view(np.float32), False
 
 
 def _flag(scales: np.ndarray, rows: np.ndarray) -> None:
@@ -105,91 +153,108 @@ def _flag(scales: np.ndarray, rows: np.ndarray) -> None:
     scales[marked] = np.copysign(scales[marked], -1)
 
 
-def _encode_int8(rows: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
-    amax, finite = _amax(rows)
+def _encode_int8(
+    rows: np.ndarray, scales: np.ndarray, codes: np.ndarray, work: list[np.ndarray]
+) -> None:
+    amax, finite = _amax(rows, work[0])
     small = amax < _TINY
     inv = np.float32(127) / amax
     inv[small] = 0
-    scaled = rows * inv[:, None]
-    np.rint(scaled, out=scaled)
-    if not finite:
-        scaled[~np.isfinite(scaled)] = _INT8_NONFINITE
-    np.copyto(codes, scaled, casting="unsafe")
+    # einsum: the broadcast multiply, with less overhead per row. It turns a -0.0
+    # product into 0.0, the same code.
+    scaled = np.einsum("ij,i->ij", rows, inv, out=work[0])
+    # rint and the cast in one pass: the sum rounds to an integer, ties to even as rint
+    # does, and the low byte of its bits (all the cast keeps) is the code.
+    scaled += _ROUNDER
+    np.copyto(codes, scaled.view(np.int32), casting="unsafe")
     np.divide(amax, np.float32(127), out=scales)
     scales[small] = 0
     if not finite:
+        codes[~np.isfinite(scaled)] = _INT8_NONFINITE
         _flag(scales, rows)
 
 
 def _decode_int8(scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
     # Converted, then scaled in place: the mixed-type multiply's buffering costs ~20% more.
     np.copyto(out, codes)
+    flagged = np.signbit(scales)
+    if not flagged.any():
+        out *= scales[:, None]
+        return
     out *= np.abs(scales)[:, None]
-    for k in np.flatnonzero(np.signbit(scales)):
+    for k in np.flatnonzero(flagged):
         out[k][codes[k] == _INT8_NONFINITE] = np.nan
 
 
-def _encode_fp16(rows: np.ndarray, scales: np.ndarray, codes: np.ndarray) -> None:
-    amax, finite = _amax(rows)
+def _encode_fp16(
+    rows: np.ndarray, scales: np.ndarray, codes: np.ndarray, work: list[np.ndarray]
+) -> None:
+    amax, finite = _amax(rows, work[0])
     # A power of two putting the block's largest value in [2^14, 2^15): exact to apply,
     # and far below float16's largest, 65504.
     _, exp = np.frexp(np.maximum(amax, _TINY))
     np.ldexp(np.float32(1), exp - 15, out=scales)
     inv = np.ldexp(np.float32(1), 15 - exp).astype(np.float32)
-    scaled = rows * inv[:, None]
-    _float16_bits(scaled, codes.view(np.uint16))
-    if not finite:
-        bad = ~np.isfinite(scaled)
-        codes[bad] = scaled[bad].astype(np.float16)
-        _flag(scales, rows)
+    scaled = np.multiply(rows, inv[:, None], out=work[0])  # not einsum: -0.0 stays -0.0
+    if finite:
+        _float16_bits(scaled, codes.view(np.uint16), work[1:])
+        return
+    bad = ~np.isfinite(scaled)
+    nonfinite = scaled[bad].astype(np.float16)
+    _float16_bits(scaled, codes.view(np.uint16), work[1:])
+    codes[bad] = nonfinite
+    _flag(scales, rows)
 
 
-def _float16_bits(x: np.ndarray, out: np.ndarray) -> None:
+def _float16_bits(x: np.ndarray, out: np.ndarray, spare: list[np.ndarray]) -> None:
     """float32 ``x`` (finite, below 2^15 in magnitude) as float16 bits in ``out``,
-    rounded to nearest even; magnitudes below float16's smallest normal become 0."""
+    rounded to nearest even; magnitudes below float16's smallest normal become 0.
+    Overwrites ``x`` and the two arrays of ``spare``."""
     bits = x.view(np.uint32)
-    sign = bits >> 16
+    sign = np.right_shift(bits, 16, out=spare[0].view(np.uint32))
     sign &= 0x8000
-    magnitude = bits & 0x7FFFFFFF
-    up = magnitude >> 13
+    bits &= 0x7FFFFFFF
+    up = np.right_shift(bits, 13, out=spare[1].view(np.uint32))
     up &= 1
     up += 0xFFF
-    magnitude += up
-    magnitude >>= 13
+    bits += up
+    bits >>= 13
     # float32's exponent bias is 127, float16's 15: 112 << 10 apart.
-    half = magnitude.view(np.int32)
+    half = bits.view(np.int32)
     half -= 112 << 10
-    half[half < 1 << 10] = 0  # under float16's smallest normal (2^-14)
+    half *= half >= 1 << 10  # under float16's smallest normal (2^-14): 0
     half |= sign.view(np.int32)
     np.copyto(out, half, casting="unsafe")
 
 
 def _decode_fp16(scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
+    # Sign-extended and shifted, the bits are a float32's with the float16's sign,
+    # exponent and fraction, and three stray ones under the sign to clear.
+    np.copyto(out.view(np.int32), codes.view(np.int16))
     bits = out.view(np.uint32)
-    np.copyto(bits, codes.view(np.uint16))
-    sign = bits & 0x8000
-    sign <<= 16
-    bits &= 0x7FFF
     bits <<= 13
-    bits |= sign
-    # The float16's bits in a float32, times 2^112, are its value (zero stays zero).
+    bits &= 0x8FFFFFFF
+    # Those bits as a float32, times 2^112, are the float16's value (zero stays zero).
     out *= np.float32(2.0**112)
     out *= np.abs(scales)[:, None]
     for k in np.flatnonzero(np.signbit(scales)):
         out[k] = codes[k].astype(np.float32) * -scales[k]
 
 
-def _encode_bf16(rows: np.ndarray, _scales: np.ndarray, codes: np.ndarray) -> None:
+def _encode_bf16(
+    rows: np.ndarray, _scales: np.ndarray, codes: np.ndarray, work: list[np.ndarray]
+) -> None:
     bits = rows.view(np.uint32)
     # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, keep the top half.
-    up = bits >> 16
+    up = np.right_shift(bits, 16, out=work[0].view(np.uint32))
     up &= 1
     up += 0x7FFF
     up += bits
     up >>= 16
     np.copyto(codes, up, casting="unsafe")
-    nan = np.isnan(rows)
-    if nan.any():
+    # The least element is NaN where any is: one pass that reads (isnan would also write).
+    if math.isnan(np.minimum.reduce(rows, axis=None)):
+        nan = np.isnan(rows)
         # Rounding a NaN's bits can carry into Inf or the sign: keep a quiet NaN.
         codes[nan] = (bits[nan] >> 16) | 0x7FC0
 
@@ -200,7 +265,9 @@ def _decode_bf16(_scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> Non
     bits <<= 16
 
 
-_ENCODERS = {"int8": _encode_int8, "fp16": _encode_fp16, "bf16": _encode_bf16}
+# Each encoder, and how many float32 scratch arrays the size of its rows it takes
+# (``work``, whose contents it may overwrite).
+_ENCODERS = {"int8": (_encode_int8, 1), "fp16": (_encode_fp16, 3), "bf16": (_encode_bf16, 1)}
 _DECODERS = {"int8": _decode_int8, "fp16": _decode_fp16, "bf16": _decode_bf16}
 
 CODECS: dict[str, Codec] = {
