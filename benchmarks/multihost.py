@@ -155,7 +155,7 @@ def _object_bytes(cluster: Any, sync_root: str) -> int:
     for host in cluster.hosts:
         stats = cluster.on(host, "cat", f"{sync_root}/.stats")
         for line in stats.stdout.splitlines():
-            if line.startswith("juicefs_object_request_data_bytes{"):
+            if line.startswith("juicefs_object_request_data_bytes_"):
                 total += int(float(line.rsplit(None, 1)[1]))
     return total
 
