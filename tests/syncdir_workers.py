@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 import gradsync
+from gradsync._testing import FaultyStore, use_store
 from ranks import config
 from workers import grads_for, linger
 
@@ -72,3 +74,28 @@ def rank_1_late_for_call_4(rank: int, world: int, sync_dir: str, ready: str) -> 
                 linger(ready, ["test"], 3.0)
             gs.average(grads_for(rank, step), step=step)
     return 4
+
+
+class LockRemovedAsLooked(FaultyStore):
+    """Shows rank 0's lock file as a file with no links left (a rank 0 removed it between
+    this one's lookup of the name and its stat), each time it is looked at."""
+
+    shown = 0
+
+    def stat(self, dir_fd: int | None, name: Any) -> os.stat_result:
+        st = super().stat(dir_fd, name)
+        if Path(name).name.startswith("lock-0"):
+            self.shown += 1
+            fields = list(st)
+            fields[stat.ST_NLINK] = 0
+            return os.stat_result(fields)
+        return st
+
+
+def lock_removed_as_looked(rank: int, world: int, sync_dir: str) -> int:
+    """One call, rank 0 through a :class:`LockRemovedAsLooked` store; how often its store
+    showed the lock so."""
+    store = LockRemovedAsLooked()
+    with use_store(store), gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        gs.average(grads_for(rank, 0), step=0)
+    return store.shown

@@ -118,6 +118,19 @@ def test_a_link_planted_as_rank_0s_lock_never_changes_its_target(tmp_path: Path,
     assert results[0].attrs["errno"] == (errno.ELOOP if kind == "symlink" else errno.EMLINK)
 
 
+def test_a_lock_file_removed_as_rank_0_looks_at_it_is_no_planted_link(tmp_path: Path) -> None:
+    # A rank 0 that lets the lock go removes its file: another one's stat of the name,
+    # resolved just before, shows it with no links left. Taken for a hard link, that
+    # failed one of 30 jobs started at once (tests/test_two_jobs.py).
+    sync = tmp_path / "sync"
+    (sync / "rdzv").mkdir(parents=True)
+    (sync / "rdzv" / "lock-0.lock").touch()  # left by a rank 0 stopped by a signal
+    results = run_ranks(syncdir_workers.lock_removed_as_looked, 2, (2, str(sync)))
+    assert all(results[r].ok for r in range(2)), results
+    assert results[0].value > 0
+    assert results[1].value == 0
+
+
 def test_a_link_planted_as_a_generation_is_never_followed(tmp_path: Path) -> None:
     # Taken for a dead job's generation, it made rank 0 write its note of heartbeats
     # into the link's target.

@@ -133,7 +133,8 @@ def _check_plain(path: Path) -> None:
         st = store().stat(None, path)
     except FileNotFoundError:
         return
-    if not stat.S_ISLNK(st.st_mode) and (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1):
+    # No links at all: a rank 0 removed it as this one looked (it then locks a new one).
+    if not stat.S_ISLNK(st.st_mode) and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1):
         raise OSError(errno.EMLINK, f"{path} is not a plain file gradsync made", str(path))
 
 
