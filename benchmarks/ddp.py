@@ -67,11 +67,13 @@ def worker(rank: int, args: argparse.Namespace, tmp: str, out: Any) -> None:
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, 1, 28, 28, generator=gen)
     y = torch.randint(0, 10, (args.batch,), generator=gen)
-    flat = torch.randn(sum(p.numel() for p in models["none"].parameters()), generator=gen)
+    start = torch.randn(sum(p.numel() for p in models["none"].parameters()), generator=gen)
+    flat = start.clone()
     times: dict[str, list[float]] = {name: [] for name in (*models, *(f"ar-{g}" for g in groups))}
     for rnd in range(args.rounds + 1):  # round 0 warms up
         for name, group in groups.items():
             for _ in range(args.steps if rnd else 3):
+                flat.copy_(start)  # a SUM in place doubles it: 128 calls would overflow
                 dist.barrier(group=group)
                 t0 = time.perf_counter()
                 dist.all_reduce(flat, group=group)

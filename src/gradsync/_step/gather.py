@@ -302,6 +302,7 @@ def scaled_into(flats: list[np.ndarray], scale: int, workers: Workers) -> Sink:
 
 def _scale_job(src: np.ndarray, scale: int, dst: np.ndarray) -> Callable[[], None]:
     def job() -> None:
-        np.multiply(src, scale, out=dst)
+        with np.errstate(over="ignore"):  # a sum past the dtype's range is inf, as gloo's
+            np.multiply(src, scale, out=dst)
 
     return job
