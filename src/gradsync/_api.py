@@ -204,7 +204,8 @@ class GradSync(CallGuard):
         return self._submit(lambda: self._average(grads, step, device, dtype, None))
 
     def _submit(self, call: Callable[[], StepStats]) -> StepHandle:
-        """Queue ``call`` (an :meth:`_average`) on the background thread; its handle."""
+        """Queue ``call`` (an :meth:`_average` or :meth:`_broadcast`) on the background
+        thread; its handle."""
         self._check_process()
         if self._closed or self._closing.is_set():
             raise GradSyncError(f"this GradSync (rank {self.cfg.rank}) is closed")
@@ -263,7 +264,7 @@ class GradSync(CallGuard):
             self._broadcast(arrays, root)
 
     def _broadcast_async(self, arrays: Sequence[np.ndarray], root: int | None) -> StepHandle:
-        return self._background.submit(lambda: self._broadcast(arrays, root))
+        return self._submit(lambda: self._broadcast(arrays, root))
 
     def _broadcast(self, arrays: Sequence[np.ndarray], root: int | None) -> StepStats:
         with self._call():
