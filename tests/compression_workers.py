@@ -23,6 +23,8 @@ SHAPES: list[tuple[tuple[int, ...], str]] = [
     ((5_000,), "float64"),
     ((1_000,), "float32"),
 ]
+# Across hosts, each shard's part of an input in a file of its own (over 1 MiB a shard).
+LARGE = [*SHAPES, ((3_200_003,), "float32")]
 # Under 256 KiB: every rank reduces all.
 SMALL = [*SHAPES[:2], ((1000,), "float32"), ((300,), "float64")]
 LARGE_PARAM = 6  # of SHAPES: values around 1e6
@@ -47,12 +49,13 @@ def grads_for(rank: int, step: int, shapes: list[tuple[tuple[int, ...], str]]) -
 
 def steps(rank: int, world: int, sync_dir: str, count: int, small: bool, kw: dict[str, Any]) -> Any:
     """Average ``count`` steps; return each step's inputs and results (bytes). With
-    ``kw["across_hosts"]`` the sync dir is taken for one other hosts share."""
+    ``kw["across_hosts"]`` the sync dir is taken for one other hosts share; with
+    ``kw["large"]`` the gradients are LARGE."""
     if kw.pop("across_hosts", False):
         from gradsync._step import state as _state  # noqa: PLC0415
 
         _state.local_filesystem = lambda path: False  # type: ignore[assignment]
-    shapes = SMALL if small else SHAPES
+    shapes = SMALL if small else LARGE if kw.pop("large", False) else SHAPES
     out = []
     with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
         for step in range(count):

@@ -94,8 +94,9 @@ def _bits(arrays: list[np.ndarray]) -> list[bytes]:
         ("int8", 3, True, {"use_mmap": False}),
         ("bf16", 3, False, {"use_mmap": False}),
         ("fp16", 2, False, {"strategy": "root", "checksums": True}),
-        ("int8", 3, False, {"across_hosts": True, "checksums": True}),
-        ("bf16", 2, False, {"across_hosts": True}),
+        ("int8", 3, False, {"across_hosts": True, "checksums": True, "large": True}),
+        ("bf16", 2, False, {"across_hosts": True, "large": True}),
+        ("int8", 2, False, {"across_hosts": True}),
     ],
 )
 def test_every_rank_gets_the_bits_of_the_numpy_reference(

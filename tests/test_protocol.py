@@ -849,27 +849,31 @@ def _assert_three_calls_averaged(results: dict[int, Outcome]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "local_ranks"),
-    [(2, []), (3, []), (3, [0])],
-    ids=["shared", "shared-3-ranks", "one-host-local"],
+    ("world", "local_ranks", "huge"),
+    [(2, [], False), (3, [0], False), (2, [], True), (3, [], True), (3, [0], True)],
+    ids=["shared", "one-host-local", "shared-big", "shared-big-3-ranks", "one-host-local-big"],
 )
 def test_across_hosts_each_call_has_data_files_of_its_own(
-    tmp_path: Path, world: int, local_ranks: list[int]
+    tmp_path: Path, world: int, local_ranks: list[int], huge: bool
 ) -> None:
     # A file rewritten in place piles up JuiceFS slices that readers merge: across
-    # hosts each call writes new files and removes its own of two calls before. A
-    # sharded input is a file for each peer, holding only what that peer reduces (a
-    # reader of a range fetches whole blocks). A rank whose filesystem is local (an NFS
-    # server's host) reuses its files: peers find them all the same.
-    results = run_ranks(workers.per_call_files, world, (world, str(tmp_path / "sync"), local_ranks))
+    # hosts each call writes new files and removes its own of two calls before. Past
+    # 1 MiB a shard an input is a file for each peer, holding only what that peer
+    # reduces (a reader of a range fetches whole blocks). A rank whose filesystem is
+    # local (an NFS server's host) reuses its files: peers find them all the same.
+    args = (world, str(tmp_path / "sync"), local_ranks, huge)
+    results = run_ranks(workers.per_call_files, world, args)
     assert_ok(results)
     for step in range(5):
         for r in range(world):
-            assert results[r].value["results"][step] == expected(world, step, big=step != 2)
+            want = expected(world, step, big=step != 2 and not huge, huge=step != 2 and huge)
+            assert results[r].value["results"][step] == want
 
     def written(seq: int) -> list[str]:
         if seq == 3:  # small: every rank reduces all of every input, and no shard is published
             return ["d-1-c3.in"]
+        if not huge:
+            return [f"d-1-c{seq}.in", f"d-1-c{seq}.out"]
         return [f"d-1-c{seq}-s{q}.in" for q in range(world) if q != 1] + [f"d-1-c{seq}.out"]
 
     # After call seq (step + 1) a rank's own files of calls seq-1 and seq are left.
@@ -899,7 +903,7 @@ def test_a_view_that_stays_stale_fails_the_step_naming_the_file(tmp_path: Path) 
     out = results[1]
     assert out.error_type == "CorruptFileError", out.value
     path = re.escape(str(out.attrs["path"]))
-    assert out.attrs["path"].endswith("/d-0-c3-s1.in")  # shared: its part for rank 1, a call
+    assert out.attrs["path"].endswith("/d-0-c3.in")  # shared by default: a file per call
     assert re.fullmatch(
         rf"step 2: rank 0's file {path} still holds call 1, not call 3, 1.0 s after rank 1 "
         r"first saw its marker of call 3 \(ranks \[0\]\): rank 1's host is shown stale "
@@ -1016,7 +1020,7 @@ def test_a_file_missing_behind_its_marker_fails_the_step_naming_it(
     assert out.error_type == "SyncDirError", out.value
     assert out.attrs["errno"] == errno.ENOENT
     path = re.escape(str(out.attrs["path"]))
-    assert out.attrs["path"].endswith("/d-0-c3-s1.in" if shared else "/d-0.in")
+    assert out.attrs["path"].endswith("/d-0-c3.in" if shared else "/d-0.in")
     if shared:
         assert re.fullmatch(
             rf"step 2: rank 0's file {path} is not there 1.0 s after rank 1 first saw "

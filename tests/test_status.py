@@ -54,7 +54,7 @@ def _stuck(rank: int, world: int, sync_dir: str, big: bool, across_hosts: bool =
 
         _state.local_filesystem = lambda path: False  # type: ignore[assignment]
     gs = gradsync.GradSync(gradsync.FileGradSyncConfig(world, rank, sync_dir, max_wait_s=40.0))
-    shapes = workers.SHAPES_BIG if big else workers.SHAPES
+    shapes = workers.SHAPES_HUGE if across_hosts else workers.SHAPES_BIG if big else workers.SHAPES
     gs.average(workers.grads_for(rank, 0, shapes), step=7)
     if rank == 2:
         workers.linger(sync_dir, ["status"], 30.0)
@@ -72,7 +72,7 @@ def test_status_names_the_rank_everyone_waits_for(
     tmp_path: Path, big: bool, across_hosts: bool
 ) -> None:
     # Small gradients alternate two data files per rank, large ones reuse one, and
-    # across hosts a large one is a file per peer: the step of every rank's last call
+    # across hosts a huge one is a file per peer: the step of every rank's last call
     # is read from whichever holds that call.
     box: dict[str, object] = {}
     args = (3, str(tmp_path), big, across_hosts)

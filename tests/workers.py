@@ -1177,11 +1177,8 @@ def stale_view(
     _state.local_filesystem = lambda path: not shared  # type: ignore[assignment]
     if rank == 1:
         snapshot_name = "d-0.in-as-of-call-1"  # beside it: the transport opens by name
-        # Rank 0's input of the first and third calls: one reused file, or (shared) the part
-        # rank 1 reduces, a file each call.
-        first_name, third_name = (
-            ("d-0-c1-s1.in", "d-0-c3-s1.in") if shared else ("d-0.in", "d-0.in")
-        )
+        # Rank 0's input of the first and third calls: one reused file, or (shared) one each.
+        first_name, third_name = ("d-0-c1.in", "d-0-c3.in") if shared else ("d-0.in", "d-0.in")
         real_open = Transport.open
         opens = {"all": 0, "stale": 0}
 
@@ -1238,10 +1235,12 @@ def one_call(rank: int, world: int, sync_dir: str, run_id: str | None) -> None:
         gs.average([np.ones(4)])
 
 
-def per_call_files(rank: int, world: int, sync_dir: str, local_ranks: list[int]) -> dict[str, Any]:
-    """Five calls, of SHAPES_BIG (one input file a rank, sharded) but the third of SHAPES
-    (small: no shards), with the sync dir taken for one other hosts share, except by
-    ``local_ranks`` (an NFS server's own host, which maps the files and reuses them).
+def per_call_files(
+    rank: int, world: int, sync_dir: str, local_ranks: list[int], huge: bool = False
+) -> dict[str, Any]:
+    """Five calls, of SHAPES_BIG (or ``huge``: SHAPES_HUGE; sharded) but the third of
+    SHAPES (small: no shards), with the sync dir taken for one other hosts share, except
+    by ``local_ranks`` (an NFS server's own host, which maps the files and reuses them).
     Returns each call's result as bytes and the data files in the generation
     directory after each call."""
     from gradsync._step import state as _state  # noqa: PLC0415
@@ -1250,7 +1249,8 @@ def per_call_files(rank: int, world: int, sync_dir: str, local_ranks: list[int])
     results, files = [], []
     with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=30.0)) as gs:
         for step in range(5):
-            grads = grads_for(rank, step, SHAPES if step == 2 else SHAPES_BIG)
+            big = SHAPES_HUGE if huge else SHAPES_BIG
+            grads = grads_for(rank, step, SHAPES if step == 2 else big)
             gs.average(grads, step=step)
             results.append([g.tobytes() for g in grads])
             gen = next(Path(sync_dir).glob("gen-*"))

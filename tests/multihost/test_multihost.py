@@ -207,6 +207,36 @@ def test_compressed_steps_across_hosts_give_one_hosts_bits(cluster: Cluster, cod
         assert np.allclose(mean, exact[s][0], rtol=0, atol=0.05 * np.abs(exact[s][0]).max())
 
 
+@pytest.mark.parametrize("codec", [None, "int8"])
+def test_a_file_per_shard_across_hosts_gives_one_hosts_bits(
+    cluster: Cluster, codec: str | None
+) -> None:
+    """Past 1 MiB a shard, across hosts a rank's input is a file per peer holding what
+    that peer reduces (16 MiB and a bit of float32: int8's shards too); on one host
+    (tmpfs) one file a rank, mapped: same bits."""
+    seed, steps, layout = 5, 3, "f32:16781312"
+    mount = os.environ.get("MH_MOUNT", MOUNT)
+    args = ["--seed", str(seed), "--steps", str(steps), "--raw", "--layout", layout, *HB]
+    args += [] if codec is None else ["--compression", codec]
+    outs = []
+    for placement, nproc, root, more in (
+        (TWO_HOSTS, 2, mount, []),
+        ({"h1": 0}, 4, "/dev/shm", [] if codec is None else ["--compress-local"]),
+    ):
+        out = _out(cluster, f"shard-files-{codec}")
+        run_id = _unique(f"shards-{codec}")
+        job = cluster.launch(placement, nproc, f"{root}/{run_id}", run_id, args + more, out)
+        _run(cluster, job)
+        outs.append(out)
+    exact = _expected(seed, steps, layout)
+    for s in range(steps):
+        got = {(outs[0] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
+        assert got == {(outs[1] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
+        assert len(got) == 1, f"step {s}: ranks differ"
+        if codec is None:
+            assert got == {exact[s][0].tobytes()}
+
+
 def test_layout_changes_between_steps_across_hosts(cluster: Cluster) -> None:
     """Big (one file a rank) and small (two alternating slots) steps in turn, one rank
     late to every step: the files of one never overwrite what a reader of the other

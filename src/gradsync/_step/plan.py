@@ -182,6 +182,11 @@ class Plan:
         return self._input_spans[rank]
 
     @functools.cached_property
+    def least_input_shard(self) -> int:
+        """The bytes of the smallest shard's part of an input payload."""
+        return min(sum(b - a for a, b in spans) for spans in self._input_spans)
+
+    @functools.cached_property
     def _input_spans(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         world = len(self.out_lens)
         if self.wire is not None:

@@ -48,6 +48,10 @@ __all__ = ["EngineState", "one_slot", "others"]
 # Below this many bytes per rank every rank reduces all of it: reading W small inputs
 # costs less than a second round of files, waiting and gathering.
 REPLICATE_BELOW_BYTES = 256 * 1024
+# Across hosts an input is a file per shard from this many bytes a shard: below it the
+# files' own costs (create, open, remove) outweigh the blocks a whole file's readers
+# fetch beyond their range (benchmarks/RESULTS.md, 2026-12-06).
+SHARD_FILES_FROM_BYTES = 1 << 20
 # Plans kept for layouts seen before: building one is per-param work.
 _PLANS_KEPT = 4
 
@@ -190,8 +194,14 @@ class EngineState:
     def _shard_inputs(self, plan: Plan) -> bool:
         """Whether this rank writes its input as one file per shard, each read by that
         shard's reducer alone: across hosts, where a reader of a range of a shared file
-        fetches whole blocks of it (the filesystem's, 4 MiB on JuiceFS)."""
-        return self._per_call and one_slot(plan) and self.cfg.strategy == "sharded"
+        fetches whole blocks of it (the filesystem's, 4 MiB on JuiceFS), for shards of
+        ``SHARD_FILES_FROM_BYTES`` or more."""
+        return (
+            self._per_call
+            and one_slot(plan)
+            and self.cfg.strategy == "sharded"
+            and plan.least_input_shard >= SHARD_FILES_FROM_BYTES
+        )
 
     def _peer_path(self, rank: int, kind: str) -> Path:
         """The file of ``rank``'s ``kind`` data of this call that this rank reads."""
