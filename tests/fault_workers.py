@@ -20,7 +20,7 @@ from gradsync._step import publish as _protocol
 from gradsync._step.engine import StepEngine
 from gradsync._step.header import HEADER_READ_BYTES, decode_header
 from ranks import WarningLog, config
-from workers import SHAPES, SHAPES_BIG, grads_for
+from workers import SHAPES, SHAPES_BIG, SHAPES_HUGE, grads_for
 
 _log = logging.getLogger("gradsync")
 
@@ -58,6 +58,7 @@ def steps_until_error(
     offset: int = 0,
     hold_s: float = 0.0,
     big: bool = False,
+    huge: bool = False,
 ) -> dict[str, Any]:
     """Average ``steps`` rounds, stopping at the first error.
 
@@ -66,9 +67,10 @@ def steps_until_error(
     at once), so that peers cannot learn of the failure from its death.
     ``big``: use ``SHAPES_BIG``, large enough to be reduced in shards (every rank
     publishes a shard of the mean); the default ``SHAPES`` are small enough that every
-    rank reduces everything itself and no ``out`` file is written.
+    rank reduces everything itself and no ``out`` file is written. ``huge``: use
+    ``SHAPES_HUGE`` (shards over 1 MiB).
     """
-    shapes = SHAPES_BIG if big else SHAPES
+    shapes = SHAPES_HUGE if huge else SHAPES_BIG if big else SHAPES
     handler = WarningLog()
     _log.addHandler(handler)
     records = []
@@ -97,9 +99,11 @@ def corrupt_own_file(
     call: int,
     checksums: bool = False,
     steps: int = 2,
+    across_hosts: bool = False,
 ) -> dict[str, Any]:
     """Average ``steps`` steps (``SHAPES_BIG``); ``victim`` publishes a damaged ``name`` on
-    call ``call``.
+    call ``call``. With ``across_hosts`` the sync dir is taken for one other hosts share,
+    and the steps are of ``SHAPES_HUGE`` (an input is a file per shard).
 
     ``name`` is ``in`` or ``out``: the victim's data file (``d-<victim>.<name>``: one file a rank)
     is replaced by a damaged copy after it is written and closed, just before its marker
@@ -123,8 +127,12 @@ def corrupt_own_file(
             damaged.append(str(path))
 
         StepEngine._write = write  # type: ignore[method-assign]
+    if across_hosts:
+        from gradsync._step import state as _state  # noqa: PLC0415
+
+        _state.local_filesystem = lambda path: False  # type: ignore[assignment]
     kw = {"max_wait_s": 20.0, "checksums": checksums}
-    result = steps_until_error(rank, world, sync_dir, steps, kw, big=True)
+    result = steps_until_error(rank, world, sync_dir, steps, kw, big=True, huge=across_hosts)
     result["damaged"] = damaged[0] if damaged else None
     return result
 

@@ -51,7 +51,7 @@ from gradsync._step.header import (
 from gradsync._store.dirs import OWN_MARK, GenDir, make_own_dir
 from gradsync._testing import FaultyStore, use_store
 from ranks import Outcome, run_ranks
-from workers import SHAPES, SHAPES_BIG, grads_for
+from workers import SHAPES, SHAPES_BIG, SHAPES_HUGE, grads_for
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -61,17 +61,21 @@ PID = r"pid \d+ on \S+"
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _shapes(big: bool) -> list[tuple[tuple[int, ...], str]]:
-    return SHAPES_BIG if big else SHAPES
+def _shapes(big: bool, huge: bool = False) -> list[tuple[tuple[int, ...], str]]:
+    return SHAPES_HUGE if huge else SHAPES_BIG if big else SHAPES
 
 
-def mean_of(world: int, step: int, offset: int = 0, big: bool = False) -> list[bytes]:
-    per_rank = [grads_for(r + offset, step, _shapes(big)) for r in range(world)]
+def mean_of(
+    world: int, step: int, offset: int = 0, big: bool = False, huge: bool = False
+) -> list[bytes]:
+    per_rank = [grads_for(r + offset, step, _shapes(big, huge)) for r in range(world)]
     return [a.tobytes() for a in gradsync.average_host_grads(per_rank)]
 
 
-def own(rank: int, step: int, offset: int = 0, big: bool = False) -> list[bytes]:
-    return [a.tobytes() for a in grads_for(rank + offset, step, _shapes(big))]
+def own(
+    rank: int, step: int, offset: int = 0, big: bool = False, huge: bool = False
+) -> list[bytes]:
+    return [a.tobytes() for a in grads_for(rank + offset, step, _shapes(big, huge))]
 
 
 def reported(results: dict[int, Outcome], ranks: tuple[int, ...]) -> None:
@@ -90,12 +94,20 @@ def records(out: Outcome) -> list[dict[str, Any]]:
 
 
 def check_arrays(
-    rank: int, recs: list[dict[str, Any]], world: int, offset: int = 0, big: bool = False
+    rank: int,
+    recs: list[dict[str, Any]],
+    world: int,
+    offset: int = 0,
+    big: bool = False,
+    huge: bool = False,
 ) -> None:
     """A successful call leaves the exact mean, a failed one the rank's own input."""
     for rec in recs:
         step = rec["step"]
-        want = mean_of(world, step, offset, big) if rec["ok"] else own(rank, step, offset, big)
+        if rec["ok"]:
+            want = mean_of(world, step, offset, big, huge)
+        else:
+            want = own(rank, step, offset, big, huge)
         what = "the exact mean" if rec["ok"] else f"restored after {rec['type']}"
         assert rec["after"] == want, f"rank {rank} step {rec['step']}: arrays not {what}"
 
@@ -414,8 +426,11 @@ CORRUPT_CASES = [
 ]
 
 
-def _damaged_file(results: dict[int, Outcome], tmp_path: Path, name: str) -> str:
-    """The path rank 1 damaged: its data file for call 2 (one file a rank), never a marker.
+def _damaged_file(
+    results: dict[int, Outcome], tmp_path: Path, name: str, per_call: bool = False
+) -> str:
+    """The path rank 1 damaged: its data file for call 2 (one file a rank, or with
+    ``per_call`` the file of that call), never a marker.
 
     Fails with ``pytest.fail`` (not an AssertionError, which the payload xfail expects).
     """
@@ -423,7 +438,8 @@ def _damaged_file(results: dict[int, Outcome], tmp_path: Path, name: str) -> str
     if crashed:
         pytest.fail(f"ranks {crashed} crashed: {results[crashed[0]].value}")
     path = results[1].value["damaged"]
-    pattern = rf"{re.escape(str(tmp_path))}/gen-[0-9a-f]+/d-1\.{name}"
+    file = f"d-1-c2\\.{name}" if per_call else f"d-1\\.{name}"
+    pattern = rf"{re.escape(str(tmp_path))}/gen-[0-9a-f]+/{file}"
     if path is None or not re.fullmatch(pattern, path):
         pytest.fail(f"rank 1 damaged {path!r}, not its data file d-1.{name} of call 2")
     return str(path)
@@ -493,6 +509,28 @@ def test_flipped_payload_byte_is_detected_with_checksums(tmp_path: Path, name: s
         assert rec["ranks"] == (1,)
         assert re.fullmatch(
             rf"step 1: rank 1's file is unusable: {path} fails its checksum in bytes \d+\.\.\d+",
+            rec["message"],
+        ), rec["message"]
+
+
+def test_a_gather_failing_half_way_across_hosts_leaves_the_gradients_as_they_were(
+    tmp_path: Path,
+) -> None:
+    # Across hosts the gather reads the peers' shards straight into the arrays: rank 2
+    # has rank 0's in when rank 1's fails its checksum. Its gradients are put back from
+    # the files of its input (past 1 MiB a shard, one per peer; its own shard, in no
+    # file, is only written once every peer's is in).
+    args = (3, str(tmp_path), 1, "out", "payload", 2, True, 2, True)
+    results = run_ranks(fault_workers.corrupt_own_file, 3, args)
+    path = re.escape(_damaged_file(results, tmp_path, "out", per_call=True))
+    for r in range(3):
+        check_arrays(r, records(results[r]), 3, huge=True)
+    for r in (0, 2):
+        rec = failure(records(results[r]))
+        assert rec["type"] == "CorruptFileError", rec["message"]
+        assert re.fullmatch(
+            rf"step 1: rank 1's file is unusable: {path} fails its checksum in bytes "
+            r"\d+\.\.\d+, read again past this host's cache",
             rec["message"],
         ), rec["message"]
 

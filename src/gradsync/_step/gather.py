@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gradsync._errors import GradSyncError
 from gradsync._faults import fault_point
+from gradsync._names import shard_data_name
 
 from .header import decode_header, header_length
 from .parallel import SMALL_COPY_BYTES, Workers, split_range
@@ -191,7 +193,22 @@ class Gathering(EngineState):
         return mapped
 
     def _restore(self, plan: Plan, flats: list[np.ndarray]) -> None:
-        path = self.data_path(self.rank, "in")
+        """Read this rank's gradients back from its published input after a gather that
+        failed half-way: one file, or (``_shard_inputs``) the file of each peer's shard,
+        whose ranges alone the gather had written."""
+        if not self._shard_inputs(plan):
+            self._restore_from(self.data_path(self.rank, "in"), None, plan, flats)
+            return
+        for q in range(self.world):
+            if q != self.rank:
+                path = self.gen.path / shard_data_name(self.rank, q, self.seq)
+                self._restore_from(path, q, plan, flats)
+
+    def _restore_from(
+        self, path: Path, shard: int | None, plan: Plan, flats: list[np.ndarray]
+    ) -> None:
+        """Read the ranges of the arrays that ``path`` holds back from it: ``shard``'s
+        (a file per shard), or all but this rank's own where the file leaves that out."""
         try:
             reader = self._transport.open(path)
         except OSError:
@@ -200,8 +217,15 @@ class Gathering(EngineState):
         try:
             head = reader.head_of(header_length(reader.head))
             offset = decode_header(head, str(path)).payload_offset
+            if shard is not None:
+                reader.relocate(plan.input_spans(shard), offset)
             for group in plan.groups:
-                ranges = others(group, self.rank) if self._skip_own(plan) else [(0, group.size)]
+                if shard is not None:
+                    ranges = [group.shards[shard]]
+                elif self._skip_own(plan):
+                    ranges = others(group, self.rank)
+                else:
+                    ranges = [(0, group.size)]
                 for lo, hi in ranges:
                     for seg in group.segments(lo, hi):
                         at = offset + group.in_offset + (lo + seg.at) * group.dtype.itemsize
