@@ -27,7 +27,7 @@ from gradsync._errors import (
 from gradsync._store.files import translate_oserror
 
 from .datafile import ChecksumError, DataReader
-from .header import FLAG_NONFINITE, KIND_SHARD, NONFINITE_LISTED, Header, Layout
+from .header import FLAG_NONFINITE, KIND_INPUT, KIND_SHARD, NONFINITE_LISTED, Header, Layout
 from .plan import Plan
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "check_inputs",
     "check_length",
     "header_problem",
+    "kind_taken",
     "nonfinite_error",
     "reading",
     "stale_clause",
@@ -110,6 +111,13 @@ def stale_error(
             message, errno=errno.ENOENT, step=step, ranks=[ranks[0]], path=seen.path
         )
     return CorruptFileError(message, step=step, ranks=[ranks[0]], path=seen.path)
+
+
+def kind_taken(expected: int, found: int) -> int:
+    """The kind a reader expecting a file of kind ``expected`` checks one of kind ``found``
+    as: a file holding the part of an input that it reduces (KIND_SHARD) stands for the
+    input (check_inputs reads it so)."""
+    return KIND_SHARD if (expected, found) == (KIND_INPUT, KIND_SHARD) else expected
 
 
 def header_problem(

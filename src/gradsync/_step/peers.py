@@ -45,20 +45,14 @@ from .checks import (
     check_inputs,
     check_length,
     header_problem,
+    kind_taken,
     nonfinite_error,
     reading,
     stale_clause,
     stale_error,
     unusable,
 )
-from .header import (
-    FLAG_CHECKSUMS,
-    KIND_INPUT,
-    KIND_OUTPUT,
-    KIND_SHARD,
-    decode_header,
-    header_length,
-)
+from .header import FLAG_CHECKSUMS, KIND_INPUT, KIND_OUTPUT, decode_header, header_length
 from .transport import Transport
 
 __all__ = ["Peer", "PeerFiles", "check_inputs", "check_length", "nonfinite_error", "reading"]
@@ -335,8 +329,7 @@ class PeerFiles:
         except (OSError, EOFError) as exc:
             reader.close()
             raise translate_oserror(OSError(str(exc)), "reading", path, step=step) from exc
-        if kind == KIND_INPUT and header.kind == KIND_SHARD:
-            kind = KIND_SHARD  # the part of its input this rank reads (check_inputs)
+        kind = kind_taken(kind, header.kind)
         ours = (header.kind, header.rank, header.generation) == (kind, rank, self.gen.header_id)
         if ours and header.seq < seq:
             # Its marker of call seq is there, so it wrote this file before: what this
