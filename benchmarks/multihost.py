@@ -250,7 +250,24 @@ def main() -> int:
             + " | ".join(f"{ph[k]:.1f}" for k in PHASES)
             + f" | {r['ranks_cpu_ms']:.0f} | {r['clients_cpu_ms']:.0f} | {r['object_mib']:.1f} |"
         )
+    _print_ratios(rows)
     return 0
+
+
+def _print_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each compressed config's step and objects against float32's across hosts, per size
+    (issue 27's goals: bf16 <= 0.6x, int8 <= 0.35x the float32 step)."""
+    plain = "2 hosts x 2, JuiceFS, none"
+    for r in rows:
+        base = next((b for b in rows if b["bytes"] == r["bytes"] and b["config"] == plain), None)
+        if base is None or r is base or not r["config"].startswith("2 hosts x 2, JuiceFS, "):
+            continue
+        codec = r["config"].rsplit(", ", 1)[1]
+        objects = r["object_mib"] / base["object_mib"] if base["object_mib"] else float("nan")
+        print(
+            f"{_size(r['bytes'])} across hosts, {codec} / float32: step "
+            f"{r['median_ms'] / base['median_ms']:.2f}x, objects {objects:.2f}x"
+        )
 
 
 if __name__ == "__main__":
