@@ -49,12 +49,14 @@ def grads_for(rank: int, step: int, shapes: list[tuple[tuple[int, ...], str]]) -
 
 def steps(rank: int, world: int, sync_dir: str, count: int, small: bool, kw: dict[str, Any]) -> Any:
     """Average ``count`` steps; return each step's inputs and results (bytes). With
-    ``kw["across_hosts"]`` the sync dir is taken for one other hosts share; with
-    ``kw["large"]`` the gradients are LARGE."""
+    ``kw["across_hosts"]`` the sync dir is taken for one other hosts share, except by the
+    ranks in ``kw["local_ranks"]`` (an NFS server's host); with ``kw["large"]`` the
+    gradients are LARGE."""
+    local_ranks = kw.pop("local_ranks", [])
     if kw.pop("across_hosts", False):
         from gradsync._step import state as _state  # noqa: PLC0415
 
-        _state.local_filesystem = lambda path: False  # type: ignore[assignment]
+        _state.local_filesystem = lambda path: rank in local_ranks  # type: ignore[assignment]
     shapes = SMALL if small else LARGE if kw.pop("large", False) else SHAPES
     out = []
     with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:

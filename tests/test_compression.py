@@ -96,6 +96,7 @@ def _bits(arrays: list[np.ndarray]) -> list[bytes]:
         ("fp16", 2, False, {"strategy": "root", "checksums": True}),
         ("int8", 3, False, {"across_hosts": True, "checksums": True, "large": True}),
         ("bf16", 2, False, {"across_hosts": True, "large": True}),
+        ("int8", 3, False, {"across_hosts": True, "large": True, "local_ranks": [1]}),
         ("int8", 2, False, {"across_hosts": True}),
     ],
 )
