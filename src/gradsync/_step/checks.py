@@ -208,9 +208,8 @@ def check_inputs(plan: Plan, rank: int, peers: dict[int, Peer], step: int, step_
                 raise call_mismatch(rank, "average", q, step, step_dir)
             raise _mismatch(plan.layout, theirs, rank, q, step, step_dir)
         if other.kind == KIND_SHARD:
-            spans = plan.input_spans(rank)
-            check_length(peers[q], q, sum(b - a for a, b in spans), step)
-            peers[q].reader.relocate(spans, other.payload_offset)
+            check_length(peers[q], q, plan.input_shard_len(rank), step)
+            peers[q].reader.relocate(plan.input_spans(rank), other.payload_offset)
         else:
             check_length(peers[q], q, plan.in_len, step)
     bad: list[tuple[int, int]] = []

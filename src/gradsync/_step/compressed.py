@@ -100,8 +100,7 @@ class Compressing(Publishing):
         more rewrites it whole (benchmarks/RESULTS.md, 2026-12-06)."""
         if self.cfg.checksums or plan.replicated or self.cfg.strategy != "sharded":
             return [buf]
-        assert plan.wire is not None
-        spans = plan.wire.shard_spans(plan.groups, self.rank)
+        spans = plan.input_spans(self.rank)
         if len(spans) > 1:
             return [buf]
         chunks: list[np.ndarray | int] = []

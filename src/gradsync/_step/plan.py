@@ -181,10 +181,18 @@ class Plan:
         group, in order: what its reducer reads of each rank's input."""
         return self._input_spans[rank]
 
+    def input_shard_len(self, rank: int) -> int:
+        """The bytes of :meth:`input_spans` of ``rank``."""
+        return self._input_shard_lens[rank]
+
     @functools.cached_property
     def least_input_shard(self) -> int:
         """The bytes of the smallest shard's part of an input payload."""
-        return min(sum(b - a for a, b in spans) for spans in self._input_spans)
+        return min(self._input_shard_lens)
+
+    @functools.cached_property
+    def _input_shard_lens(self) -> tuple[int, ...]:
+        return tuple(sum(b - a for a, b in spans) for spans in self._input_spans)
 
     @functools.cached_property
     def _input_spans(self) -> tuple[tuple[tuple[int, int], ...], ...]:
