@@ -1,8 +1,8 @@
 """Run functions as real rank processes, collect what each returned or raised.
 
 Children are always reaped: on any exit path, survivors are terminated, then killed.
-They start from a fork server that imported gradsync once (a spawn costs ~0.3 s a
-rank on 2 cores, most of a typical test), so they never inherit the test process's
+They start from a fork server that imported gradsync once (a spawn imports it again for
+every rank, most of a typical test's time), so they never inherit the test process's
 threads or patched globals; where the test changed the environment since that server
 started (fault plans are read at import), they are spawned instead.
 """
