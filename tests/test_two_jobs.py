@@ -51,6 +51,7 @@ def _two_jobs(index: int, base: str, start: Any, rank_0s: Any, staged: bool) -> 
                     got["mean"] = float(grads[0][0])
                     start.wait()
             except gradsync.GradSyncError as exc:
+                got["left"] = time.time()
                 got["error"] = f"{type(exc).__name__}: {exc}"
                 start.wait()
             results.append(got)
@@ -90,14 +91,14 @@ def _judge(trial: list[dict[str, Any]], *, mixed_ok: bool) -> str | None:
         if not mixed_ok:
             return f"processes {members} of two jobs averaged together"
         # The one case no file can tell: ranks of both jobs formed one before the
-        # others came. Those must have been told that they came late, and (as far as
-        # a test sees it) started after the first rank of that job.
+        # others came. Those must have been told that they came late, after that job's
+        # first rank had started (a stamp taken before the call cannot order the claims).
         late = [j for j in range(4) if j not in members]
         first = min(trial[m]["entered"] for m in members)
         if not all(any(s in trial[j]["error"] for s in LATE) for j in late):
             return f"processes {members} formed one job, yet {late} were not late"
-        if any(trial[j]["entered"] < first for j in late):
-            return f"processes {members} formed one job, yet one of {late} started first"
+        if any(trial[j]["left"] < first for j in late):
+            return f"processes {members} formed one job, yet one of {late} was told so first"
     return None
 
 
