@@ -14,8 +14,7 @@ With the simulated cluster of ``tests/multihost`` (JuiceFS 1.4.2, 2026-12-04)::
       tests/multihost/rig/on.sh h1 python3 benchmarks/cache_probe.py r$k $D 2000 [--drop] &
     done; wait
 
-Plain: 5 stale reads of 14,000 (2 or 4 readers), 2 of them stale at one end only (a
-fresh header over a stale payload). With ``--drop``: none of 16,000.
+Figures: benchmarks/RESULTS.md ("Figures behind code choices").
 """
 
 from __future__ import annotations

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 
 import numpy as np
+from timing import median_ms
 
 from gradsync._step import codec as codec_module
 from gradsync._step.codec import BLOCK, CODECS
@@ -30,12 +29,7 @@ from gradsync._step.codec import BLOCK, CODECS
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     fn()  # pages touched, caches warm
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return median_ms(fn, repeats)
 
 
 def _gradient(n: int, rng: np.random.Generator) -> np.ndarray:

@@ -8,12 +8,7 @@ in one process against copying through a kept mapping, median of 60 (40 for prea
 - the copy through the mapping, then ``madvise(MADV_DONTNEED)`` to drop the mapping's
   pages (the file keeps them), so the next step faults them in again.
 
-This machine (2 cores, 2026-12-05, three runs), ms (ratio to the mapped copy)::
-
-    1 MiB   map 0.016-0.018  pread 0.044-0.047 (2.5-2.9x)  dontneed 0.108-0.125 (6.1-7.8x)
-    4 MiB   map 0.067-0.076  pread 0.190-0.196 (2.5-2.8x)  dontneed 0.395-0.402 (5.2-6.0x)
-    16 MiB  map 0.455-0.503  pread 1.551-1.848 (3.4-3.7x)  dontneed 1.857-2.053 (4.1-4.2x)
-    64 MiB  map 2.850-3.068  pread 7.950-8.594 (2.6-2.9x)  dontneed 8.760-9.085 (2.9-3.1x)
+Figures: benchmarks/RESULTS.md, 2026-12-05, "the two ways out of extra RSS".
 
 Usage: ``python benchmarks/mapping_probe.py [DIR]`` (DIR: a tmpfs, /dev/shm by default).
 """
@@ -22,22 +17,11 @@ from __future__ import annotations
 
 import mmap
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-
-
-def _median_ms(run: Callable[[], object], times: int) -> float:
-    took = []
-    for _ in range(times):
-        start = time.perf_counter()
-        run()
-        took.append(time.perf_counter() - start)
-    return statistics.median(took) * 1e3
+from timing import median_ms
 
 
 def _probe(directory: Path, mib: int) -> str:
@@ -54,9 +38,9 @@ def _probe(directory: Path, mib: int) -> str:
             np.copyto(dst, src)
             mapping.madvise(mmap.MADV_DONTNEED)
 
-        mapped = _median_ms(lambda: np.copyto(dst, src), 60)
-        pread = _median_ms(lambda: os.preadv(fd, [dst], 0), 40)
-        dropped = _median_ms(drop, 60)
+        mapped = median_ms(lambda: np.copyto(dst, src), 60)
+        pread = median_ms(lambda: os.preadv(fd, [dst], 0), 40)
+        dropped = median_ms(drop, 60)
     finally:  # the mapping goes with the views of it, on return
         os.close(fd)
         path.unlink()
