@@ -4,7 +4,9 @@ Children are always reaped: on any exit path, survivors are terminated, then kil
 They start from a fork server that imported gradsync once (a spawn imports it again for
 every rank, most of a typical test's time), so they never inherit the test process's
 threads or patched globals; where the test changed the environment since that server
-started (fault plans are read at import), they are spawned instead.
+started (fault plans are read at import), or asks for children of its own process
+(``spawn=True``: the fork server reaps its children, so none stays a zombie), they are
+spawned instead.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ def _environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
 
 
-def _context() -> Any:
+def _context(spawn: bool) -> Any:
     """The fork server while the environment is the one it started with, else spawn."""
-    return _FORK_SERVER if _environment() == _FORK_SERVER_ENV else _SPAWN
+    return _FORK_SERVER if not spawn and _environment() == _FORK_SERVER_ENV else _SPAWN
 
 
 @dataclass
@@ -80,15 +82,17 @@ def run_ranks(
     ranks: Sequence[int] | None = None,
     timeout_s: float = 60.0,
     expect: Sequence[int] | None = None,
+    spawn: bool = False,
 ) -> dict[int, Outcome]:
     """Start ``target(rank, *args)`` in one process per rank and wait for them.
 
     ``expect`` lists the ranks expected to report (default: all started); others
-    (e.g. ranks that kill themselves) only need to exit.
+    (e.g. ranks that kill themselves) only need to exit. ``spawn``: the ranks are
+    children of this process, so one that exits stays a zombie until this one reaps it.
     """
     started = list(range(world)) if ranks is None else list(ranks)
     expect = started if expect is None else list(expect)
-    ctx = _context()
+    ctx = _context(spawn)
     out = ctx.Queue()
     procs = {r: ctx.Process(target=_child, args=(target, r, tuple(args), out)) for r in started}
     results: dict[int, Outcome] = {}

@@ -74,7 +74,8 @@ def test_without_proc_a_late_peer_is_waited_for(tmp_path: Path) -> None:
 
 def test_without_proc_a_zombie_peer_is_lost_once_its_heartbeat_stops(tmp_path: Path) -> None:
     # kill(pid, 0) succeeds on a zombie; without the heartbeat this waited max_wait_s (60 s).
-    res = run_ranks(workers.without_proc, 3, (3, str(tmp_path), 2, 1), expect=[0, 2], timeout_s=60)
+    args = (3, str(tmp_path), 2, 1)
+    res = run_ranks(workers.without_proc, 3, args, expect=[0, 2], timeout_s=60, spawn=True)
     for rank in (0, 2):
         outcome = res[rank]
         assert not outcome.ok

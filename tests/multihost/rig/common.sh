@@ -214,7 +214,10 @@ mh_down() {
         fi
     done
 
-    ip route del unreachable "$MH_NET.0/24" 2>/dev/null || true
+    # Another cluster (another MH_NS) on this machine still needs the shared guard.
+    if ! ip netns list 2>/dev/null | awk '{print $1}' | grep -q -- '-srv$'; then
+        ip route del unreachable "$MH_NET.0/24" 2>/dev/null || true
+    fi
     rm -rf "$MH_DIR/objects" "$MH_DIR/redis" "$MH_DIR/hosts" "$MH_DIR/etc" "$MH_RUN"
 
     ns=$(mh_our_netns)
