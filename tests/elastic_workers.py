@@ -107,6 +107,24 @@ def broadcast_at(
         return {"state": state.tobytes(), "members": gs.members, "epoch": gs.epoch}
 
 
+def a_job_that_ends_before_admitting(rank: int, sync_dir: str, kw: dict[str, Any]) -> Any:
+    """Processes 0 and 1 average once and close once process 2 has asked to join (no
+    call of theirs comes to admit it); process 2 asks after their first call."""
+    rdzv = Path(sync_dir) / "rdzv"
+    if rank < 2:
+        with gradsync.GradSync(config(rank, 2, sync_dir, elastic=True, **kw)) as gs:
+            gs.average(grads_for(rank, 0))
+            (Path(sync_dir) / f"done-{rank}").touch()
+            while not list(rdzv.glob("ejoin-*")):
+                time.sleep(0.01)
+        return None
+    while not all((Path(sync_dir) / f"done-{r}").exists() for r in (0, 1)):
+        time.sleep(0.01)
+    with gradsync.GradSync(config(2, 3, sync_dir, elastic=True, **kw)) as gs:
+        gs.average(grads_for(2, 0))
+    return None
+
+
 def members_and_a_stuck_joiner(
     rank: int, sync_dir: str, kw: dict[str, Any], pid_dir: str
 ) -> dict[str, Any] | None:

@@ -347,6 +347,24 @@ def test_the_request_of_a_joiner_killed_while_waiting_is_removed(tmp_path: Path)
     assert len(refusals) <= 1, refusals  # said once, not at every look
 
 
+def test_a_joiner_is_told_at_once_that_the_job_ended_before_admitting_it(
+    tmp_path: Path,
+) -> None:
+    kw = {**FAST, "max_wait_s": 60.0}
+    args = (str(tmp_path), kw)
+    results = run_ranks(elastic_workers.a_job_that_ends_before_admitting, 3, args, timeout_s=90)
+    assert all(results[p].ok for p in (0, 1)), results
+    joiner = results[2]
+    assert joiner.error_type == "RendezvousError", joiner
+    assert re.fullmatch(
+        r"rank 2 \(pid \d+ on \S+\) asked to join the running job in .+, which ended "
+        r"\(its last member closed\) before admitting it",
+        joiner.message,
+    ), joiner.message
+    assert joiner.elapsed_s < 20  # not max_wait_s (60 s)
+    assert not list((tmp_path / "rdzv").glob("ejoin-*"))
+
+
 def _launch_rejoin(tmp_path: Path, nproc: int, *script_args: str) -> list[tuple[str, ...]]:
     """Run tests/scripts/elastic_rejoin.py under ``gradsync launch --elastic
     --max-restarts 1``: each process's (rank, restart, world, digest) at the end."""

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from gradsync._config import FileGradSyncConfig
-from gradsync._errors import GradSyncError, PeerTimeoutError
+from gradsync._errors import GradSyncError, PeerTimeoutError, RendezvousError
 from gradsync._names import EJOIN_PREFIX, RDZV, ROSTER, current_name, ejoin_name, gen_name
-from gradsync._store.read import names_below
+from gradsync._store.read import file_below, names_below
 
 from . import notes
 from .decisions import settings
@@ -39,6 +39,7 @@ __all__ = [
 
 _log = logging.getLogger("gradsync")
 _LOOK_EVERY_S = 0.01
+_ENDED_EVERY_S = 0.2
 _refused: set[str] = set()  # join requests this process warned it does not admit
 
 
@@ -152,6 +153,7 @@ def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Me
 
     Raises:
         PeerTimeoutError: not admitted within ``max_wait_s``.
+        RendezvousError: the running job ended (its last member closed) first.
         GradSyncError: ``closing`` was set.
     """
     me = MemberInfo.for_self(cfg.rank, secrets.token_hex(8))
@@ -163,7 +165,8 @@ def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Me
         "launch": cfg.rank,
     }
     notes.write_json(request, data, "asking to join in")
-    start = time.monotonic()
+    start = looked_s = time.monotonic()
+    gone_looks = 0  # the job's note missing on this many looks in a row
     try:
         while time.monotonic() - start < cfg.max_wait_s:
             if closing is not None and closing.is_set():
@@ -174,6 +177,11 @@ def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Me
             found = _admitted(cfg, me)
             if found is not None:
                 return found
+            if time.monotonic() - looked_s >= _ENDED_EVERY_S:
+                looked_s = time.monotonic()
+                gone_looks = 0 if _job_named(cfg) else gone_looks + 1
+                if gone_looks == 2:  # twice: one failed look is no proof
+                    raise _ended(cfg, me)
             time.sleep(_LOOK_EVERY_S)
     finally:
         with contextlib.suppress(OSError):
@@ -181,6 +189,21 @@ def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Me
     raise PeerTimeoutError(
         f"rank {cfg.rank} ({me.describe()}) was not admitted into the running job in "
         f"{cfg.sync_dir} within {cfg.max_wait_s} s",
+        ranks=[cfg.rank],
+        path=cfg.sync_dir,
+    )
+
+
+def _job_named(cfg: FileGradSyncConfig) -> bool:
+    """Whether a running job is named: only its last member, on closing, removes the
+    note (:func:`forget_job`)."""
+    return file_below(cfg.sync_dir / RDZV / current_name(cfg.run_id))
+
+
+def _ended(cfg: FileGradSyncConfig, me: MemberInfo) -> RendezvousError:
+    return RendezvousError(
+        f"rank {cfg.rank} ({me.describe()}) asked to join the running job in "
+        f"{cfg.sync_dir}, which ended (its last member closed) before admitting it",
         ranks=[cfg.rank],
         path=cfg.sync_dir,
     )
