@@ -196,8 +196,13 @@ def test_a_link_put_in_place_of_a_jobs_directory_mid_run_is_never_followed(
     finally:
         job.join(90)
     assert not job.is_alive()
-    for outcome in results.values():
+    # A rank may learn of the link from the abort note of the peer that found it first.
+    found = [o for o in results.values() if o.error_type != "PeerAbortedError"]
+    assert found, results
+    for outcome in found:
         _link_error(outcome, link)
+    for outcome in results.values():
+        assert f"{link} is a symbolic link" in outcome.message, outcome.message
     assert _snapshot(canary) == before
 
 
