@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING
 from ._config import FileGradSyncConfig
 from ._errors import GradSyncError, PeerAbortedError, PeerLostError, PeerTimeoutError, clip
 from ._job import notes
-from ._job.ejoin import Membership, join_running, running_job
+from ._job.ejoin import Membership, job_pointer, join_running, running_job
 from ._job.rendezvous import rendezvous
-from ._names import RDZV, current_name
 from ._stats import StepStats
 
 if TYPE_CHECKING:
@@ -36,8 +35,7 @@ def start_elastic(cfg: FileGradSyncConfig, closing: threading.Event | None) -> M
         return join_running(cfg, closing)
     gen = rendezvous(cfg, closing)
     if gen.rank == 0:
-        pointer = cfg.sync_dir / RDZV / current_name(cfg.run_id)
-        notes.write_json(pointer, {"gen": gen.gen_id}, "naming the running job in")
+        notes.write_json(job_pointer(cfg), {"gen": gen.gen_id}, "naming the running job in")
     return Membership(gen, tuple(range(cfg.world_size)))
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "Membership",
     "decision",
     "forget_job",
+    "job_pointer",
     "join_requests",
     "join_running",
     "joins_waiting",
@@ -76,6 +77,11 @@ def decision(data: dict[str, Any], sync_dir: Path, me: MemberInfo) -> Membership
     return None
 
 
+def job_pointer(cfg: FileGradSyncConfig) -> Path:
+    """The note that names this run's running generation (``rdzv/current[-<run id>].json``)."""
+    return cfg.sync_dir / RDZV / current_name(cfg.run_id)
+
+
 def join_requests(cfg: FileGradSyncConfig) -> list[dict[str, Any]]:
     """The join requests of this run from live processes that share its settings."""
     rdzv = cfg.sync_dir / RDZV
@@ -119,7 +125,7 @@ def joins_waiting(cfg: FileGradSyncConfig) -> bool:
 
 def running_job(cfg: FileGradSyncConfig) -> Path | None:
     """The generation of this run that still has a live member, if the run is going."""
-    pointer = notes.load(cfg.sync_dir / RDZV / current_name(cfg.run_id))
+    pointer = notes.load(job_pointer(cfg))
     if pointer is None or not isinstance(pointer.get("gen"), str):
         return None
     gen_path = cfg.sync_dir / gen_name(pointer["gen"])
@@ -139,7 +145,7 @@ def running_job(cfg: FileGradSyncConfig) -> Path | None:
 def forget_job(cfg: FileGradSyncConfig, gen: Generation) -> None:
     """Remove the note naming ``gen`` as the running job once ``gen`` is gone (its last
     member left). Never raises: it only tidies."""
-    pointer = cfg.sync_dir / RDZV / current_name(cfg.run_id)
+    pointer = job_pointer(cfg)
     named = notes.load(pointer)
     if named is None or named.get("gen") != gen.gen_id or names_below(gen.path):
         return
@@ -197,7 +203,7 @@ def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Me
 def _job_named(cfg: FileGradSyncConfig) -> bool:
     """Whether a running job is named: only its last member, on closing, removes the
     note (:func:`forget_job`)."""
-    return file_below(cfg.sync_dir / RDZV / current_name(cfg.run_id))
+    return file_below(job_pointer(cfg))
 
 
 def _ended(cfg: FileGradSyncConfig, me: MemberInfo) -> RendezvousError:
@@ -210,7 +216,7 @@ def _ended(cfg: FileGradSyncConfig, me: MemberInfo) -> RendezvousError:
 
 
 def _admitted(cfg: FileGradSyncConfig, me: MemberInfo) -> Membership | None:
-    pointer = notes.load(cfg.sync_dir / RDZV / current_name(cfg.run_id))
+    pointer = notes.load(job_pointer(cfg))
     if pointer is None or not isinstance(pointer.get("gen"), str):
         return None
     roster = notes.load(cfg.sync_dir / gen_name(pointer["gen"]) / ROSTER)

@@ -26,10 +26,8 @@ from gradsync._errors import GradSyncError, PeerLostError
 from gradsync._faults import fault_point
 from gradsync._names import (
     NEXT,
-    RDZV,
     ROSTER,
     claim_name,
-    current_name,
     gen_name,
     intent_name,
     left_name,
@@ -40,7 +38,7 @@ from gradsync._store.dirs import dir_below, make_own_dir
 from gradsync._store.read import names_below
 
 from . import notes
-from .ejoin import Membership, decision, join_requests
+from .ejoin import Membership, decision, job_pointer, join_requests
 from .liveness import HeartbeatWatch, judge
 from .membership import Reform, ReformLook, Standing, decide_reform, refusal, survivors
 
@@ -189,8 +187,7 @@ class Reformer:
                 note = notes.dump({"calls": 0, "ended": standings[q].gone or ""})
                 notes.write_note(self.gen.path / left_name(q), note)
         notes.write_json(self.gen.path / NEXT, data, "deciding the next membership in")
-        pointer = self.cfg.sync_dir / RDZV / current_name(self.cfg.run_id)
-        notes.write_json(pointer, {"gen": gen_id}, "naming the running job in")
+        notes.write_json(job_pointer(self.cfg), {"gen": gen_id}, "naming the running job in")
 
     def _claim(self, fd: int, standings: tuple[Standing, ...]) -> bool:
         """Whether this rank won the claim of the decision: of the first attempt, or of
