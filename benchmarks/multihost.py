@@ -24,6 +24,8 @@ clients fetched from and stored in the object store (what a real network carries
     sudo python benchmarks/multihost.py --sizes 4096 --steps 100 --json
     MH_JFS_OPTS="--entry-cache 0 --attr-cache 0 --dir-entry-cache 0" \\
         sudo -E python benchmarks/multihost.py           # JuiceFS caches off
+    sudo python benchmarks/multihost.py --sizes 16777216 --compression none,bf16,int8 \\
+        --limit-mbps 500                                  # a 500 Mbit/s storage network
 
 The same file, run with ``--worker`` by ``gradsync launch``, is one rank.
 """
@@ -175,6 +177,12 @@ def main() -> int:
     p.add_argument("--keep-up", action="store_true", help="leave the cluster up afterwards")
     p.add_argument("--json", action="store_true")
     p.add_argument(
+        "--limit-mbps",
+        type=int,
+        help="cap each host's object traffic at this many Mbit/s a direction (JuiceFS "
+        "--upload-limit / --download-limit), as a network to the object store would",
+    )
+    p.add_argument(
         "--compression",
         help="comma-separated, e.g. none,bf16,fp16,int8: instead of the default configs, "
         "each of these on 2 hosts x 2 (JuiceFS) and 1 host x 2 (tmpfs), in the same run",
@@ -191,7 +199,9 @@ def main() -> int:
     if reason is not None:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 2
-    cluster = Cluster(2)
+    limit = f"--upload-limit {args.limit_mbps} --download-limit {args.limit_mbps}"
+    opts = " ".join([os.environ.get("MH_JFS_OPTS", ""), limit if args.limit_mbps else ""])
+    cluster = Cluster(2, {"MH_JFS_OPTS": opts.strip()})
     configs = [
         ("2 hosts x 2, JuiceFS", {"h1": 0, "h2": 1}, 2, MOUNT, []),
         ("1 host x 4, JuiceFS", {"h1": 0}, 4, MOUNT, []),
@@ -235,6 +245,8 @@ def main() -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"W=4, {len(args.sizes)} sizes; step time = slowest rank's GradSync.average per step")
+    if opts.strip():
+        print(f"JuiceFS mount options: {opts.strip()}")
     head = (
         "| size | config | steps | median ms | p90 ms "
         "| publish | wait in | reduce | wait out | gather | ranks' CPU | FS clients' CPU "
