@@ -199,9 +199,11 @@ def main() -> int:
     if reason is not None:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 2
-    limit = f"--upload-limit {args.limit_mbps} --download-limit {args.limit_mbps}"
-    opts = " ".join([os.environ.get("MH_JFS_OPTS", ""), limit if args.limit_mbps else ""])
-    cluster = Cluster(2, {"MH_JFS_OPTS": opts.strip()})
+    opts = os.environ.get("MH_JFS_OPTS", "")
+    if args.limit_mbps:
+        opts += f" --upload-limit {args.limit_mbps} --download-limit {args.limit_mbps}"
+    opts = opts.strip()
+    cluster = Cluster(2, {"MH_JFS_OPTS": opts})
     configs = [
         ("2 hosts x 2, JuiceFS", {"h1": 0, "h2": 1}, 2, MOUNT, []),
         ("1 host x 4, JuiceFS", {"h1": 0}, 4, MOUNT, []),
@@ -245,8 +247,8 @@ def main() -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"W=4, {len(args.sizes)} sizes; step time = slowest rank's GradSync.average per step")
-    if opts.strip():
-        print(f"JuiceFS mount options: {opts.strip()}")
+    if opts:
+        print(f"JuiceFS mount options: {opts}")
     head = (
         "| size | config | steps | median ms | p90 ms "
         "| publish | wait in | reduce | wait out | gather | ranks' CPU | FS clients' CPU "
