@@ -1347,27 +1347,6 @@ def test_short_soak_leaks_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert soak.dir_usage(tmp_path / "sync")["files"] == 0  # a clean close removes the run
 
 
-def test_one_reaper_thread_however_many_rendezvous_leave_a_generation_pending(
-    tmp_path: Path,
-) -> None:
-    # A generation whose member is on another host waits out its heartbeat: each rank-0
-    # rendezvous used to start a thread of its own for that, and retry loops piled
-    # thousands of them up.
-    gen = tmp_path / "gen-00000000000000aa"
-    gen.mkdir()
-    (gen / OWN_MARK).touch()  # gradsync made it
-    far = MemberInfo.for_self(0, "00000000000000aa").to_json()
-    far["host_id"] = "elsewhere/boot/pidns"
-    (gen / "roster.json").write_text(json.dumps({"members": [far], "run_id": None}))
-    for _ in range(5):
-        _reaping.reap_stale_generations(tmp_path, tmp_path / "gen-keep", 0.3)
-    reapers = [t for t in threading.enumerate() if t.name == "gradsync-reaper"]
-    assert len(reapers) == 1
-    reapers[0].join(10)
-    assert not reapers[0].is_alive()
-    assert not gen.exists()  # its heartbeat stayed silent for 0.3 s
-
-
 def _remove_but(gen: Path, late: Any) -> None:
     """A remover's one pass over ``gen``, with ``late()`` writing into it after its
     listing: it unlinks what it listed, its mark last; its rmdir fails on the late

@@ -34,7 +34,8 @@ import gradsync
 
 W = 4  # 2 hosts x 2 ranks
 TWO_HOSTS = {"h1": 0, "h2": 1}
-HB = ["--hb-interval", "0.5", "--hb-timeout", "5"]
+HB_TIMEOUT_S = 5.0
+HB = ["--hb-interval", "0.5", "--hb-timeout", str(HB_TIMEOUT_S)]
 JOB_TIMEOUT_S = 60.0
 
 pytestmark = pytest.mark.timeout(180)
@@ -277,7 +278,6 @@ def killed_then_rerun(cluster: Cluster) -> dict[str, Any]:
         )
         for host, ranks in (("h1", [0, 1]), ("h2", [2, 3])):
             cluster.kill_in_host(host, _pids(out_a, ranks))
-        t_kill = time.monotonic()
         codes = job_a.wait(20)
     finally:
         job_a.stop()
@@ -293,9 +293,10 @@ def killed_then_rerun(cluster: Cluster) -> dict[str, Any]:
         "--seed", str(seed_b), "--steps", str(steps_b), "--raw", *HB,
     ], out_b)  # fmt: skip
     _run(cluster, job_b)
-    print(f"\nsecond job after a hard kill took {time.monotonic() - t0:.1f} s (hb timeout 5 s)")
+    t_b_end = time.monotonic()
+    print(f"\nsecond job after a hard kill took {t_b_end - t0:.1f} s (hb timeout 5 s)")
     return {
-        "sync_dir": sync_dir, "run_id": run_id, "t_kill": t_kill, "out_a": out_a,
+        "sync_dir": sync_dir, "run_id": run_id, "t_b_end": t_b_end, "out_a": out_a,
         "out_b": out_b, "job_b": job_b, "seed_b": seed_b, "steps_b": steps_b,
     }  # fmt: skip
 
@@ -313,10 +314,13 @@ def test_killed_run_is_never_read(killed_then_rerun: dict[str, Any]) -> None:
 def test_killed_multihost_runs_files_are_removed(
     cluster: Cluster, killed_then_rerun: dict[str, Any]
 ) -> None:
-    """Once its heartbeats have been silent well past the timeout, a later job cleans it up."""
+    """A later job on the host of the second one's rank 0 removes it, once that job's look
+    at its heartbeats is a heartbeat timeout old."""
     k = killed_then_rerun
     gen_a = next(s["gen"] for s in steps_of(k["out_a"], 0))
-    time.sleep(max(0.0, k["t_kill"] + 2 * 5.0 - time.monotonic()))
+    # The second job's look came before it ended; timed from the kill instead, a second
+    # job slow to start would leave the third too short a span to judge.
+    time.sleep(max(0.0, k["t_b_end"] + HB_TIMEOUT_S + 0.2 - time.monotonic()))
     out_c = _out(cluster, "cleanup")
     job_c = cluster.launch({"h2": 0, "h1": 1}, 2, k["sync_dir"], k["run_id"], [
         "--seed", "9", "--steps", "1", *HB,

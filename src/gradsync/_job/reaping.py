@@ -8,11 +8,13 @@ Each new rank 0 removes, before it registers (on a full disk that frees space
 first), every generation whose members are all gone; the launcher does the same
 after a job it ran in a given directory. Members on this host are judged at
 once by their process; members on other hosts by a heartbeat that stays still for
-``heartbeat_timeout_s``, which a daemon thread waits out so that no job waits for it.
+``heartbeat_timeout_s``, which a daemon thread waits out so that no job waits for it
+(a removal it has begun is finished at exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import logging
@@ -311,6 +313,10 @@ class _Reaper:
         # generation -> (its heartbeat files, the watch that first saw them, due)
         self._pending: dict[Path, tuple[list[Path], HeartbeatWatch, float]] = {}
         self._thread: threading.Thread | None = None
+        # Held through each removal: exit waits for it, since a daemon thread stopped
+        # halfway leaves a generation without the notes that say whose it is.
+        self._removing = threading.Lock()
+        self._exiting = False
 
     def add(
         self, pending: list[tuple[Path, list[Path]]], watch: HeartbeatWatch, timeout_s: float
@@ -338,9 +344,17 @@ class _Reaper:
                 next_due = min((v[2] for v in self._pending.values()), default=now)
             for gen_path, (beats, watch, _) in ready.items():
                 if all(watch.is_lost(hb) is not None for hb in beats):
-                    _remove(gen_path)
+                    with self._removing:
+                        if self._exiting:
+                            return
+                        _remove(gen_path)
             if not ready:
                 time.sleep(max(next_due - now, 0.01))
+
+    def finish_removal(self) -> None:
+        """At exit: let a removal under way end, and start no other."""
+        with self._removing:
+            self._exiting = True
 
 
 _reaper = _Reaper()
@@ -351,4 +365,9 @@ def _new_reaper() -> None:
     _reaper = _Reaper()
 
 
+def _finish_removal() -> None:
+    _reaper.finish_removal()
+
+
 os.register_at_fork(after_in_child=_new_reaper)
+atexit.register(_finish_removal)
