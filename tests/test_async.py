@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -124,6 +128,99 @@ def test_a_step_started_from_a_callback_runs_right_after_that_step(tmp_path: Pat
     for r in range(2):
         assert out[r].ok, out[r].value
         assert out[r].value == [0, 1, 2]
+
+
+def _callback_added_after_a_later_step(rank: int, world: int, sync_dir: str) -> list[float]:
+    """Steps A, B started; then A's callback starts C. Rank 0 adds it while A waits for
+    rank 1, rank 1 once A is over: C must follow B on both, whatever the timing."""
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        a, b, c = ([np.full(4, k * (rank + 1), np.float32)] for k in (1.0, 10.0, 100.0))
+        if rank == 1:
+            time.sleep(1.0)  # rank 0's A waits for this rank meanwhile
+        first = gs.average_async(a)
+        second = gs.average_async(b)
+        if rank == 1:
+            first.wait()
+        started: list[tuple[int, int]] = []
+        first.add_done_callback(
+            lambda h: started.append((gs.average_async(c).wait().step, second.wait().step))
+        )
+        second.wait()
+        deadline = time.monotonic() + 30
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert started == [(2, 1)], started
+        return [float(x[0][0]) for x in (a, b, c)]
+
+
+def test_a_step_started_by_a_callback_added_after_a_later_step_runs_after_it(
+    tmp_path: Path,
+) -> None:
+    # Rank 0 ran C before B and rank 1 after it: each averaged its C with the other's B.
+    out = run_ranks(_callback_added_after_a_later_step, 2, (2, str(tmp_path)), timeout_s=60)
+    for r in range(2):
+        assert out[r].ok, out[r].value
+        assert out[r].value == [1.5, 15.0, 150.0], (r, out[r].value)
+
+
+def test_a_callback_raising_system_exit_leaves_the_later_steps_running(tmp_path: Path) -> None:
+    # It ended gradsync's thread, and every later step waited forever.
+    gs = gradsync.GradSync(config(0, 1, str(tmp_path)))
+    gate = threading.Event()
+    ran: list[str] = []
+    held = gs.average_async(_grads(0, 0))
+    held.add_done_callback(lambda h: gate.wait(10))  # the thread waits: the next is added first
+    exiting = gs.average_async(_grads(0, 1))
+    exiting.add_done_callback(lambda h: sys.exit("a callback exits"))
+    exiting.add_done_callback(lambda h: ran.append("after"))
+    gate.set()
+    exiting.wait()
+    later = gs.average_async(_grads(0, 2))
+    waiter = threading.Thread(target=later.wait, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert later.done()
+    assert ran == ["after"]
+    gs.close()
+
+
+_CLOSE_IN_A_HANDLER = """
+    import signal, sys, threading
+    import numpy as np
+    import gradsync
+
+    gs = gradsync.GradSync(gradsync.FileGradSyncConfig(1, 0, sys.argv[1], max_wait_s=5))
+    closed = threading.Event()
+
+    def on_alarm(signum, frame):
+        gs.close()
+        closed.set()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, float(sys.argv[2]))
+    grads = [np.ones(1000, np.float32)]
+    try:
+        while not closed.is_set():
+            gs.average_async(grads).add_done_callback(lambda h: None)
+    except gradsync.GradSyncError:
+        pass
+    print("closed")
+"""
+
+
+@pytest.mark.parametrize("after_s", [0.1, 0.2, 0.3, 0.4])
+def test_close_from_a_signal_handler_amid_async_calls_returns(
+    tmp_path: Path, after_s: float
+) -> None:
+    # The handler interrupting the main thread inside a lock the background thread needs
+    # joined that thread, which waited for the lock: 3 hangs in 6 tries.
+    code = textwrap.dedent(_CLOSE_IN_A_HANDLER)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), str(after_s)],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out
+    assert out.stdout.strip() == "closed", out
 
 
 def _gpu_async(rank: int, world: int, sync_dir: str) -> list[bytes]:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ._errors import GradSyncError
 from ._stats import StepStats
@@ -22,11 +23,14 @@ class StepHandle:
     """A step :meth:`GradSync.average_async` started: its arrays belong to gradsync until
     :meth:`wait` returns."""
 
-    def __init__(self) -> None:
+    def __init__(self, background: Background, seq: int) -> None:
+        self._background = background
+        self._seq = seq  # its place in the order the steps were started
         self._finished = threading.Event()
         self._stats: StepStats | None = None
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[[StepHandle], None]] = []
+        # Each callback with the last step started when it was added.
+        self._callbacks: list[tuple[Callable[[StepHandle], None], int]] = []
         self._lock = threading.Lock()
 
     def done(self) -> bool:
@@ -36,8 +40,8 @@ class StepHandle:
     def wait(self) -> StepStats:
         """Wait for the step; its timings, or the step's error raised here.
 
-        Never call it from a callback of an earlier step (it runs on the thread that
-        would have to finish this one).
+        Never call it from a callback of an earlier step for a step started after that
+        callback was added (it runs on the thread that would have to finish this one).
         """
         self._finished.wait()
         if self._error is not None:
@@ -46,23 +50,27 @@ class StepHandle:
         return self._stats
 
     def add_done_callback(self, fn: Callable[[StepHandle], None]) -> None:
-        """Call ``fn(handle)`` once the step is over: on gradsync's thread, before any
-        later step starts (or here and now, if it is over already)."""
-        with self._lock:
+        """Call ``fn(handle)`` once the step is over: on gradsync's thread, or here and now
+        if it is over already. A step ``fn`` starts takes this call's place in the order:
+        after every step started before it, before any started after it, on every rank
+        alike however the timing falls."""
+        bg = self._background
+        with bg.guard(self._lock):
+            at = bg.last_seq
             if not self._finished.is_set():
-                self._callbacks.append(fn)
+                self._callbacks.append((fn, at))
                 return
-        fn(self)
+        bg.run_callback(fn, self, at)
 
     def _finish(self, stats: StepStats | None, error: BaseException | None) -> None:
-        with self._lock:
+        with self._background.guard(self._lock):
             self._stats, self._error = stats, error
             callbacks, self._callbacks = self._callbacks, []
             self._finished.set()
-        for fn in callbacks:
+        for fn, at in callbacks:
             try:
-                fn(self)
-            except Exception:  # one callback's failure must not stop the thread or the others
+                self._background.run_callback(fn, self, at)
+            except BaseException:  # SystemExit too: the thread must live for later steps
                 _log.exception("a callback of a gradsync step raised")
 
 
@@ -82,18 +90,34 @@ class Background:
         self._thread: threading.Thread | None = None
         self._pending = 0  # queued or running
         self._closed = False
+        self.last_seq = 0  # of the last step started
+        # .holding: this thread holds (or is taking) one of the locks here; .place: the
+        # place in the order of the callback running on this thread.
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def guard(self, lock: threading.Lock | threading.Condition) -> Iterator[None]:
+        """Hold ``lock``, marked first: a signal handler's close() meanwhile must not wait
+        for the thread, which may be waiting for this very lock."""
+        self._local.holding = getattr(self._local, "holding", 0) + 1
+        try:
+            with lock:
+                yield
+        finally:
+            self._local.holding -= 1
 
     def submit(self, step: Callable[[], StepStats]) -> StepHandle:
         """Queue ``step`` after every step submitted before it; its handle.
 
-        From a step's callback (this thread) it runs at once, before the steps queued:
-        right after the step whose callback it is, on every rank alike (waiting for
-        it there would wait for this thread itself).
+        From a step's callback (this thread) it runs at once, once the steps started
+        before the callback was added have: where the callback was added, on every rank
+        alike (waiting for it there would wait for this thread itself).
         """
-        handle = StepHandle()
-        with self._cond:
+        with self.guard(self._cond):
             if self._closed:
                 raise GradSyncError(f"{self._name} is closed")
+            self.last_seq += 1
+            handle = StepHandle(self, self.last_seq)
             self._pending += 1
             inline = self.on_thread()
             if not inline:
@@ -103,12 +127,22 @@ class Background:
                     self._thread.start()
                 self._cond.notify()
         if inline:
+            self._run_queued_to(getattr(self._local, "place", 0))
             self._run_one(step, handle)
         return handle
 
+    def run_callback(self, fn: Callable[[StepHandle], None], handle: StepHandle, at: int) -> None:
+        """``fn(handle)``, a step it starts on this thread taking place ``at``."""
+        outer = getattr(self._local, "place", 0)
+        self._local.place = at
+        try:
+            fn(handle)
+        finally:
+            self._local.place = outer
+
     def busy(self) -> bool:
         """Whether a submitted step is queued or running."""
-        with self._cond:
+        with self.guard(self._cond):
             return self._pending > 0
 
     def on_thread(self) -> bool:
@@ -118,22 +152,33 @@ class Background:
     def close(self) -> None:
         """Accept no more steps, let the queued ones run (or fail) and stop the thread.
 
-        From the thread itself (a callback closing the GradSync) it does not wait."""
-        with self._cond:
+        From the thread itself (a callback closing the GradSync), or from a signal
+        handler that interrupted this thread holding a lock here, it does not wait."""
+        reentered = getattr(self._local, "holding", 0) > 0
+        with self.guard(self._cond):
             self._closed = True
             self._cond.notify()
             thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None and thread is not threading.current_thread() and not reentered:
             thread.join()
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self.guard(self._cond):
                 if not self._queue and not self._closed:
                     self._cond.wait(IDLE_S)
                 if not self._queue:
                     # Closed, or idle: a GradSync dropped unclosed leaves no thread behind.
                     self._thread = None
+                    return
+                step, handle = self._queue.popleft()
+            self._run_one(step, handle)
+
+    def _run_queued_to(self, place: int) -> None:
+        """Run, on this thread, the queued steps started at or before ``place``."""
+        while True:
+            with self.guard(self._cond):
+                if not self._queue or self._queue[0][1]._seq > place:
                     return
                 step, handle = self._queue.popleft()
             self._run_one(step, handle)
@@ -152,5 +197,5 @@ class Background:
         try:
             handle._finish(stats, error)
         finally:
-            with self._cond:
+            with self.guard(self._cond):
                 self._pending -= 1
