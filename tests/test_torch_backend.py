@@ -246,3 +246,38 @@ def test_a_dead_peer_fails_the_collective_instead_of_hanging(tmp_path: Path) -> 
     out = run_ranks(_one_rank_dies, 2, (2, str(tmp_path)), timeout_s=60, expect=[0])
     assert out[0].ok, out[0].value
     assert "rank 1" in out[0].value, out[0].value
+
+
+def _compressed_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """:func:`_collectives` with every float step int8-compressed, and empty tensors."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import gradsync.torch  # noqa: F401, PLC0415
+
+    os.environ.update(
+        GRADSYNC_SYNC_DIR=os.path.join(tmp, "sync"),
+        GRADSYNC_COMPRESSION="int8",
+        GRADSYNC_COMPRESS_LOCAL="1",
+        GRADSYNC_ERROR_FEEDBACK="1",
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    out = _collectives(rank, world, dist)
+    empty = torch.empty(0, dtype=torch.int64)
+    dist.all_reduce(empty, op=dist.ReduceOp.MAX)
+    gathered = [torch.ones(0, dtype=torch.int32) for _ in range(world)]
+    dist.all_gather(gathered, torch.empty(0, dtype=torch.int32))
+    out["empty"] = [tuple(t.shape) for t in (empty, *gathered)]
+    dist.destroy_process_group()
+    return out
+
+
+def test_exact_collectives_stay_exact_when_compression_is_on(tmp_path: Path) -> None:
+    # They travel as float64 steps: compressed, their words came back rounded or zeroed.
+    world = 2
+    outcomes = run_ranks(_compressed_rank, world, (world, str(tmp_path)), timeout_s=100)
+    assert all(o.ok for o in outcomes.values()), {r: o.value for r, o in outcomes.items()}
+    ranks = {r: o.value for r, o in outcomes.items()}
+    test_broadcast_and_allgather_are_bit_exact_for_any_dtype(ranks)
+    test_integer_allreduces_are_exact(ranks)
+    assert all(out["empty"] == [(0,)] * (1 + world) for out in ranks.values())

@@ -153,13 +153,16 @@ class GradSync(CallGuard):
         device: Any,
         dtype: npt.DTypeLike | Sequence[npt.DTypeLike] | None,
         scale: int | None,
+        exact: bool = False,
     ) -> StepStats:
         """:meth:`average`; with ``scale``, host arrays get the mean times ``scale``
-        (written in one pass: the torch backend's SUM)."""
+        (written in one pass: the torch backend's SUM); ``exact``: never compressed (the
+        torch backend's bytes in float64 words)."""
         self._check_process()
         if self._background.busy() and not self._background.on_thread():
             # Behind the steps still in flight: calls complete in the order they are made.
-            return self._submit(lambda: self._average(grads, step, device, dtype, scale)).wait()
+            again = functools.partial(self._average, grads, step, device, dtype, scale, exact)
+            return self._submit(again).wait()
         with self._call():
             self._check_usable()
             if step is None and self.cfg.elastic and self.cfg.enabled:
@@ -169,7 +172,7 @@ class GradSync(CallGuard):
             self._next_step = step + 1
             try:
                 if device is None:
-                    call = functools.partial(self._average_host, grads, step, scale)
+                    call = functools.partial(self._average_host, grads, step, scale, exact)
                 else:
                     call = functools.partial(self._average_device, grads, device, dtype, step)
                 if self.cfg.elastic and self.cfg.enabled:
@@ -240,6 +243,11 @@ class GradSync(CallGuard):
             GradSyncError: this instance is closed or an earlier step failed; or the
                 rendezvous failed (see :meth:`average`).
         """
+        return self._buffers_like(like, watch=True)
+
+    def _buffers_like(self, like: Sequence[Any], *, watch: bool) -> list[np.ndarray]:
+        """:meth:`buffers_like`; without ``watch``, arrays left unwritten between steps
+        are fine (DiLoCo writes each step's itself, and zeros may be its value)."""
         self._check_process()
         with self._call():
             self._check_usable()
@@ -249,7 +257,7 @@ class GradSync(CallGuard):
             if not self.cfg.enabled:
                 return [np.zeros(shape, dtype=np.dtype(dtype)) for dtype, shape in layout]
             try:
-                return self._started().buffers_like(layout)
+                return self._started().buffers_like(layout, watch=watch)
             except BaseException as exc:
                 self._failed(exc, None)
                 raise
@@ -318,7 +326,9 @@ class GradSync(CallGuard):
                 self._failed(exc, None)
                 raise
 
-    def _average_host(self, grads: Sequence[Any], step: int, scale: int | None) -> StepStats:
+    def _average_host(
+        self, grads: Sequence[Any], step: int, scale: int | None, exact: bool
+    ) -> StepStats:
         if self._session.engine is None:
             # Checked before the session starts: one rank has nothing to meet. Later
             # calls' steps check them (telling the peers of a failure).
@@ -330,8 +340,8 @@ class GradSync(CallGuard):
                     for a in view.arrays:
                         np.multiply(a, scale, out=a)
                 return stats
-            return self._started().step(view, step, scale=scale)
-        return self._session.engine.step(grads, step, scale=scale)
+            return self._started().step(view, step, scale=scale, exact=exact)
+        return self._session.engine.step(grads, step, scale=scale, exact=exact)
 
     def _average_device(
         self, buffers: Sequence[Any], device: Any, dtype: Any, step: int

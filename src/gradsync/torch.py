@@ -114,7 +114,10 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def barrier(self, opts: Any) -> Any:  # type: ignore[override]
         """A step of one float32 zero: every rank has called it when it completes."""
-        return self._work(self.sync.average_async([np.zeros(1, np.float32)]), list)
+        zero = np.zeros(1, np.float32)
+        sync = self.sync
+        handle = sync._submit(lambda: sync._average([zero], None, None, None, None, exact=True))
+        return self._work(handle, list)
 
     def shutdown(self) -> None:
         """Leave the gradsync job (``destroy_process_group`` calls it)."""
@@ -140,9 +143,11 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def _exchange(
         self, payload: np.ndarray, slot: int, slots: int
     ) -> tuple[StepHandle, np.ndarray]:
-        """Start the step that carries ``payload`` exactly; its handle and array."""
+        """Start the step that carries ``payload`` exactly (never compressed); its handle
+        and array."""
         buf = _encode(payload, slot, slots)
-        return self.sync.average_async([buf]), buf
+        sync = self.sync
+        return sync._submit(lambda: sync._average([buf], None, None, None, None, exact=True)), buf
 
     def _work(self, handle: StepHandle, finish: Callable[[], Any]) -> Any:
         """A torch Work whose future completes, from gradsync's thread, with ``finish()``."""
@@ -210,6 +215,9 @@ def _split(data: np.ndarray, like: Sequence[torch.Tensor]) -> list[torch.Tensor]
     out, at = [], 0
     for t in like:
         n = t.numel() * t.element_size()
+        if n == 0:  # torch views no empty byte tensor as a wider dtype
+            out.append(torch.empty(t.shape, dtype=t.dtype))
+            continue
         chunk = torch.from_numpy(data[at : at + n].copy())
         out.append(chunk.view(t.dtype).reshape(t.shape))
         at += n

@@ -48,6 +48,7 @@ class StepEngine(Broadcasting, Compressing, Gathering):
         sink: Sink | None = None,
         *,
         scale: int | None = None,
+        exact: bool = False,
     ) -> StepStats:
         """Average ``grads`` (a :func:`host_view`, or arrays to validate) in place with
         every rank's call of the same sequence number.
@@ -56,7 +57,8 @@ class StepEngine(Broadcasting, Compressing, Gathering):
         arrays: one call, once every shard is in, with pieces that cover every element
         once. Their arrays are valid only during the call; the arrays are then scratch
         (a source that cannot be mapped is read into them first). With ``scale``, the
-        arrays get the mean times ``scale`` instead, in the same pass.
+        arrays get the mean times ``scale`` instead, in the same pass. ``exact``: never
+        compressed (the torch backend's bytes carried in float64 words).
 
         On any error this rank tells its peers (``abort-<rank>``) before raising, so
         they fail at once with the same error instead of waiting for it.
@@ -65,7 +67,7 @@ class StepEngine(Broadcasting, Compressing, Gathering):
         def call(step_dir: Path) -> StepStats:
             view = grads if isinstance(grads, HostView) else host_view(grads)
             into = sink if scale is None else scaled_into(view.flats, scale, self.workers)
-            return self._step(view, step, step_dir, into)
+            return self._step(view, step, step_dir, into, exact)
 
         return self._run(call)
 
@@ -118,12 +120,14 @@ class StepEngine(Broadcasting, Compressing, Gathering):
             data = json.dumps(error_note(exc)).encode()
             write_note(note, data, dir_fd=self._dir.step_fd(seq, make=True))
 
-    def _step(self, view: HostView, step: int, step_dir: Path, sink: Sink | None) -> StepStats:
+    def _step(
+        self, view: HostView, step: int, step_dir: Path, sink: Sink | None, exact: bool
+    ) -> StepStats:
         """The pipeline: plan, publish the input, wait for the peers' inputs, reduce and
         publish this rank's shard, wait for the peers' shards, write the mean back.
         What is published and how (as is, or encoded) is the call's :class:`Stages`."""
         t0 = time.perf_counter()
-        plan = self._plan_of(view, step)
+        plan = self._plan_of(view, step, exact)
         nonfinite = nonfinite_params(view.flats) if self.cfg.check_finite else []
         if self.cfg.elastic:
             self._announce_joins(step_dir, step)
@@ -167,13 +171,13 @@ class StepEngine(Broadcasting, Compressing, Gathering):
             return self._encoded_stages(plan, view.flats, step, sink)
         return _PlainStages(self, plan, view, step, sink)
 
-    def _plan_of(self, view: HostView, step: int) -> Plan:
+    def _plan_of(self, view: HostView, step: int, exact: bool) -> Plan:
         if len(view.arrays) > MAX_PARAMS:
             raise InvalidGradsError(
                 f"step {step}: {len(view.arrays)} params, more than the {MAX_PARAMS} a "
                 "gradsync file describes: concatenate small params into fewer arrays"
             )
-        return self._plan_for(view.layout)
+        return self._plan_for(view.layout, exact=exact)
 
     def _reduce_and_publish(
         self,

@@ -81,7 +81,8 @@ class EngineState:
         self._publishers: list[int] = []
         # The last few layouts' plans, most recent last: a loop that alternates layouts
         # (a GAN's two models, say) would otherwise rebuild a plan every call.
-        self._plans: dict[Layout, Plan] = {}
+        self._plans: dict[tuple[Layout, bool], Plan] = {}
+        self._plan_key: tuple[Layout, bool] | None = None
         self._data_paths: dict[tuple[int, str, int | None], Path] = {}
         self._shared: SharedBuffers | None = None
         self._shared_serial = 0
@@ -126,21 +127,25 @@ class EngineState:
         self.workers.close()
         self._dir.close()
 
-    def _plan_for(self, layout: Layout) -> Plan:
-        if self._plan is not None and self._plan.layout == layout:
+    def _plan_for(self, layout: Layout, *, exact: bool = False) -> Plan:
+        """The plan of calls of ``layout``; ``exact``: published as is, never compressed."""
+        codec = None if exact else self.codec
+        key = (layout, codec is None)
+        if self._plan is not None and self._plan_key == key:
             return self._plan
-        plan = self._plans.pop(layout, None)
+        plan = self._plans.pop(key, None)
         if plan is None:
             plan = Plan.build(
                 layout,
                 self.world,
                 self.cfg.strategy == "root",
                 replicate_below=REPLICATE_BELOW_BYTES,
-                codec=self.codec,
+                codec=codec,
             )
             if len(self._plans) >= _PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]
-        self._plans[layout] = self._plan = plan
+        self._plans[key] = self._plan = plan
+        self._plan_key = key
         # The peers whose shards a call of this plan waits for.
         self._publishers = [
             q
