@@ -69,3 +69,36 @@ def start_differently(rank: int, world: int, sync_dir: str) -> str:
         except gradsync.MismatchError as exc:
             return str(exc)
     return "no error"
+
+
+def start_compressed(
+    rank: int, world: int, sync_dir: str, compression: str, error_feedback: bool, apart: bool
+) -> str:
+    """The start check under ``compression`` (on one host too); with ``apart``, the last
+    rank starts from other parameters."""
+    cfg = config(
+        rank,
+        world,
+        sync_dir,
+        compression=compression,
+        error_feedback=error_feedback,
+        compress_local=True,
+    )
+    with gradsync.GradSync(cfg) as gs:
+        if error_feedback:  # a residual this leaves in a (world,) layout must not tip the check
+            gs.average([np.full(world, 0.1 * (rank + 1))])
+        try:
+            gradsync.DiLoCo(start_params(seed=int(apart and rank == world - 1)), gs, every=2)
+        except gradsync.MismatchError as exc:
+            return str(exc)
+    return "no error"
+
+
+def frozen(rank: int, world: int, sync_dir: str, syncs: int) -> list[bytes]:
+    """``syncs`` syncs with params no inner step moved (frozen, or lr=0 warm-up)."""
+    params = start_params()
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        dl = gradsync.DiLoCo(params, gs, every=1)
+        for _ in range(syncs):
+            assert dl.step()
+    return [p.tobytes() for p in params]

@@ -100,6 +100,36 @@ def test_ranks_that_start_apart_all_get_a_mismatch_error(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(
+    ("compression", "error_feedback"),
+    [("bf16", False), ("fp16", False), ("int8", False), ("int8", True)],
+)
+def test_the_start_check_is_exact_under_compression(
+    tmp_path: Path, compression: str, error_feedback: bool
+) -> None:
+    world = 3
+    for apart in (False, True):
+        args = (world, str(tmp_path / str(apart)), compression, error_feedback, apart)
+        results = run_ranks(diloco_workers.start_compressed, world, args)
+        for r in range(world):
+            assert results[r].ok, results[r].value
+            if apart:
+                assert "parameters differ at the start" in results[r].value
+                assert "rank 2 " in results[r].value, results[r].value
+            else:
+                assert results[r].value == "no error"
+
+
+def test_syncs_of_unmoved_params_keep_them(tmp_path: Path) -> None:
+    # Zero deltas are DiLoCo's own, not stale buffers: no InvalidGradsError after 3.
+    world = 2
+    results = run_ranks(diloco_workers.frozen, world, (world, str(tmp_path), 5))
+    start = [p.tobytes() for p in diloco_workers.start_params()]
+    for r in range(world):
+        assert results[r].ok, results[r].message
+        assert results[r].value == start
+
+
+@pytest.mark.parametrize(
     ("kw", "error", "match"),
     [
         ({"every": 0}, gradsync.ConfigError, "every must be an int >= 1"),

@@ -15,9 +15,7 @@ from ._errors import ConfigError, InvalidGradsError, MismatchError
 __all__ = ["DiLoCo"]
 
 _DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-# Bits of the start digest per float64 word: the sum of squares over 2**12 ranks stays exact.
-_CHUNK_BITS = 20
-_CHUNKS = 3
+_DIGEST_BYTES = 16  # of the start check's hash of the params
 
 
 class DiLoCo:
@@ -37,8 +35,9 @@ class DiLoCo:
     Momentum is kept in the parameter's dtype, float32 for float16 parameters.
 
     The parameters must start identical on every rank: the constructor checks it
-    (with ``check_start``) by averaging a digest of them, a collective call that every
-    rank makes. If a sync fails, the parameters are as before it and ``gs`` is unusable.
+    (with ``check_start``) by broadcasting rank 0's digest of them and averaging each
+    rank's verdict, uncompressed: collective calls that every rank makes.
+    If a sync fails, the parameters are as before it and ``gs`` is unusable.
     """
 
     def __init__(
@@ -59,7 +58,7 @@ class DiLoCo:
             InvalidGradsError: a parameter is not a writeable C-contiguous float16/32/64
                 numpy array.
             MismatchError: (``check_start``) the ranks' parameters differ.
-            GradSyncError: the averaging call of ``check_start`` failed.
+            GradSyncError: a call of ``check_start`` (a broadcast, an average) failed.
         """
         if not isinstance(gs, GradSync):
             raise ConfigError(f"gs must be a GradSync, got {type(gs).__name__}")
@@ -78,7 +77,7 @@ class DiLoCo:
         self.syncs = 0
         self._last = [p.copy() for p in self.params]
         self._momentum = [np.zeros(p.shape, _state_dtype(p.dtype)) for p in self.params]
-        self._delta: list[np.ndarray] | None = None  # gs.buffers_like, made at the first sync
+        self._delta: list[np.ndarray] | None = None  # shared buffers, made at the first sync
         if check_start:
             self._check_identical_start()
 
@@ -104,7 +103,8 @@ class DiLoCo:
     def sync(self) -> None:
         """Average the pseudo-gradient now and take the outer step (collective)."""
         if self._delta is None:
-            self._delta = self.gs.buffers_like(self.params)
+            # Unwatched: a zero delta is written here, not left stale (frozen params, lr 0).
+            self._delta = self.gs._buffers_like(self.params, watch=False)
         for last, p, d in zip(self._last, self.params, self._delta, strict=True):
             np.subtract(last, p, out=d)
         self.gs.average(self._delta)
@@ -153,21 +153,26 @@ class DiLoCo:
         self.calls, self.syncs = calls, syncs
 
     def _check_identical_start(self) -> None:
-        # mean(h*h) == mean(h)**2, all exact in float64, only where every rank's h is equal.
-        h = hashlib.blake2b(digest_size=8)
+        # Rank 0's digest by broadcast (bit-exact); each rank's verdict on it by average.
+        h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
         for p in self.params:
             h.update(str((p.dtype.str, p.shape)).encode())
             h.update(p.tobytes())
-        digest = int.from_bytes(h.digest(), "little")
-        mask = (1 << _CHUNK_BITS) - 1
-        words = [float((digest >> (_CHUNK_BITS * i)) & mask) for i in range(_CHUNKS)]
-        check = np.array(words + [w * w for w in words], dtype=np.float64)
-        self.gs.average([check])
-        mean, mean_sq = check[:_CHUNKS], check[_CHUNKS:]
-        if not np.array_equal(mean * mean, mean_sq):
+        mine = np.frombuffer(h.digest(), dtype=np.uint8)
+        first = mine.copy()
+        self.gs.broadcast([first])  # from rank 0
+        # One slot per rank names the ranks that differ; averaged exactly (never compressed).
+        differs = np.zeros(self.gs.world_size, dtype=np.float64)
+        differs[self.gs.rank] = float(not np.array_equal(mine, first))
+        self.gs._average([differs], None, None, None, None, exact=True)
+        ranks = [int(r) for r in np.flatnonzero(differs)]
+        if ranks:
             raise MismatchError(
-                "DiLoCo: the ranks' parameters differ at the start; initialize them "
-                "identically (same seed, or load the same checkpoint) on every rank"
+                f"DiLoCo: the ranks' parameters differ at the start: rank "
+                f"{', '.join(map(str, ranks))} {'has' if len(ranks) == 1 else 'have'} other "
+                "values, shapes or dtypes than rank 0; initialize them identically (same "
+                "seed, or load the same checkpoint) on every rank",
+                ranks=ranks,
             )
 
 
