@@ -120,3 +120,27 @@ def nonfinite(rank: int, world: int, sync_dir: str, compression: str, check: boo
     with gradsync.GradSync(cfg) as gs:
         gs.average(grads, step=0)
     return grads
+
+
+def near_float16_max(
+    rank: int, world: int, sync_dir: str, count: int, size: int, poison: bool = False
+) -> Any:
+    """``count`` steps of int8 with error feedback over one float16 param of ``size``
+    elements, a third of them within 512 of +-65504 (each block has one at 65504); each
+    step's input and result. With ``poison`` rank 1 sends Inf at 10 and NaN at 20."""
+    rng = np.random.default_rng([rank, 65504])
+    out = []
+    cfg = config(rank, world, sync_dir, compression="int8", error_feedback=True)
+    with gradsync.GradSync(cfg) as gs:
+        for step in range(count):
+            g = rng.uniform(-65504, 65504, size)
+            near = rng.random(size) < 1 / 3
+            g[near] = np.copysign(65504 - rng.uniform(0, 512, near.sum()), g[near])
+            g[step % 256 :: 256] = 65504
+            grad = g.astype(np.float16)
+            if poison and rank == 1:
+                grad[10], grad[20] = np.inf, np.nan
+            before = grad.copy()
+            gs.average([grad], step=step)
+            out.append((before, grad))
+    return out

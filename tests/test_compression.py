@@ -14,6 +14,7 @@ import compression_workers as cw
 import gradsync
 import workers
 from gradsync import ConfigError, FileGradSyncConfig
+from gradsync._step.codec import CODECS
 from ranks import run_ranks
 
 BLOCK = 256  # elements per scale (docs/compression.md)
@@ -76,6 +77,39 @@ def reference(per_rank: list[list[np.ndarray]], codec: str) -> list[np.ndarray]:
     """The mean of the decoded inputs in rank order, compressed once more."""
     mean = gradsync.average_host_grads([compressed(g, codec) for g in per_rank])
     return compressed(mean, codec)
+
+
+F16_MAX = np.float32(65504)  # float16's largest finite value
+
+
+def _fed_back(x: np.ndarray, residual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``x`` of a float16 group plus its residual, finite values clipped to
+    +-65504, through int8 (docs/compression.md, error feedback): the decoded values and
+    the next residual (what the clip removed included)."""
+    wanted = x + residual
+    with np.errstate(invalid="ignore"):
+        sent = np.where(np.isfinite(wanted), np.clip(wanted, -F16_MAX, F16_MAX), wanted)
+        decoded = roundtrip(sent, "int8")
+        lost = wanted - decoded
+    lost[~np.isfinite(lost)] = 0
+    return decoded, lost
+
+
+def fed_back_reference(steps: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """The result of each step of int8 with error feedback, ``steps[s][r]`` rank r's
+    one float16 param at step s: each rank's input and the mean fed back alike."""
+    residuals = [np.zeros(x.size, np.float32) for x in steps[0]]
+    out_residual = np.zeros(steps[0][0].size, np.float32)
+    results = []
+    for inputs in steps:
+        decoded = []
+        for r, x in enumerate(inputs):
+            back, residuals[r] = _fed_back(x.astype(np.float32), residuals[r])
+            decoded.append([back.astype(np.float16)])
+        (mean,) = gradsync.average_host_grads(decoded)
+        back, out_residual = _fed_back(mean.astype(np.float32), out_residual)
+        results.append(back.astype(np.float16))
+    return results
 
 
 def _bits(arrays: list[np.ndarray]) -> list[bytes]:
@@ -218,6 +252,48 @@ def test_error_feedback_keeps_the_sum_of_results_on_the_sum_of_inputs(tmp_path: 
     # without, the same rounding adds up every step.
     assert errors[True] <= 2 * scale
     assert errors[False] >= 4 * errors[True]
+
+
+@pytest.mark.parametrize("size", [4_099, 140_001])  # every rank reduces all; sharded
+def test_int8_error_feedback_keeps_float16_near_65504_finite(tmp_path: Path, size: int) -> None:
+    # A residual added to a value near float16's largest used to decode to Inf, then NaN.
+    count = 4
+    results = run_ranks(cw.near_float16_max, 2, (2, str(tmp_path), count, size))
+    assert all(results[r].ok for r in range(2)), [results[r].message for r in range(2)]
+    want = fed_back_reference([[results[r].value[s][0] for r in range(2)] for s in range(count)])
+    for step in range(count):
+        got = [results[r].value[step][1] for r in range(2)]
+        assert np.isfinite(got[0]).all(), (step, np.count_nonzero(~np.isfinite(got[0])))
+        assert got[0].tobytes() == got[1].tobytes() == want[step].tobytes(), step
+
+
+def test_the_float16_clip_leaves_nan_and_inf_non_finite(tmp_path: Path) -> None:
+    results = run_ranks(cw.near_float16_max, 2, (2, str(tmp_path), 3, 4_099, True))
+    assert all(results[r].ok for r in range(2)), [results[r].message for r in range(2)]
+    for step in range(3):
+        got = results[0].value[step][1]
+        assert np.isnan(got[[10, 20]]).all(), step  # int8 decodes NaN and Inf as NaN
+        assert np.isfinite(np.delete(got, [10, 20])).all(), step
+        assert got.tobytes() == results[1].value[step][1].tobytes(), step
+
+
+def test_an_int8_block_up_to_65504_decodes_within_it() -> None:
+    # What lets error feedback clip at 65504: no int8 code of such a block decodes past it.
+    codec = CODECS["int8"]
+    rng = np.random.default_rng(65504)
+    rows = rng.uniform(-1, 1, (4096, BLOCK)) * rng.uniform(0, 65504, (4096, 1))
+    rows[::2, 0] = 65504  # half the blocks at 65504 exactly, the rest below
+    rows[1::4] = np.clip(rows[1::4] * 1e3, -65504, 65504)  # many values at or near it
+    x = rows.astype(np.float32).reshape(-1)
+    scales = np.empty(codec.scale_count(len(x)), np.float32)
+    codes = np.empty(len(x), np.int8)
+    codec.encode(x, scales, codes)
+    decoded = np.empty(len(x), np.float32)
+    codec.decode(scales, codes, decoded)
+    assert np.abs(decoded).max() == F16_MAX
+    as_float16 = np.empty(len(x), np.float16)
+    codec.decode(scales, codes, as_float16)
+    assert np.isfinite(as_float16).all()
 
 
 @pytest.mark.parametrize("codec", ["bf16", "int8"])

@@ -29,6 +29,12 @@ __all__ = ["Compressing", "EncodedStages"]
 
 # (scales, codes) of a run, as arrays.
 Run = tuple[np.ndarray, np.ndarray]
+# Where error feedback clips x + e, per group dtype: float16's largest finite value (an
+# int8 block whose largest magnitude is this decodes to at most it). None for float32
+# and float64: only values near float32's largest overflow, with or without feedback.
+_LIMITS: dict[np.dtype[Any], np.floating[Any]] = {
+    np.dtype(np.float16): np.float32(np.finfo(np.float16).max)
+}
 
 
 class Compressing(Publishing):
@@ -130,10 +136,13 @@ class Compressing(Publishing):
             np.copyto(codes, x)
             return x
         residual = self._residuals[kind].get(key) if self.cfg.error_feedback else None
+        clipped: tuple[np.ndarray, np.ndarray] | None = None
         if self.cfg.error_feedback:
             wanted = x.astype(_work_dtype(group.dtype))
             if residual is not None:
                 wanted += residual
+                # x + e past float16's largest would decode to Inf in the group's dtype.
+                clipped = _clip_finite(wanted, _LIMITS.get(group.dtype))
             x = wanted
         jobs = [
             _job(codec.encode, x[a:b], scales[a // BLOCK :], codes[a:b])
@@ -147,6 +156,9 @@ class Compressing(Publishing):
         if self.cfg.error_feedback:
             with np.errstate(invalid="ignore"):
                 lost = np.subtract(x, decoded, out=x)  # x is this call's own copy
+            if clipped is not None:
+                spots, unclipped = clipped
+                lost[spots] = unclipped - decoded[spots]  # what the clip removed is not lost
             lost[~np.isfinite(lost)] = 0  # a NaN or Inf is not carried over
             self._residuals[kind][key] = lost
         return decoded
@@ -306,6 +318,26 @@ class EncodedStages:
         self._engine._gather_encoded(
             self._plan, self._wire, self._flats, self._means, outs, self._step, self._sink
         )
+
+
+def _clip_finite(
+    wanted: np.ndarray, limit: np.floating[Any] | None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Clip the finite elements of ``wanted`` beyond +-``limit`` to it, in place (NaN
+    and Inf stay); return where it clipped and the values it clipped, or None where
+    nothing was (or ``limit`` is None)."""
+    if limit is None or not len(wanted):
+        return None
+    # Two passes that only read: a NaN or Inf fails them too, and takes the full check.
+    if -limit <= np.minimum.reduce(wanted) and np.maximum.reduce(wanted) <= limit:
+        return None
+    magnitude = np.abs(wanted)
+    at = np.flatnonzero((magnitude > limit) & (magnitude < np.inf))
+    if not len(at):
+        return None
+    unclipped = wanted[at]
+    wanted[at] = np.copysign(limit, unclipped)
+    return at, unclipped
 
 
 def _work_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
