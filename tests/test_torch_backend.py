@@ -281,3 +281,45 @@ def test_exact_collectives_stay_exact_when_compression_is_on(tmp_path: Path) -> 
     test_broadcast_and_allgather_are_bit_exact_for_any_dtype(ranks)
     test_integer_allreduces_are_exact(ranks)
     assert all(out["empty"] == [(0,)] * (1 + world) for out in ranks.values())
+
+
+def _then_added_after_a_later_collective(rank: int, world: int, tmp: str) -> list[float]:
+    """Allreduces a, b started; then a's future gets a callback that allreduces c. Rank 0
+    adds it while a waits for rank 1, rank 1 once a is over: c must follow b on both."""
+    import time  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import gradsync.torch  # noqa: F401, PLC0415
+
+    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
+    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    a, b, c = (torch.full((4,), k * (rank + 1)) for k in (1.0, 10.0, 100.0))
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.0)  # rank 0's a waits for this rank meanwhile
+    first = dist.all_reduce(a, op=dist.ReduceOp.AVG, async_op=True)
+    second = dist.all_reduce(b, op=dist.ReduceOp.AVG, async_op=True)
+    if rank == 1:
+        first.wait()
+    started: list[Any] = []
+    first.get_future().then(
+        lambda f: started.append(dist.all_reduce(c, op=dist.ReduceOp.AVG, async_op=True))
+    )
+    second.wait()
+    deadline = time.monotonic() + 30
+    while not started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started[0].wait()
+    dist.destroy_process_group()
+    return [t[0].item() for t in (a, b, c)]
+
+
+def test_a_collective_a_late_then_callback_starts_follows_the_ones_called_before(
+    tmp_path: Path,
+) -> None:
+    # Rank 0 ran c before b and rank 1 after it: each averaged its c with the other's b.
+    out = run_ranks(_then_added_after_a_later_collective, 2, (2, str(tmp_path)), timeout_s=60)
+    for r in range(2):
+        assert out[r].ok, out[r].value
+        assert out[r].value == [1.5, 15.0, 150.0], (r, out[r].value)

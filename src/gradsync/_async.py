@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from ._errors import GradSyncError
 from ._stats import StepStats
@@ -14,6 +16,7 @@ from ._stats import StepStats
 __all__ = ["Background", "StepHandle"]
 
 _log = logging.getLogger("gradsync")
+T = TypeVar("T")
 
 # How long the thread waits for a next step before it ends (the next one starts another).
 IDLE_S = 5.0
@@ -60,7 +63,7 @@ class StepHandle:
             if not self._finished.is_set():
                 self._callbacks.append((fn, at))
                 return
-        bg.run_callback(fn, self, at)
+        bg.run_placed(at, functools.partial(fn, self))
 
     def _finish(self, stats: StepStats | None, error: BaseException | None) -> None:
         with self._background.guard(self._lock):
@@ -69,7 +72,7 @@ class StepHandle:
             self._finished.set()
         for fn, at in callbacks:
             try:
-                self._background.run_callback(fn, self, at)
+                self._background.run_placed(at, functools.partial(fn, self))
             except BaseException:  # SystemExit too: the thread must live for later steps
                 _log.exception("a callback of a gradsync step raised")
 
@@ -131,12 +134,13 @@ class Background:
             self._run_one(step, handle)
         return handle
 
-    def run_callback(self, fn: Callable[[StepHandle], None], handle: StepHandle, at: int) -> None:
-        """``fn(handle)``, a step it starts on this thread taking place ``at``."""
+    def run_placed(self, at: int, call: Callable[[], T]) -> T:
+        """``call()``, a step it starts on this thread taking place ``at`` (the last step
+        started when the callback it makes was added)."""
         outer = getattr(self._local, "place", 0)
         self._local.place = at
         try:
-            fn(handle)
+            return call()
         finally:
             self._local.place = outer
 

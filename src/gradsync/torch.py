@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ._api import GradSync
-from ._async import StepHandle
+from ._async import Background, StepHandle
 from ._config import FileGradSyncConfig
 
 __all__ = ["BACKEND", "GradSyncProcessGroup"]
@@ -151,7 +151,7 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def _work(self, handle: StepHandle, finish: Callable[[], Any]) -> Any:
         """A torch Work whose future completes, from gradsync's thread, with ``finish()``."""
-        future: torch.futures.Future[Any] = torch.futures.Future()
+        future: torch.futures.Future[Any] = _PlacedFuture(self.sync._background)
 
         def complete(done: StepHandle) -> None:
             try:
@@ -164,6 +164,24 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
         handle.add_done_callback(complete)
         return _Work(future)
+
+
+class _PlacedFuture(torch.futures.Future):  # type: ignore[type-arg]
+    """A collective's future: a collective that a callback added by :meth:`then` starts
+    takes the place of that call in the order, as with ``StepHandle.add_done_callback``
+    (torch runs the callback at once, on the caller's thread, if the future is done)."""
+
+    def __init__(self, background: Background) -> None:
+        super().__init__()
+        self._background = background
+
+    def then(self, callback: Callable[[Any], Any]) -> Any:
+        at, bg = self._background.last_seq, self._background
+        return super().then(lambda fut: bg.run_placed(at, lambda: callback(fut)))
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        at, bg = self._background.last_seq, self._background
+        super().add_done_callback(lambda fut: bg.run_placed(at, lambda: callback(fut)))
 
 
 class _Work(dist.Work):  # type: ignore[misc]
