@@ -144,3 +144,19 @@ def near_float16_max(
             gs.average([grad], step=step)
             out.append((before, grad))
     return out
+
+
+def taking_turns(rank: int, world: int, sync_dir: str, count: int, sizes: list[int]) -> Any:
+    """``count`` rounds of int8 with error feedback, each a call per size (one float16
+    param each, a layout each, taking turns); per size, each round's input and result."""
+    rng = np.random.default_rng([rank, 16])
+    out: list[list[Any]] = [[] for _ in sizes]
+    cfg = config(rank, world, sync_dir, compression="int8", error_feedback=True)
+    with gradsync.GradSync(cfg) as gs:
+        for _ in range(count):
+            for i, size in enumerate(sizes):
+                grad = rng.standard_normal(size).astype(np.float16)
+                before = grad.copy()
+                gs.average([grad])
+                out[i].append((before, grad))
+    return out

@@ -267,6 +267,19 @@ def test_int8_error_feedback_keeps_float16_near_65504_finite(tmp_path: Path, siz
         assert got[0].tobytes() == got[1].tobytes() == want[step].tobytes(), step
 
 
+def test_error_feedback_of_layouts_taking_turns_is_kept_for_each(tmp_path: Path) -> None:
+    # It started afresh at every change of layout: with DDP's several buckets, never used.
+    count, sizes = 4, [4_099, 140_001]
+    results = run_ranks(cw.taking_turns, 2, (2, str(tmp_path), count, sizes))
+    assert all(results[r].ok for r in range(2)), [results[r].message for r in range(2)]
+    for i in range(len(sizes)):
+        rounds = [[results[r].value[i][s][0] for r in range(2)] for s in range(count)]
+        want = fed_back_reference(rounds)
+        for s in range(count):
+            got = [results[r].value[i][s][1].tobytes() for r in range(2)]
+            assert got[0] == got[1] == want[s].tobytes(), (sizes[i], s)
+
+
 def test_the_float16_clip_leaves_nan_and_inf_non_finite(tmp_path: Path) -> None:
     results = run_ranks(cw.near_float16_max, 2, (2, str(tmp_path), 3, 4_099, True))
     assert all(results[r].ok for r in range(2)), [results[r].message for r in range(2)]

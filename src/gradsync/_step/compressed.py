@@ -29,6 +29,8 @@ __all__ = ["Compressing", "EncodedStages"]
 
 # (scales, codes) of a run, as arrays.
 Run = tuple[np.ndarray, np.ndarray]
+# Layouts whose error feedback is kept (the least recently used goes first).
+RESIDUAL_LAYOUTS_KEPT = 16
 # Where error feedback clips x + e, per group dtype: float16's largest finite value (an
 # int8 block whose largest magnitude is this decodes to at most it). None for float32
 # and float64: only values near float32's largest overflow, with or without feedback.
@@ -40,10 +42,10 @@ _LIMITS: dict[np.dtype[Any], np.floating[Any]] = {
 class Compressing(Publishing):
     """The part of a step engine that runs compressed steps."""
 
-    # Error feedback: what encoding lost, per kind ("in", "out") and group, and the
-    # layout it belongs to; kept byte buffers of unmapped payloads.
+    # Error feedback: what encoding lost, per kind ("in", "out") and group, for this
+    # call's layout and the last few others; kept byte buffers of unmapped payloads.
     _residuals: dict[str, dict[int, np.ndarray]]
-    _residual_layout: Layout | None = None
+    _residual_sets: dict[Layout, dict[str, dict[int, np.ndarray]]] | None = None
     _scratches: dict[str, np.ndarray] | None = None
 
     def _encoded_stages(
@@ -55,10 +57,17 @@ class Compressing(Publishing):
         return EncodedStages(self, plan, plan.wire, flats, step, sink)
 
     def _keep_residuals(self, plan: Plan) -> None:
-        """Start the error feedback afresh when the layout changes."""
-        if self._residual_layout != plan.layout:
-            self._residuals = {"in": {}, "out": {}}
-            self._residual_layout = plan.layout
+        """The error feedback of ``plan``'s layout: kept for the last few layouts, as
+        DDP's buckets take turns; one older than those starts afresh."""
+        sets = self._residual_sets
+        if sets is None:
+            sets = self._residual_sets = {}
+        found = sets.pop(plan.layout, None)
+        if found is None:
+            found = {"in": {}, "out": {}}
+            if len(sets) >= RESIDUAL_LAYOUTS_KEPT:
+                del sets[next(iter(sets))]
+        sets[plan.layout] = self._residuals = found
 
     # -- publishing -------------------------------------------------------------------
 
