@@ -35,7 +35,9 @@ class DeviceGrads:
         self.rank = rank
         self.bridge: WgpuBridge | None = None
         self._layout: Layout | None = None
-        self._shared: SharedBuffers | None = None
+        self._engine: StepEngine | None = None  # the one whose layout that is
+        self._shared: SharedBuffers | None = None  # in use now
+        self._mine: SharedBuffers | None = None  # the last set made here, not the caller's
 
     def dtypes(self, buffers: Sequence[Any], device: Any, dtype: Any) -> list[np.dtype[Any]]:
         """Each buffer's dtype, with the bridge for ``device`` (made if new).
@@ -111,10 +113,12 @@ class DeviceGrads:
         if engine is None:
             return None
         layout = bridge.host_layout(buffers, dtypes)
-        if layout != self._layout:
-            previous, current = self._shared, engine.shared
-            self._layout, self._shared = layout, None
-            if current is None or current is previous:
+        if layout != self._layout or engine is not self._engine:
+            current = engine.shared
+            self._layout, self._engine, self._shared = layout, engine, None
+            if current is not None and current is self._mine and current.layout == layout:
+                self._shared = current  # back to the buffers it was made for: still the engine's
+            elif current is None or current is self._mine:
                 try:
                     # Plain arrays (dropped) where nothing is saved; unwatched: a step
                     # delivers the mean to the GPU, never into them.
@@ -124,7 +128,7 @@ class DeviceGrads:
                     # step itself fail (telling the peers) if the sync dir is unusable.
                     _log.warning("rank %d: GPU gradients will be copied: %s", self.rank, exc)
                 if engine.shared is not current:
-                    self._shared = engine.shared
+                    self._shared = self._mine = engine.shared
         shared = self._shared
         if shared is None or engine.shared is not shared:
             return None
