@@ -138,3 +138,19 @@ def members_and_a_stuck_joiner(
     with gradsync.GradSync(cfg) as gs:
         gs.average(grads_for(2, 0))
     return None
+
+
+def broadcast_from_a_second_rank_1(proc: int, world: int, sync_dir: str, kw: dict[str, Any]) -> Any:
+    """Processes 0-2 form a job; process 3, started as rank 1 too (a joiner may take any
+    rank) with its own world size, joins it. Then all broadcast from rank 3 now: its
+    state, not the first rank 1's, must reach every process."""
+    started_as = 1 if proc == 3 else proc
+    if proc == 3:
+        time.sleep(1.0)
+    with gradsync.GradSync(config(started_as, world, sync_dir, elastic=True, **kw)) as gs:
+        while proc != 3 and gs.world_size < 4:
+            gs.average(grads_for(started_as, 0))
+            time.sleep(0.02)
+        state = np.full(8, 100.0 + proc)
+        gs.broadcast([state], root=3)
+        return {"rank": gs.rank, "members": gs.members, "state": float(state[0])}

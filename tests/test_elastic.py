@@ -476,3 +476,18 @@ def test_gpu_buffers_of_the_survivors_of_a_lost_rank_get_the_mean_of_the_rest(
         inputs = [_wgpu_inputs(r, rec["step"]) for r in rec["members"]]
         want = b"".join(a.tobytes() for a in gradsync.average_host_grads(inputs))
         assert bytes.fromhex(rec["after"]) == want, rec["step"]
+
+
+def test_a_broadcast_comes_from_the_process_at_the_root_rank_when_two_share_a_started_rank(
+    tmp_path: Path,
+) -> None:
+    # The root was looked up by the rank it was started as: the first rank 1 sent its
+    # state; and a joiner started with a smaller world size refused root 3.
+    results = run_ranks(
+        elastic_workers.broadcast_from_a_second_rank_1, 4, (3, str(tmp_path), FAST),
+        timeout_s=60, spawn=True,
+    )  # fmt: skip
+    for proc in range(4):
+        assert results[proc].ok, results[proc].value
+        assert results[proc].value["members"] == (0, 1, 2, 1)
+        assert results[proc].value["state"] == 103.0, (proc, results[proc].value)

@@ -278,33 +278,48 @@ class GradSync(CallGuard):
         with self._call():
             self._check_usable()
             step = self._next_step  # the next average's: errors name it
+            elastic = self.cfg.elastic and self.cfg.enabled
+            if elastic:
+                self._meet()  # a joiner meets the job first: ranks are its ranks
             with self._before_step():
                 chosen = broadcast_root(root, range(self.world_size))
                 view = broadcast_view(arrays, receiving=chosen != self.rank)
             if not self.cfg.enabled:
                 return StepStats(step=step, world_size=1, bytes_per_rank=view.nbytes)
             try:
-                if not self.cfg.elastic:
+                if not elastic:
                     return self._started().broadcast(view, chosen, step)
-                self._started()  # a joiner meets the job first: ranks are its ranks
-                ranks_now = range(self.world_size)
-                first = None if root is None else self.members[broadcast_root(root, ranks_now)]
+                first = None if root is None else self._member_at(chosen)
                 call = functools.partial(self._broadcast_elastic, view, first, step)
                 return run_elastic(self._session, self.cfg, self._closing, call, None)
             except BaseException as exc:
                 self._failed(exc, step)
                 raise
 
-    def _broadcast_elastic(self, view: BroadcastView, root: int | None, step: int) -> StepStats:
-        """An elastic broadcast from the rank started as ``root`` (None: rank 0), which
-        the survivors of a lost rank redo; a lost ``root`` fails it on every rank."""
-        if root is not None and root not in self.members:
-            raise GradSyncError(
-                f"broadcast at step {step}: its root (started as rank {root}) was lost",
-                step=step,
-                ranks=[root],
-            )
-        chosen = 0 if root is None else self.members.index(root)
+    def _member_at(self, rank: int) -> tuple[str, int]:
+        """The nonce of rank ``rank``'s process now, and the rank it was started as: two
+        processes may have been started as one rank (a joiner takes any)."""
+        membership = self._session.membership
+        assert membership is not None
+        return membership.gen.members[rank].nonce, self.members[rank]
+
+    def _broadcast_elastic(
+        self, view: BroadcastView, root: tuple[str, int] | None, step: int
+    ) -> StepStats:
+        """An elastic broadcast from the process ``root`` (its nonce and started rank;
+        None: rank 0), which the survivors of a lost rank redo; a lost ``root`` fails it
+        on every rank."""
+        chosen = 0
+        if root is not None:
+            membership = self._session.membership
+            nonces = [] if membership is None else [m.nonce for m in membership.gen.members]
+            if root[0] not in nonces:
+                raise GradSyncError(
+                    f"broadcast at step {step}: its root (started as rank {root[1]}) was lost",
+                    step=step,
+                    ranks=[root[1]],
+                )
+            chosen = nonces.index(root[0])
         return self._started().broadcast(view, chosen, step)
 
     def _started(self, max_wait_s: float | None = None) -> StepEngine:
