@@ -759,7 +759,7 @@ def test_ranks_ignoring_sigterm_get_sigkill_after_grace_period(tmp_path: Path) -
         _, err = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == 130
     assert 0.4 < time.monotonic() - start < 5
-    assert "sending SIGKILL (grace period over); ranks still running: 0, 1\n" in err
+    assert "sent SIGKILL (grace period over); ranks still running: 0, 1\n" in err
     for r in (0, 1):
         assert_gone(json.loads((tmp_path / f"rank-{r}.json").read_text())["pid"])
 
@@ -843,6 +843,22 @@ def test_the_watchdog_signals_only_the_groups_left_and_only_without_done(
         "gradsync launch: the launcher (pid 7) ended without stopping its ranks; stopping "
         "ranks 2, 10 (SIGTERM, SIGKILL after 0.2 s)\n"
     )
+
+
+def test_the_watchdog_removes_the_launchers_own_sync_dir_once_every_rank_ended(
+    tmp_path: Path,
+) -> None:
+    # With no group left to stop it returned at once and left the directory behind.
+    own = tmp_path / "gradsync-own"
+    own.mkdir()
+    (own / "left.txt").write_text("x")
+    said = [b"add 101 0\n", b"gone 101\n"]
+    assert _watchdog.watch(said, 7, 0.0, str(own), own_dir=True) == 1
+    assert not own.exists()
+    given = tmp_path / "given"
+    given.mkdir()
+    assert _watchdog.watch(said, 7, 0.0, str(given), own_dir=False) == 1
+    assert given.exists()
 
 
 def test_the_watchdog_leaves_only_for_the_ranks_it_stopped(
@@ -1040,7 +1056,7 @@ def test_second_signal_skips_the_grace_period(tmp_path: Path) -> None:
         _, err = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == 130
     assert time.monotonic() - start < 5
-    assert "sending SIGKILL (launcher signalled again); ranks still running: 0, 1\n" in err
+    assert "sent SIGKILL (launcher signalled again); ranks still running: 0, 1\n" in err
 
 
 def test_ignored_sighup_stays_ignored(tmp_path: Path) -> None:

@@ -129,3 +129,31 @@ def test_bad_restart_arguments(
 ) -> None:
     assert main(["launch", "--nproc", "1", *args, str(flaky)]) == 2
     assert f"gradsync launch: error: {message}" in capsys.readouterr().err
+
+
+# Rank 1's first process starts a child (its pid in argv[1]) and fails; later ones exit 0.
+LEAVES_A_CHILD = """\
+import os, subprocess, sys, time
+if os.environ["RANK"] == "1" and os.environ["GRADSYNC_RESTART_COUNT"] == "0":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    open(sys.argv[1], "w").write(str(child.pid))
+    sys.exit(3)
+time.sleep(0.5)
+"""
+
+
+def test_what_a_restarted_ranks_failed_process_started_is_stopped(tmp_path: Path) -> None:
+    # It ran on after the restart, and after the launch exited 0.
+    script = tmp_path / "leaves_a_child.py"
+    script.write_text(LEAVES_A_CHILD)
+    pid_file = tmp_path / "child.pid"
+    code, _, err = run_launch(
+        ["--nproc", "2", "--elastic", "--max-restarts", "1", str(script), str(pid_file)]
+    )
+    assert code == 0, err
+    child = int(pid_file.read_text())
+    try:
+        state = Path(f"/proc/{child}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), f"the failed process's child still runs ({state})"

@@ -143,6 +143,8 @@ def watch(
     if groups is None:
         return 0
     if not groups:
+        if own_dir and sync_dir is not None:
+            shutil.rmtree(sync_dir, ignore_errors=True)  # the ranks ended first: as above
         return 1
     # Only ranks running now are stopped by it: how one that ended before (exit 0, or
     # the OOM killer) ended is not known here, so nothing is said for it.

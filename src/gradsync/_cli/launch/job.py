@@ -26,7 +26,7 @@ __all__ = ["Job", "Rank"]
 
 logger = logging.getLogger("gradsync.launch")
 
-_DRAIN_S = 2.0  # after the ranks exit, how long to wait for their pipes to reach EOF
+_DRAIN_S = 2.0  # after the ranks exit, how long their pipes may stay quiet before EOF
 _LEAVE_S = 5.0  # after the ranks exit, how long to wait for their jobs to be left for them
 
 
@@ -43,6 +43,7 @@ class Rank:
     # unrelated process group, which must never be signalled.
     group_gone: bool = False
     restarts: int = 0  # times this rank was started again after failing (--max-restarts)
+    kill_at: float | None = None  # replaced: when what it left running gets SIGKILL
 
     @property
     def pid(self) -> int:
@@ -128,10 +129,26 @@ class Job:
         """
         count = info.restarts + 1
         env = {**self._envs[info.rank], "GRADSYNC_RESTART_COUNT": str(count)}
+        # What the failed process started goes first: SIGTERM, SIGKILL after the grace
+        # period (stop_leftovers), as when the whole job stops.
+        self.note_gone_groups()
+        if not info.group_gone:
+            self._signal_group(info.proc.pid, signal.SIGTERM)
+            info.kill_at = time.monotonic() + self.grace_period_s
         new = self._start_rank(info.rank, info.local_rank, env, count)
         self.ranks[self.ranks.index(info)] = new
         self.replaced.append(info)
         return new
+
+    def stop_leftovers(self, *, now: bool = False) -> None:
+        """SIGKILL what failed processes of restarted ranks left running, once their
+        grace period is over (``now``: at once, as the job ends)."""
+        self.note_gone_groups()
+        for info in self.replaced:
+            due = info.kill_at is not None and (now or time.monotonic() >= info.kill_at)
+            if due and not info.group_gone:
+                self._signal_group(info.proc.pid, signal.SIGKILL)
+                info.kill_at = None
 
     def _start_rank(self, rank: int, local_rank: int, env: dict[str, str], restarts: int) -> Rank:
         proc = _spawn(self._argv, env)
@@ -244,12 +261,18 @@ class Job:
         self._leaving.append(thread)
 
     def wait_for_helpers(self) -> None:
-        """Give the ranks' pipes time to reach EOF, and the notes left for them time to
-        be written, each within its bound."""
-        drain_until = time.monotonic() + _DRAIN_S
-        for info in (*self.replaced, *self.ranks):
-            for reader in info.readers:
-                reader.join(timeout=max(0.0, drain_until - time.monotonic()))
+        """Give the ranks' pipes time to reach EOF (as long as lines keep coming, and
+        ``_DRAIN_S`` more: a slow reader of the launcher's output gets all of it), and
+        the notes left for them time to be written, within ``_LEAVE_S``."""
+        readers = [r for info in (*self.replaced, *self.ranks) for r in info.readers]
+        written, quiet_until = self.output.written, time.monotonic() + _DRAIN_S
+        while alive := [r for r in readers if r.is_alive()]:
+            now = time.monotonic()
+            if self.output.written != written:
+                written, quiet_until = self.output.written, now + _DRAIN_S
+            elif now >= quiet_until:
+                break  # a process the rank started keeps its pipe open, silent
+            alive[0].join(timeout=max(0.0, min(0.1, quiet_until - now)))
         leave_until = time.monotonic() + _LEAVE_S
         for thread in self._leaving:
             thread.join(timeout=max(0.0, leave_until - time.monotonic()))

@@ -14,6 +14,7 @@ from .report import Tail
 
 __all__ = ["Output", "pump"]
 
+_SETTLE_WAIT_S = 0.2  # how long settle() waits for a write of another thread
 _MAX_LINE_BYTES = 64 * 1024  # longer lines are split, so one rank cannot exhaust memory
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
@@ -31,6 +32,7 @@ class Output:
         self._lock = threading.Lock()
         self._broken: set[str] = set()
         self._redraw: tuple[str, str] | None = None  # (dest, source) of a redraw on screen
+        self.written = 0  # lines written so far: the ranks' output still flows while it grows
 
     def write(self, dest: str, text: str, source: str = "") -> None:
         """Write ``text`` to ``sys.stdout`` (``dest="stdout"``) or ``sys.stderr`` and
@@ -41,13 +43,20 @@ class Output:
                 self._emit(self._redraw[0], "\n")
             self._redraw = (dest, source) if text.endswith("\r") else None
             self._emit(dest, text)
+            self.written += 1
 
     def settle(self, dest: str | None = None, source: str = "") -> None:
-        """End the redraw on screen (only ``source``'s on ``dest``, if given) with a newline."""
-        with self._lock:
+        """End the redraw on screen (only ``source``'s on ``dest``, if given) with a
+        newline; skipped while a write is stuck on a stream nobody reads: the launcher
+        must go on stopping its ranks."""
+        if not self._lock.acquire(timeout=_SETTLE_WAIT_S):
+            return
+        try:
             if self._redraw is not None and (dest is None or self._redraw == (dest, source)):
                 self._emit(self._redraw[0], "\n")
                 self._redraw = None
+        finally:
+            self._lock.release()
 
     def _emit(self, dest: str, text: str) -> None:
         stream = sys.stdout if dest == "stdout" else sys.stderr

@@ -47,10 +47,11 @@ def supervise(job: Job) -> int:
         if info is not None:
             stop.exited(info)
             continue  # collect every exit already queued before looking at the clock
-        job.note_gone_groups()
+        job.stop_leftovers()
         running = job.running()
         if not stop.begun:
             if not running:
+                job.stop_leftovers(now=True)  # nothing a failed process started outlives it
                 break  # every rank exited 0
         elif stop.abandon_at is None:
             if not running and all(i.group_gone for i in (*job.ranks, *job.replaced)):
@@ -134,6 +135,8 @@ class _Stop:
             # A rank that exited on its own a moment ago may not be reaped, or its
             # exit may still be queued: it was not running.
             info.stopped = not info.exited()
+        # Signalled before anything is written: a stuck stdout must not keep them running.
+        job.signal_all(signal.SIGTERM)
         names = ", ".join(str(i.rank) for i in job.ranks if i.stopped)
         job.output.settle()  # the launcher's own lines must not overwrite a bar
         if names:
@@ -146,18 +149,17 @@ class _Stop:
         else:  # what they started may still run: it is stopped all the same
             other = "other " if self.first_failure is not None else ""
             logger.warning("%s; no %srank is still running", reason, other)
-        job.signal_all(signal.SIGTERM)
 
     def kill(self, running: list[Rank], why: str) -> None:
+        self._job.signal_all(signal.SIGKILL)
+        self.abandon_at = time.monotonic() + ABANDON_S
         left = ", ".join(str(i.rank) for i in running)
         self._job.output.settle()
         logger.warning(
-            "sending SIGKILL (%s); ranks still running: %s",
+            "sent SIGKILL (%s); ranks still running: %s",
             why,
             left or "none, only processes they started",
         )
-        self._job.signal_all(signal.SIGKILL)
-        self.abandon_at = time.monotonic() + ABANDON_S
 
     def exit_code(self) -> int:
         """0, the first failed rank's exit code (128 + N for signal N), or 128 + N for
