@@ -91,7 +91,7 @@ def workload_sizes(name: str) -> list[int]:
         return mixed_sizes(100, 16 * MIB // 4)
     units = {"KiB": KIB, "MiB": MIB}
     for suffix, unit in units.items():
-        if name.endswith(suffix):
+        if name.endswith(suffix) and name[: -len(suffix)].isdigit():
             return [int(name[: -len(suffix)]) * unit // 4]
     raise SystemExit(f"unknown workload {name!r}; known: {', '.join(ALL_WORKLOADS)}")
 

@@ -4,7 +4,7 @@ One writer rewrites a 2 MiB file in place every round, closes it and announces t
 round with a new directory; READERS readers on another host wait for it, open the
 file at the same moment and check the round number written at its start and at its
 end. ``--drop`` makes each reader drop its host's cached pages of the file first, as
-gradsync's readers do on a shared filesystem (``_transport.Transport.open``).
+gradsync's readers do on a shared filesystem (``gradsync._step.transport.Transport.open``).
 
 With the simulated cluster of ``tests/multihost`` (JuiceFS 1.4.2, 2026-12-04)::
 

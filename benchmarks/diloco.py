@@ -115,9 +115,9 @@ def summarize(runs: dict[int, list[dict[str, Any]]], target: float) -> str:
         t = statistics.median(time_to(r["evals"], target) for r in rs)
         acc = statistics.mean(r["evals"][-1]["acc"] for r in rs)
         total = statistics.median(r["train_s"] for r in rs)
-        lines.append(
-            f"| {label(every)} | {t:.3f} s | {t / base:.2f}x | {acc:.2%} | {total:.3f} s |"
-        )
+        reached = f"{t:.3f} s" if math.isfinite(t) else "not reached"
+        ratio = f"{t / base:.2f}x" if math.isfinite(t) and math.isfinite(base) else "-"
+        lines.append(f"| {label(every)} | {reached} | {ratio} | {acc:.2%} | {total:.3f} s |")
     return "\n".join(lines)
 
 

@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     with gradsync.GradSync(gradsync_config(args.compression)) as sync:
         rank, world = sync.cfg.rank, sync.cfg.world_size
         global_batch = world * args.batch_size
+        # Every rank starts from rank 0's parameters; meeting the peers here also keeps
+        # their start-up out of the timed loop, in either mode.
+        sync.broadcast(params)
         diloco = None
         if args.diloco_every:
             diloco = gradsync.DiLoCo(

@@ -45,7 +45,7 @@ def from_environment(
             values[key] = parse(name, source[name])
             used.append(f"{name}={source[name]!r}")
     for name in ("GRADSYNC_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        if source.get(name):
+        if source.get(name) and "run_id" not in overrides:
             values["run_id"] = source[name]
             used.append(f"{name}={source[name]!r}")
             break
