@@ -206,6 +206,11 @@ class GradSync(CallGuard):
         """
         return self._submit(lambda: self._average(grads, step, device, dtype, None))
 
+    def _average_exact_async(self, arrays: Sequence[np.ndarray]) -> StepHandle:
+        """:meth:`average_async` of arrays never compressed (bytes carried in float words,
+        verdicts that must stay exactly 0)."""
+        return self._submit(lambda: self._average(arrays, None, None, None, None, exact=True))
+
     def _submit(self, call: Callable[[], StepStats]) -> StepHandle:
         """Queue ``call`` (an :meth:`_average` or :meth:`_broadcast`) on the background
         thread; its handle."""

@@ -164,7 +164,7 @@ class DiLoCo:
         # One slot per rank names the ranks that differ; averaged exactly (never compressed).
         differs = np.zeros(self.gs.world_size, dtype=np.float64)
         differs[self.gs.rank] = float(not np.array_equal(mine, first))
-        self.gs._average([differs], None, None, None, None, exact=True)
+        self.gs._average_exact_async([differs]).wait()
         ranks = [int(r) for r in np.flatnonzero(differs)]
         if ranks:
             raise MismatchError(

@@ -114,10 +114,7 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def barrier(self, opts: Any) -> Any:  # type: ignore[override]
         """A step of one float32 zero: every rank has called it when it completes."""
-        zero = np.zeros(1, np.float32)
-        sync = self.sync
-        handle = sync._submit(lambda: sync._average([zero], None, None, None, None, exact=True))
-        return self._work(handle, list)
+        return self._work(self.sync._average_exact_async([np.zeros(1, np.float32)]), list)
 
     def shutdown(self) -> None:
         """Leave the gradsync job (``destroy_process_group`` calls it)."""
@@ -146,8 +143,7 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         """Start the step that carries ``payload`` exactly (never compressed); its handle
         and array."""
         buf = _encode(payload, slot, slots)
-        sync = self.sync
-        return sync._submit(lambda: sync._average([buf], None, None, None, None, exact=True)), buf
+        return self.sync._average_exact_async([buf]), buf
 
     def _work(self, handle: StepHandle, finish: Callable[[], Any]) -> Any:
         """A torch Work whose future completes, from gradsync's thread, with ``finish()``."""
