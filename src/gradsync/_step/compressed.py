@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from .codec import BLOCK, Codec
+from .feedback import Residuals, add_residual, lost, work_dtype
 from .gather import Piece, Sink, to_the_end
-from .header import KIND_INPUT, KIND_OUTPUT, Layout, block_crcs, crc_placeholder
+from .header import KIND_INPUT, KIND_OUTPUT, block_crcs, crc_placeholder
 from .parallel import split_range
 from .peers import Peer, reading
 from .plan import Group, Plan
@@ -29,23 +30,13 @@ __all__ = ["Compressing", "EncodedStages"]
 
 # (scales, codes) of a run, as arrays.
 Run = tuple[np.ndarray, np.ndarray]
-# Layouts whose error feedback is kept (the least recently used goes first).
-RESIDUAL_LAYOUTS_KEPT = 16
-# Where error feedback clips x + e, per group dtype: float16's largest finite value (an
-# int8 block whose largest magnitude is this decodes to at most it). None for float32
-# and float64: only values near float32's largest overflow, with or without feedback.
-_LIMITS: dict[np.dtype[Any], np.floating[Any]] = {
-    np.dtype(np.float16): np.float32(np.finfo(np.float16).max)
-}
 
 
 class Compressing(Publishing):
     """The part of a step engine that runs compressed steps."""
 
-    # Error feedback: what encoding lost, per kind ("in", "out") and group, for this
-    # call's layout and the last few others; kept byte buffers of unmapped payloads.
-    _residuals: dict[str, dict[int, np.ndarray]]
-    _residual_sets: dict[Layout, dict[str, dict[int, np.ndarray]]] | None = None
+    # Error feedback's residuals; kept byte buffers of unmapped payloads.
+    _residuals: Residuals | None = None
     _scratches: dict[str, np.ndarray] | None = None
 
     def _encoded_stages(
@@ -57,17 +48,10 @@ class Compressing(Publishing):
         return EncodedStages(self, plan, plan.wire, flats, step, sink)
 
     def _keep_residuals(self, plan: Plan) -> None:
-        """The error feedback of ``plan``'s layout: kept for the last few layouts, as
-        DDP's buckets take turns; one older than those starts afresh."""
-        sets = self._residual_sets
-        if sets is None:
-            sets = self._residual_sets = {}
-        found = sets.pop(plan.layout, None)
-        if found is None:
-            found = {"in": {}, "out": {}}
-            if len(sets) >= RESIDUAL_LAYOUTS_KEPT:
-                del sets[next(iter(sets))]
-        sets[plan.layout] = self._residuals = found
+        """Error feedback: ``plan``'s layout's residuals are this call's."""
+        if self._residuals is None:
+            self._residuals = Residuals()
+        self._residuals.use(plan.layout)
 
     # -- publishing -------------------------------------------------------------------
 
@@ -144,15 +128,10 @@ class Compressing(Publishing):
         if codec is None:
             np.copyto(codes, x)
             return x
-        residual = self._residuals[kind].get(key) if self.cfg.error_feedback else None
-        clipped: tuple[np.ndarray, np.ndarray] | None = None
-        if self.cfg.error_feedback:
-            wanted = x.astype(_work_dtype(group.dtype))
-            if residual is not None:
-                wanted += residual
-                # x + e past float16's largest would decode to Inf in the group's dtype.
-                clipped = _clip_finite(wanted, _LIMITS.get(group.dtype))
-            x = wanted
+        residuals = self._residuals if self.cfg.error_feedback else None
+        clipped = None
+        if residuals is not None:
+            x, clipped = add_residual(x, group.dtype, residuals.get(kind, key))
         jobs = [
             _job(codec.encode, x[a:b], scales[a // BLOCK :], codes[a:b])
             for a, b in split_range(len(x), self.workers.pieces(x.nbytes), CHUNK_ELEMS)
@@ -160,16 +139,10 @@ class Compressing(Publishing):
         self.workers.run(jobs)
         if not self.cfg.error_feedback and kind == "in":
             return x
-        decoded = self._scratch(f"decoded-{kind}-{key}", len(x), _work_dtype(group.dtype))
+        decoded = self._scratch(f"decoded-{kind}-{key}", len(x), work_dtype(group.dtype))
         self._decode(codec, (scales, codes), decoded)
-        if self.cfg.error_feedback:
-            with np.errstate(invalid="ignore"):
-                lost = np.subtract(x, decoded, out=x)  # x is this call's own copy
-            if clipped is not None:
-                spots, unclipped = clipped
-                lost[spots] = unclipped - decoded[spots]  # what the clip removed is not lost
-            lost[~np.isfinite(lost)] = 0  # a NaN or Inf is not carried over
-            self._residuals[kind][key] = lost
+        if residuals is not None:
+            residuals.put(kind, key, lost(x, decoded, clipped))  # x is this call's own copy
         return decoded
 
     def _decode(self, codec: Codec | None, run: Run, out: np.ndarray) -> None:
@@ -327,31 +300,6 @@ class EncodedStages:
         self._engine._gather_encoded(
             self._plan, self._wire, self._flats, self._means, outs, self._step, self._sink
         )
-
-
-def _clip_finite(
-    wanted: np.ndarray, limit: np.floating[Any] | None
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """Clip the finite elements of ``wanted`` beyond +-``limit`` to it, in place (NaN
-    and Inf stay); return where it clipped and the values it clipped, or None where
-    nothing was (or ``limit`` is None)."""
-    if limit is None or not len(wanted):
-        return None
-    # Two passes that only read: a NaN or Inf fails them too, and takes the full check.
-    if -limit <= np.minimum.reduce(wanted) and np.maximum.reduce(wanted) <= limit:
-        return None
-    magnitude = np.abs(wanted)
-    at = np.flatnonzero((magnitude > limit) & (magnitude < np.inf))
-    if not len(at):
-        return None
-    unclipped = wanted[at]
-    wanted[at] = np.copysign(limit, unclipped)
-    return at, unclipped
-
-
-def _work_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
-    """What a group's error feedback is kept in: float64 for float64, else float32."""
-    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
 def _group_input(group: Group, flats: list[np.ndarray]) -> np.ndarray:
