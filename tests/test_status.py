@@ -446,6 +446,8 @@ def test_a_fifo_in_place_of_a_data_file_or_heartbeat_is_no_hang(tmp_path: Path) 
     report = _unblocked(lambda: gradsync._cli.status.describe(tmp_path, sample_s=0.0), fifo)
     (job,) = report["jobs"]  # type: ignore[index]
     assert (job["ranks"][1]["last_call"], job["ranks"][1]["last_step"]) == (1, None)
+    text = gradsync._cli.status.render(report)  # type: ignore[arg-type]
+    assert re.search(r"rank 1: .*, last published call 1 \(step unknown\)", text), text
     hb = gen / "hb-00000000000000bb"
     os.mkfifo(hb)
     assert _unblocked(lambda: gradsync._job.liveness.read_counter(hb), hb) is None

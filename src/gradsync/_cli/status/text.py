@@ -26,8 +26,11 @@ def _job_lines(job: dict[str, Any]) -> list[str]:
     if job.get("error"):
         lines.append(f"    error: {job['error']}")
     for r in job["ranks"]:
+        # Unknown: the data file of that call was rewritten (a later call, or in its place
+        # something that is not one) before status read it.
+        step = "unknown" if r.get("last_step") is None else r["last_step"]
         last = (
-            f"last published call {r['last_call']} (step {r['last_step']})"
+            f"last published call {r['last_call']} (step {step})"
             if "last_call" in r
             else "published nothing"
         )
