@@ -172,12 +172,15 @@ class _PlacedFuture(torch.futures.Future):  # type: ignore[type-arg]
         self._background = background
 
     def then(self, callback: Callable[[Any], Any]) -> Any:
-        at, bg = self._background.last_seq, self._background
-        return super().then(lambda fut: bg.run_placed(at, lambda: callback(fut)))
+        return super().then(self._placed(callback))
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        super().add_done_callback(self._placed(callback))
+
+    def _placed(self, callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``callback`` run in the place in the order that this call has."""
         at, bg = self._background.last_seq, self._background
-        super().add_done_callback(lambda fut: bg.run_placed(at, lambda: callback(fut)))
+        return lambda fut: bg.run_placed(at, lambda: callback(fut))
 
 
 class _Work(dist.Work):  # type: ignore[misc]

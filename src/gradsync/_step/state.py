@@ -82,7 +82,6 @@ class EngineState:
         # The last few layouts' plans, most recent last: a loop that alternates layouts
         # (a GAN's two models, say) would otherwise rebuild a plan every call.
         self._plans: dict[tuple[Layout, bool], Plan] = {}
-        self._plan_key: tuple[Layout, bool] | None = None
         self._data_paths: dict[tuple[int, str, int | None], Path] = {}
         self._shared: SharedBuffers | None = None
         self._shared_serial = 0
@@ -131,8 +130,9 @@ class EngineState:
         """The plan of calls of ``layout``; ``exact``: published as is, never compressed."""
         codec = None if exact else self.codec
         key = (layout, codec is None)
-        if self._plan is not None and self._plan_key == key:
-            return self._plan
+        last = self._plan
+        if last is not None and last.layout == layout and (last.wire is None) == (codec is None):
+            return last
         plan = self._plans.pop(key, None)
         if plan is None:
             plan = Plan.build(
@@ -145,7 +145,6 @@ class EngineState:
             if len(self._plans) >= _PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]
         self._plans[key] = self._plan = plan
-        self._plan_key = key
         # The peers whose shards a call of this plan waits for.
         self._publishers = [
             q
