@@ -59,9 +59,11 @@ def worker(rank: int, args: argparse.Namespace, tmp: str, out: Any) -> None:
     dist.init_process_group("gradsync", init_method=init, rank=rank, world_size=args.world)
     groups = {"gradsync": None, "gloo": dist.new_group(backend="gloo")}
     models: dict[str, Any] = {name: build(args.model) for name in ("none", *groups)}
+    # DDP's own buckets unless asked: its first (1 MiB) is allreduced during the backward.
+    bucket = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
     for name, group in groups.items():
         models[name] = torch.nn.parallel.DistributedDataParallel(
-            models[name], process_group=group, bucket_cap_mb=args.bucket_cap_mb
+            models[name], process_group=group, **bucket
         )
     opts = {name: torch.optim.SGD(m.parameters(), lr=0.01) for name, m in models.items()}
     gen = torch.Generator().manual_seed(rank)
@@ -100,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's (default 25)")
+    p.add_argument(
+        "--bucket-cap-mb", type=float, default=None, help="DDP's (default: DDP's own buckets)"
+    )
     p.add_argument(
         "--switch-interval", type=float, default=0.0, help="sys.setswitchinterval in the ranks"
     )
@@ -131,7 +135,7 @@ def report(args: argparse.Namespace, params: int, med: dict[str, float]) -> None
     print(
         f"DDP step, {args.model} ({params} float32 params, {params * 4 / 2**20:.2f} MiB), "
         f"batch {args.batch}/rank, W={args.world}, {args.rounds}x{args.steps} steps, "
-        f"bucket_cap_mb {args.bucket_cap_mb:g}, "
+        f"bucket_cap_mb {'DDP default' if args.bucket_cap_mb is None else args.bucket_cap_mb}, "
         f"switch interval {args.switch_interval or sys.getswitchinterval():g} s, "
         f"load {os.getloadavg()[0]:.2f}"
     )

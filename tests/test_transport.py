@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gradsync._step.header import CRC_BLOCK
-from gradsync._step.transport import ChecksumError, Transport
+from gradsync._step.transport import SHRINK_AFTER_CALLS, ChecksumError, Transport
 from gradsync._store.dirs import GenDir
 from gradsync._testing import FaultyStore, PosixStore, use_store
 
@@ -55,6 +55,34 @@ def test_replaced_or_resized_file_is_mapped_again(tmp_path: Path, size: int) -> 
     assert data is not None
     assert bytes(data) == b"C" * size
     transport.close()
+
+
+def _copy(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pairs:
+        np.copyto(dst, src)
+
+
+def test_own_file_keeps_its_pages_for_smaller_writes_until_small_for_long(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "d-0.in"
+    writer, reader = Transport(mapped=True, head_bytes=4), Transport(mapped=True, head_bytes=4)
+    writer.write(path, [b"A" * 8192], None, _copy)
+    first = os.stat(path)
+    peer = reader.open(path).view(0, 8192, np.dtype(np.uint8))
+    for i in range(SHRINK_AFTER_CALLS - 1):
+        writer.write(path, [bytes([66 + i]) * 3000], None, _copy)
+        st = os.stat(path)
+        assert (st.st_ino, st.st_size) == (first.st_ino, 8192)
+        opened = reader.open(path)  # the peer's kept mapping still serves
+        assert opened.size == 8192
+        assert opened.head == bytes([66 + i]) * 4
+        assert np.shares_memory(peer, opened.view(0, 3000, np.dtype(np.uint8)))
+    writer.write(path, [b"Z" * 3000], None, _copy)
+    assert os.stat(path).st_size == 3000
+    assert reader.open(path).size == 3000
+    writer.close()
+    reader.close()
 
 
 @pytest.mark.parametrize("size", [1, (3 << 20) + 5])

@@ -653,6 +653,22 @@ def count_step_dirs(rank: int, world: int, sync_dir: str, steps: int) -> Any:
     return most_dirs, most_bytes, gen_dir
 
 
+def own_file_sizes(rank: int, world: int, sync_dir: str, plans: str) -> Any:
+    """Average one call per letter of ``plans`` (b: big, h: huge; both one sharded file);
+    report each call's result as bytes and, after it, the (inode, size) of this rank's
+    input and output files."""
+    results, files = [], []
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        for step, kind in enumerate(plans):
+            grads = grads_for(rank, step, SHAPES_HUGE if kind == "h" else SHAPES_BIG)
+            gs.average(grads, step=step)
+            results.append([g.tobytes() for g in grads])
+            gen = Path(gs.generation_dir or "")
+            stats = [os.stat(gen / f"d-{rank}.{k}") for k in ("in", "out")]
+            files.append([(st.st_ino, st.st_size) for st in stats])
+    return results, files
+
+
 def marker_creates(rank: int, world: int, sync_dir: str, plans: str) -> Any:
     """Average one call per letter of ``plans`` (s: small, replicated; b: big, sharded);
     report how many markers were created rather than moved, the most step dirs seen,

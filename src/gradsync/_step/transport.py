@@ -53,6 +53,11 @@ def filesystem_type(path: Path) -> str | None:
     return _proc.filesystem_type(path)
 
 
+# A kept mapping of this rank's own file shrinks after this many calls in a row that
+# needed at most half of it.
+SHRINK_AFTER_CALLS = 8
+
+
 class Transport:
     """Writes and opens data files; keeps their mappings when ``mapped``."""
 
@@ -75,6 +80,8 @@ class Transport:
         # Unmapped: the first head_bytes and the size of what this rank last wrote to
         # each of its files, so reading its own header back costs no round trips.
         self._written: dict[Path, tuple[bytes, int]] = {}
+        # Calls in a row that used at most half of an own file's mapping.
+        self._slack_calls: dict[Path, int] = {}
 
     def write(
         self,
@@ -122,9 +129,15 @@ class Transport:
         return self._writable(path, size)
 
     def _writable(self, path: Path, size: int) -> np.ndarray:
+        """``size`` bytes of a mapping of ``path``, which may be longer (readers go by
+        the header): calls whose layouts alternate, as DDP's buckets do, then reuse the
+        file's pages instead of resizing and faulting them in again every call."""
         cached = self._maps.get(path)
-        if cached is not None and cached[1] == size:
-            return cached[3]
+        if cached is not None and path in self._own and size <= cached[1]:
+            slack = self._slack_calls.get(path, 0) + 1 if 2 * size <= cached[1] else 0
+            self._slack_calls[path] = slack
+            if slack < SHRINK_AFTER_CALLS:
+                return cached[3][:size]
         self.forget(path)
         active = store()
         fd, st = active.open_own(self._dir_fd, path, os.O_RDWR)
@@ -201,6 +214,7 @@ class Transport:
     def forget(self, path: Path) -> None:
         """Drop the mapping kept for ``path`` (it stays valid while views of it live)."""
         self._own.discard(path)
+        self._slack_calls.pop(path, None)
         self._written.pop(path, None)
         cached = self._maps.pop(path, None)
         if cached is not None:
