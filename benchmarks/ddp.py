@@ -8,12 +8,13 @@ the same ranks (``dist.new_group(backend="gloo")``). Rounds alternate between th
 step time is the slowest rank's, median over steps of all rounds. ``none`` is the same
 step without DDP (the compute alone). ``allreduce`` rows time ``dist.all_reduce`` (SUM,
 as DDP's default hook makes) of one float32 tensor of the model's size over each
-group, no model: with the default 25 MB cap DDP syncs these models as one bucket, so
-the step's communication is this call plus DDP's own work around it.
+group, no model. DDP's own buckets (without ``--bucket-cap-mb``) cut the MLP in two after
+its first step (a first bucket of about 1 MiB, allreduced while the backward pass goes
+on, holds the 4 MiB weight it reaches first); ``--bucket-cap-mb 25`` makes one bucket of
+everything, whose communication is the ``allreduce`` row plus DDP's own work around it.
 
 Run: ``python benchmarks/ddp.py [--world 2] [--model cnn|mlp] [--steps 40] [--rounds 3]
-[--bucket-cap-mb 25]
-[--switch-interval 0.005]``.
+[--bucket-cap-mb 25] [--switch-interval 0.005]``.
 """
 
 from __future__ import annotations
