@@ -22,19 +22,28 @@ STEPS = 50
 HOOK_STEPS = 8
 
 
-def _model() -> Any:
+def _model(big: bool = False) -> Any:
+    """A small CNN; ``big``: an MLP that DDP cuts into two buckets of its own (1.28 and
+    0.79 MB, both past gradsync's one-file size): calls of two sizes in turn."""
     torch.manual_seed(0)  # the same initial weights on every rank, for both backends
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 10)
-    )
+    nn = torch.nn
+    if big:
+        return nn.Sequential(
+            nn.Flatten(), nn.Linear(256, 300), nn.ReLU(), nn.Linear(300, 400), nn.ReLU(),
+            nn.Linear(400, 800),
+        )  # fmt: skip
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 10))
 
 
-def _train(rank: int, group: Any, steps: int, hook: str | None = None) -> list[bytes]:
-    """``steps`` SGD steps of DDP over ``group``; the final parameters' bytes."""
+def _train(
+    rank: int, group: Any, steps: int, hook: str | None = None, big: bool = False
+) -> list[bytes]:
+    """``steps`` SGD steps of DDP over ``group``; the final parameters' bytes (``big``:
+    then the number of buckets DDP reduced, as bytes)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd  # noqa: PLC0415
 
-    model = torch.nn.parallel.DistributedDataParallel(_model(), process_group=group)
+    model = torch.nn.parallel.DistributedDataParallel(_model(big), process_group=group)
     if hook == "fp16":
         model.register_comm_hook(group, default_hooks.fp16_compress_hook)
     elif hook == "bf16":
@@ -49,12 +58,15 @@ def _train(rank: int, group: Any, steps: int, hook: str | None = None) -> list[b
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + rank)
     for _ in range(steps):
-        x = torch.randn(8, 1, 8, 8, generator=gen)
+        x = torch.randn(8, 1, 16 if big else 8, 16 if big else 8, generator=gen)
         y = torch.randint(0, 10, (8,), generator=gen)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    return [p.detach().numpy().tobytes() for p in model.module.parameters()]
+    params = [p.detach().numpy().tobytes() for p in model.module.parameters()]
+    if big:  # torch's own (private) record of the buckets it made
+        params.append(str(model._get_ddp_logging_data()["num_buckets_reduced"]).encode())
+    return params
 
 
 def _collectives(rank: int, world: int, dist: Any) -> dict[str, Any]:
@@ -121,6 +133,8 @@ def _rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "bf16": _train(rank, None, HOOK_STEPS, "bf16"),
         "powersgd": _train(rank, None, HOOK_STEPS, "powersgd"),
         "plain": _train(rank, None, HOOK_STEPS),
+        "buckets": _train(rank, None, HOOK_STEPS, big=True),
+        "gloo buckets": _train(rank, gloo, HOOK_STEPS, big=True),
     }
     out.update(_collectives(rank, world, dist))
     dist.destroy_process_group()
@@ -158,6 +172,19 @@ def test_ddp_over_gradsync_matches_ddp_over_gloo_after_50_steps(
 ) -> None:
     for got, want in zip(_params(ranks[0]["gradsync"]), _params(ranks[0]["gloo"]), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_with_its_own_two_buckets_matches_gloo_and_every_rank(
+    ranks: dict[int, dict[str, Any]],
+) -> None:
+    # Two bucket sizes in turn: each rank's data file keeps the larger size, and readers
+    # take the longer file by its header.
+    *got, buckets = ranks[0]["buckets"]
+    *want, gloo_buckets = ranks[0]["gloo buckets"]
+    assert (buckets, gloo_buckets) == (b"2", b"2")
+    assert len({tuple(out["buckets"]) for out in ranks.values()}) == 1
+    for mine, theirs in zip(_params(got), _params(want), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
