@@ -74,7 +74,9 @@ def _ref_bf16(rows: np.ndarray) -> np.ndarray:
     high, low = bits >> 16, bits & 0xFFFF
     up = (low > 0x8000) | ((low == 0x8000) & (high & 1 == 1))
     nan = np.isnan(rows)
-    return np.where(nan, high | 0x7FC0, high + up).astype(np.uint16)
+    # A finite value past bfloat16's largest (3.3895e38) saturates to it, sign kept.
+    over = np.isfinite(rows) & ((high + up) & 0x7FFF == 0x7F80)
+    return np.where(nan, high | 0x7FC0, np.where(over, high | 0x7F7F, high + up)).astype(np.uint16)
 
 
 def ref_decode(name: str, scales: np.ndarray, codes: np.ndarray, n: int) -> np.ndarray:

@@ -38,7 +38,10 @@ def roundtrip(x: np.ndarray, codec: str) -> np.ndarray:
     if codec == "bf16":
         bits = x.view(np.uint32).astype(np.uint64)
         kept = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return kept.astype(np.uint32).view(np.float32)
+        back = kept.astype(np.uint32).view(np.float32)
+        # Finite values past bfloat16's largest saturate to it (docs/compression.md).
+        top = np.float32(3.3895314e38)
+        return np.where(np.isfinite(x) & np.isinf(back), np.copysign(top, x), back)
     amax = _blocks_amax(x)
     if codec == "fp16":
         _, exp = np.frexp(np.maximum(amax, TINY))
@@ -278,6 +281,20 @@ def test_error_feedback_of_layouts_taking_turns_is_kept_for_each(tmp_path: Path)
         for s in range(count):
             got = [results[r].value[i][s][1].tobytes() for r in range(2)]
             assert got[0] == got[1] == want[s].tobytes(), (sizes[i], s)
+
+
+@pytest.mark.parametrize("size", [4_099, 140_001])  # every rank reduces all; sharded
+def test_bf16_keeps_finite_values_past_its_largest_finite(tmp_path: Path, size: int) -> None:
+    # Rounded to nearest, float32 values from 3.3962e38 up became Inf: a finite mean lost.
+    results = run_ranks(cw.near_float32_max, 2, (2, str(tmp_path), size))
+    assert all(results[r].ok for r in range(2)), [results[r].message for r in range(2)]
+    (x0, got), (x1, other) = results[0].value, results[1].value
+    assert np.count_nonzero(np.abs(x0) >= np.float32(3.3961775e38)) > size // 4
+    assert np.isfinite(got).all(), np.count_nonzero(~np.isfinite(got))
+    assert got.tobytes() == other.tobytes()
+    exact = (x0.astype(np.float64) + x1) / 2
+    # Two roundings (the inputs, the mean), each within 2^-8 of the larger input.
+    assert np.all(np.abs(got - exact) <= 2**-7 * np.maximum(np.abs(x0), np.abs(x1)))
 
 
 def test_the_float16_clip_leaves_nan_and_inf_non_finite(tmp_path: Path) -> None:

@@ -31,6 +31,8 @@ _TINY = np.float32(2.0**-100)
 _INT8_NONFINITE = -128
 # float32 bits at and above this (magnitude) are Inf or NaN.
 _INF_BITS = 0x7F800000
+# Finite float32 magnitudes from here up round to Inf as bfloat16 (bits 0x7F7F8000).
+_BF16_OVER = np.uint32(0x7F7F8000).view(np.float32)
 # 1.5 * 2^23: a float32 in [2^23, 2^24) is an integer, with 1 between neighbours.
 _ROUNDER = np.float32(1.5 * 2**23)
 _kept = threading.local()
@@ -252,11 +254,15 @@ def _encode_bf16(
     up += bits
     up >>= 16
     np.copyto(codes, up, casting="unsafe")
-    # The least element is NaN where any is: one pass that reads (isnan would also write).
-    if math.isnan(np.minimum.reduce(rows, axis=None)):
+    # Reductions read without writing; the least element is NaN where any is.
+    lo = np.minimum.reduce(rows, axis=None)
+    if math.isnan(lo) or lo <= -_BF16_OVER or np.maximum.reduce(rows, axis=None) >= _BF16_OVER:
         nan = np.isnan(rows)
         # Rounding a NaN's bits can carry into Inf or the sign: keep a quiet NaN.
         codes[nan] = (bits[nan] >> 16) | 0x7FC0
+        # Finite values that would round to Inf keep bfloat16's largest, with their sign.
+        over = np.isfinite(rows) & (np.abs(rows) >= _BF16_OVER)
+        codes[over] = (bits[over] >> 16) & 0x8000 | 0x7F7F
 
 
 def _decode_bf16(_scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
