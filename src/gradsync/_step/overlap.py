@@ -38,8 +38,8 @@ def overlapping(arrays: Sequence[np.ndarray], *, views: bool) -> tuple[int, int]
     at = cast(Callable[[np.ndarray], ctypes.c_char], ctypes.c_char.from_buffer)
     try:
         starts = [address(at(a)) for a in arrays]
-    except ValueError:  # a zero-size array has no byte to point at (and overlaps nothing)
-        starts = [address(at(a)) if a.nbytes else 0 for a in arrays]
+    except ValueError:  # zero-size (no byte to point at) or a dtype buffers refuse (dates)
+        starts = [a.ctypes.data if a.nbytes else 0 for a in arrays]
     end = owner = -1
     for k in sorted(range(len(arrays)), key=starts.__getitem__):
         nbytes = arrays[k].nbytes
