@@ -160,6 +160,22 @@ def test_float64_sums_give_every_rank_average_host_grads_bits(
     assert want != expected(3, 1, big=big), "no float32 param whose two sums differ"
 
 
+@pytest.mark.parametrize(
+    ("size", "strategy"), [(7, "sharded"), (100_000, "sharded"), (100_000, "root")]
+)
+def test_float64_sums_that_overflow_give_every_rank_the_finite_mean(
+    tmp_path: Path, size: int, strategy: str
+) -> None:
+    args = [2, str(tmp_path), size, {"strategy": strategy}]
+    results = run_ranks(workers.near_float64_max, 2, args)
+    assert_ok(results)
+    inputs = [results[r].value[0] for r in range(2)]
+    [want] = gradsync.average_host_grads([[x] for x in inputs])
+    assert np.isfinite(want).all()
+    for r in range(2):
+        assert results[r].value[1].tobytes() == want.tobytes(), r
+
+
 THREADED = [
     (2, "sharded", True, False),
     (3, "sharded", True, False),

@@ -1272,3 +1272,14 @@ def per_call_files(
             gen = next(Path(sync_dir).glob("gen-*"))
             files.append(sorted(p.name for p in gen.glob("d-*")))
     return {"results": results, "files": files}
+
+
+def near_float64_max(rank: int, world: int, sync_dir: str, size: int, kw: dict[str, Any]) -> Any:
+    """One step over float64 values within 1% of +-float64's largest (sums overflow)."""
+    rng = np.random.default_rng([rank, 308])
+    grad = np.sign(rng.uniform(-1, 1, size)) * rng.uniform(0.99, 1.0, size)
+    grad *= np.finfo(np.float64).max
+    before = grad.copy()
+    with gradsync.GradSync(config(rank, world, sync_dir, **kw)) as gs:
+        gs.average([grad])
+    return before, grad

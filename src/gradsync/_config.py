@@ -75,13 +75,16 @@ class FileGradSyncConfig:
             (pieces of at least 1 MiB; smaller steps always run on the calling
             thread). ``None`` (default): this process's usable CPUs divided by the
             ranks on this host, 1 to 8. The result does not depend on it, bit for bit.
-        wide_sum: Sum float32 gradients in float64. ``False`` (default): in float32,
+        wide_sum: Sum float16 and float32 gradients in float64. ``False`` (default):
+            float32 in float32,
             in rank order, as gloo, NCCL and MPI do; the error is then at most about
             W - 1 float32 roundings, and an element whose float32 sum overflows takes
             the float64 mean. ``True``: the mean is within one rounding of the exact
             mean and does not depend on which process has which rank, for 2.5-5x
             more CPU in the reduction at 3 or more ranks. With 2 ranks both give the
-            same bits. float16 is always summed in float32, float64 in float64.
+            same bits. Without it float16 is summed in float32; float64 is always
+            summed in float64 (an element whose sum overflows is summed again scaled
+            down by a power of two: a mean of finite values stays finite).
             Every rank must use the same value (the first call fails with
             MismatchError otherwise).
         compression: ``None`` (default), ``"bf16"``, ``"fp16"`` or ``"int8"``: what the

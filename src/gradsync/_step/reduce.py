@@ -28,9 +28,10 @@ __all__ = [
     "shard_range",
 ]
 
-# With ``wide_sum=True`` float16 is summed in float32 and float32 in float64: the
-# result is then within one rounding of the exact mean, whatever the order of magnitude
-# of the inputs, and does not depend on which process has which rank.
+# Each dtype's sum without ``wide_sum``: float16 in float32 (a float16 sum overflows
+# past 65504), float32 redone in float64 where its own sum overflows. With
+# ``wide_sum=True`` every dtype is summed in float64, exactly for float16: the mean is
+# then within one rounding of the exact one and independent of which rank has what.
 ACCUMULATOR: dict[np.dtype[Any], np.dtype[Any]] = {
     np.dtype(np.float16): np.dtype(np.float32),
     np.dtype(np.float32): np.dtype(np.float64),
@@ -116,9 +117,10 @@ def mean_into(
     view, or ``buf[: stop - start]`` after filling it. ``buf`` has ``out``'s dtype.
     ``out`` must not overlap the inputs. Work goes ``chunk_elems`` elements at a
     time (default ``CHUNK_ELEMS``); the result does not depend on it.
-    Ranks are added in index order, float32 in float32 unless ``wide`` (then in
-    ``ACCUMULATOR``'s dtype), float16 always in float32 (a float16 sum overflows past
-    65504), float64 in float64; then divided by W and rounded once to ``out.dtype``.
+    Ranks are added in index order, in float64 if ``wide``, else float32 in float32,
+    float16 in float32 (a float16 sum overflows past 65504), float64 in float64 (an
+    element whose sum overflows is summed again scaled down by a power of two); then
+    divided by W and rounded once to ``out.dtype``.
     """
     world = len(fetch)
     chunk = min(CHUNK_ELEMS if chunk_elems is None else chunk_elems, max(n, 1))
@@ -145,10 +147,13 @@ def mean_into(
             return
     if not redo:
         return
-    acc_buf = np.empty(chunk, dtype=ACCUMULATOR[out.dtype])
+    acc_buf = np.empty(chunk, dtype=np.float64 if wide else ACCUMULATOR[out.dtype])
     for start in redo:
         stop = min(start + chunk, n)
-        acc = _wide_mean(fetch, start, stop, acc_buf[: stop - start], in_buf)
+        try:
+            acc = _wide_mean(fetch, start, stop, acc_buf[: stop - start], in_buf)
+        except FloatingPointError:  # only float64 inputs can overflow a float64 sum
+            acc = _float64_mean_scaled(fetch, start, stop, acc_buf[: stop - start], in_buf)
         np.copyto(out[start:stop], acc, casting="same_kind")
 
 
@@ -157,12 +162,35 @@ def _wide_mean(
 ) -> np.ndarray:
     """The mean of elements ``[start, stop)`` in ``acc``'s (wider) dtype, in ``acc``."""
     # NaN and Inf propagate as IEEE says; a warning (an error under -W error) would
-    # fail this rank alone, which reduces this shard, and so the whole step.
-    with np.errstate(all="ignore"):
+    # fail this rank alone, which reduces this shard, and so the whole step. The
+    # overflow flag (no extra pass) marks a sum of finite values that overflowed.
+    with np.errstate(all="ignore", over="raise"):
         np.copyto(acc, fetch[0](start, stop, in_buf))
         for q in range(1, len(fetch)):
             np.add(acc, fetch[q](start, stop, in_buf), out=acc)
+    with np.errstate(all="ignore"):
         np.divide(acc, len(fetch), out=acc)
+    return acc
+
+
+def _float64_mean_scaled(
+    fetch: Sequence[Fetch], start: int, stop: int, acc: np.ndarray, in_buf: np.ndarray
+) -> np.ndarray:
+    """:func:`_wide_mean` of float64 inputs whose sum overflowed: where the plain mean is
+    Inf and the inputs' sum scaled by 2^-k (k bits hold W) is finite, that one."""
+    down = 2.0 ** -len(fetch).bit_length()
+    scaled = np.empty_like(acc)
+    with np.errstate(all="ignore"):
+        np.copyto(acc, fetch[0](start, stop, in_buf))
+        np.multiply(acc, down, out=scaled)
+        for q in range(1, len(fetch)):
+            x = fetch[q](start, stop, in_buf)
+            np.add(acc, x, out=acc)
+            scaled += x * down
+        np.divide(acc, len(fetch), out=acc)
+        # Scaling by a power of two is exact at these magnitudes: the same roundings.
+        scaled /= len(fetch) * down
+    np.copyto(acc, scaled, where=np.isinf(acc) & np.isfinite(scaled))
     return acc
 
 
