@@ -162,14 +162,16 @@ def taking_turns(rank: int, world: int, sync_dir: str, count: int, sizes: list[i
     return out
 
 
-def near_float32_max(rank: int, world: int, sync_dir: str, size: int) -> Any:
-    """One bf16 step over float32 values within 0.5% of +-float32's largest (most past
-    bfloat16's largest, 3.3895e38); the input and the result."""
+def near_float32_max(rank: int, world: int, sync_dir: str, size: int, codec: str = "bf16") -> Any:
+    """One step of ``codec`` over float32 values within 0.5% of +-float32's largest
+    (most past bfloat16's largest, 3.3895e38), every 97th one +-float32's largest on
+    every rank (so is their mean); the input and the result."""
     rng = np.random.default_rng([rank, 38])
     top = np.finfo(np.float32).max
     magnitude = rng.uniform(0.995, 1.0, size) * top
     grad = (np.sign(rng.uniform(-1, 1, size)) * magnitude).astype(np.float32)
+    grad[::97] = np.where(np.arange(size)[::97] % 2 == 0, top, -top)
     before = grad.copy()
-    with gradsync.GradSync(config(rank, world, sync_dir, compression="bf16")) as gs:
+    with gradsync.GradSync(config(rank, world, sync_dir, compression=codec)) as gs:
         gs.average([grad], step=0)
     return before, grad

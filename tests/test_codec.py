@@ -88,6 +88,9 @@ def ref_decode(name: str, scales: np.ndarray, codes: np.ndarray, n: int) -> np.n
         return (rows.astype(np.uint32) << 16).view(np.float32).ravel()[:n]
     with np.errstate(all="ignore"):
         out = rows.astype(np.float32) * np.abs(scales)[:, None]
+        # A finite code whose product overflows saturates at float32's largest, sign kept.
+        top = np.finfo(np.float32).max
+        out = np.where(np.isfinite(rows), np.clip(out, -top, top), out)
         if name == "int8":
             out[np.signbit(scales)[:, None] & (rows == -128)] = np.nan
     return out.ravel()[:n]
@@ -110,7 +113,14 @@ def _special_blocks(rng: np.random.Generator) -> Iterator[np.ndarray]:
         yield block
     yield rng.integers(1, 1 << 23, BLOCK, dtype=np.uint32).view(f32)  # float32 subnormals
     yield np.float32(3e38) * rng.uniform(-1, 1, BLOCK).astype(f32)
-    yield np.full(BLOCK, np.finfo(f32).max) * np.sign(rng.uniform(-1, 1, BLOCK)).astype(f32)
+    top = np.full(BLOCK, np.finfo(f32).max) * np.sign(rng.uniform(-1, 1, BLOCK)).astype(f32)
+    yield top
+    # fp16: scaled past 32752 they round to 2^15, and 2^15 times 2^113 overflows
+    yield top * (1 - rng.uniform(0, 2.0**-11, BLOCK)).astype(f32)
+    for bad in (np.nan, np.inf):  # near float32's largest in a flagged block
+        block = top.copy()
+        block[rng.integers(0, BLOCK, 3)] = bad
+        yield block
     ties = (rng.integers(0, 1 << 16, BLOCK, dtype=np.uint32) << 16) | 0x8000  # bf16 ties
     yield (ties & 0xBFFFFFFF).view(f32)
     for bad in (np.nan, np.inf, -np.inf, *nans.view(f32)):

@@ -33,6 +33,15 @@ _INT8_NONFINITE = -128
 _INF_BITS = 0x7F800000
 # Finite float32 magnitudes from here up round to Inf as bfloat16 (bits 0x7F7F8000).
 _BF16_OVER = np.uint32(0x7F7F8000).view(np.float32)
+# float32's largest finite value: where a finite code times its scale saturates.
+_F32_MAX = np.finfo(np.float32).max
+# int8 scales from here up may carry a code past _F32_MAX (127 * 2^121 is below it).
+_INT8_TOP = np.float32(2.0**121)
+# fp16's scale of blocks from 2^127 up: their code 2^15 times it is 2^128, past _F32_MAX.
+_FP16_TOP = np.float32(2.0**113)
+# Their bits: as integers, flagged (negative) scales' bits lie above every positive one's.
+_INT8_TOP_BITS = int(_INT8_TOP.view(np.uint32))
+_FP16_TOP_BITS = int(_FP16_TOP.view(np.uint32))
 # 1.5 * 2^23: a float32 in [2^23, 2^24) is an integer, with 1 between neighbours.
 _ROUNDER = np.float32(1.5 * 2**23)
 _kept = threading.local()
@@ -179,12 +188,14 @@ def _encode_int8(
 def _decode_int8(scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
     # Converted, then scaled in place: the mixed-type multiply's buffering costs ~20% more.
     np.copyto(out, codes)
-    flagged = np.signbit(scales)
-    if not flagged.any():
+    # One reduction rules out both rare cases: flagged blocks and scales near overflow.
+    if scales.view(np.uint32).max() < _INT8_TOP_BITS:
         out *= scales[:, None]
         return
-    out *= np.abs(scales)[:, None]
-    for k in np.flatnonzero(flagged):
+    magnitude = np.abs(scales)
+    out *= magnitude[:, None]
+    _saturate(out, codes, magnitude >= _INT8_TOP)
+    for k in np.flatnonzero(np.signbit(scales)):
         out[k][codes[k] == _INT8_NONFINITE] = np.nan
 
 
@@ -238,9 +249,23 @@ def _decode_fp16(scales: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None
     bits &= 0x8FFFFFFF
     # Those bits as a float32, times 2^112, are the float16's value (zero stays zero).
     out *= np.float32(2.0**112)
-    out *= np.abs(scales)[:, None]
+    magnitude = np.abs(scales)
+    out *= magnitude[:, None]
+    # One reduction rules out both rare cases: flagged blocks and the top scale.
+    if scales.view(np.uint32).max() < _FP16_TOP_BITS:
+        return
     for k in np.flatnonzero(np.signbit(scales)):
         out[k] = codes[k].astype(np.float32) * -scales[k]
+    _saturate(out, codes, magnitude >= _FP16_TOP)
+
+
+def _saturate(out: np.ndarray, codes: np.ndarray, rows: np.ndarray) -> None:
+    """In the ``rows`` (a mask) of ``out``, finite codes whose product with the scale
+    overflowed to Inf become float32's largest, with their sign: finite stays finite."""
+    for k in np.flatnonzero(rows):
+        row = out[k]
+        over = np.isinf(row) & np.isfinite(codes[k])
+        row[over] = np.copysign(_F32_MAX, row[over])
 
 
 def _encode_bf16(
