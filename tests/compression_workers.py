@@ -175,3 +175,19 @@ def near_float32_max(rank: int, world: int, sync_dir: str, size: int, codec: str
     with gradsync.GradSync(config(rank, world, sync_dir, compression=codec)) as gs:
         gs.average([grad], step=0)
     return before, grad
+
+
+def near_float32_max_fed_back(rank: int, world: int, sync_dir: str, codec: str, count: int) -> Any:
+    """``count`` steps of ``codec`` with error feedback over the same values at and near
+    +-float32's largest, and a signalling NaN; each step's result."""
+    top = np.finfo(np.float32).max
+    grad = np.array([top, -top, top * 0.999, 1.0] * 300, np.float32)
+    grad.view(np.uint32)[3] = 0x7F800001  # a signalling NaN: no warning, no error
+    out = []
+    cfg = config(rank, world, sync_dir, compression=codec, error_feedback=True)
+    with gradsync.GradSync(cfg) as gs:
+        for step in range(count):
+            g = grad.copy()
+            gs.average([g], step=step)
+            out.append(g)
+    return out

@@ -310,6 +310,18 @@ def test_finite_values_near_float32_max_stay_finite(tmp_path: Path, size: int, c
     assert np.all(np.abs(got - exact) <= tolerance * np.maximum(np.abs(x0), np.abs(x1)))
 
 
+@pytest.mark.parametrize("codec", ["bf16", "fp16", "int8"])
+def test_error_feedback_keeps_values_near_float32_max_finite(tmp_path: Path, codec: str) -> None:
+    # A value at float32's largest plus what the last step lost overflowed to Inf.
+    results = run_ranks(cw.near_float32_max_fed_back, 2, (2, str(tmp_path), codec, 4))
+    assert all(results[r].ok for r in range(2)), [results[r].message for r in range(2)]
+    for step, got in enumerate(results[0].value):
+        assert np.isnan(got[3]), step
+        finite = np.delete(got, 3)
+        assert np.isfinite(finite).all(), (step, np.count_nonzero(~np.isfinite(finite)))
+        assert got.tobytes() == results[1].value[step].tobytes(), step
+
+
 def test_the_float16_clip_leaves_nan_and_inf_non_finite(tmp_path: Path) -> None:
     results = run_ranks(cw.near_float16_max, 2, (2, str(tmp_path), 3, 4_099, True))
     assert all(results[r].ok for r in range(2)), [results[r].message for r in range(2)]

@@ -18,8 +18,8 @@ __all__ = ["RESIDUAL_LAYOUTS_KEPT", "Clipped", "Residuals", "add_residual", "los
 # Layouts whose residuals are kept (the least recently used goes first).
 RESIDUAL_LAYOUTS_KEPT = 16
 # Where x + e is clipped, per group dtype: float16's largest finite value (an int8 block
-# whose largest magnitude is this decodes to at most it). None for float32 and float64:
-# only values near float32's largest overflow, with or without feedback.
+# whose largest magnitude is this decodes to at most it). None for float32 and float64,
+# where only a sum that overflows is clipped (add_residual).
 _LIMITS: dict[np.dtype[Any], np.floating[Any]] = {
     np.dtype(np.float16): np.float32(np.finfo(np.float16).max)
 }
@@ -61,12 +61,32 @@ def add_residual(
 ) -> tuple[np.ndarray, Clipped | None]:
     """``x + residual`` as a new array of the work dtype, its finite values clipped where
     the group's dtype could not hold them (x + e past float16's largest would decode to
-    Inf); and what the clip changed."""
+    Inf, and past float32's largest is Inf); and what the clip changed."""
     wanted = x.astype(work_dtype(dtype))
     if residual is None:
         return wanted, None
-    wanted += residual
+    # A signalling NaN in x is no error; the overflow flag (no extra pass) marks a
+    # finite x + e past the work dtype's largest.
+    try:
+        with np.errstate(invalid="ignore", over="raise"):
+            wanted += residual
+    except FloatingPointError:
+        return _saturated_sum(x, wanted, residual)
     return wanted, _clip_finite(wanted, _LIMITS.get(dtype))
+
+
+def _saturated_sum(
+    x: np.ndarray, wanted: np.ndarray, residual: np.ndarray
+) -> tuple[np.ndarray, Clipped]:
+    """``x + residual`` into ``wanted``, the finite sums that overflowed clipped to the
+    work dtype's largest; there the next residual is what encoding lost of x alone."""
+    np.copyto(wanted, x, casting="same_kind")
+    with np.errstate(all="ignore"):
+        wanted += residual
+    at = np.flatnonzero(np.isinf(wanted) & np.isfinite(x))
+    unclipped = x[at].astype(wanted.dtype)
+    wanted[at] = np.copysign(np.finfo(wanted.dtype).max, unclipped)
+    return wanted, (at, unclipped)
 
 
 def lost(wanted: np.ndarray, decoded: np.ndarray, clipped: Clipped | None) -> np.ndarray:
