@@ -36,7 +36,7 @@ run)
     xz -T4 -dc $MH/juicefs.xz >/usr/local/bin/juicefs && chmod +x /usr/local/bin/juicefs
     export PATH=$PWD/$MH/bin:$PATH MH_JUICEFS=/usr/local/bin/juicefs PYTHONPATH=$PWD/src
     export MH_DIR=/var/tmp/gsmh PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2
-    nproc; python3 --version
+    nproc --all; python3 --version  # nproc alone counts OMP_NUM_THREADS
     bash tests/multihost/rig/up.sh 2 || { tail -n 30 $MH_DIR/logs/*.log; exit 1; }
     for order in none,bf16,int8 int8,bf16,none; do
         uptime
