@@ -350,3 +350,49 @@ def test_a_collective_a_late_then_callback_starts_follows_the_ones_called_before
     for r in range(2):
         assert out[r].ok, out[r].value
         assert out[r].value == [1.5, 15.0, 150.0], (r, out[r].value)
+
+
+def _into_tensors_that_require_grad(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Collectives writing into parameters (tensors that require grad), as over gloo."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import gradsync.torch  # noqa: F401, PLC0415
+
+    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
+    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    param = torch.nn.Parameter
+    out: dict[str, Any] = {}
+    p = param(torch.full((3,), rank + 1.0))
+    with torch.no_grad():  # no_grad holds on this thread only, not on gradsync's
+        dist.all_reduce(p)
+    out["in place"] = p.tolist()
+    p = param(torch.full((3, 2), rank + 1.0).t())  # not contiguous: through a copy
+    dist.all_reduce(p)
+    out["strided"] = p.tolist()
+    p = param(torch.full((3,), rank + 1.0, dtype=torch.bfloat16))
+    dist.all_reduce(p, op=dist.ReduceOp.AVG)
+    out["bf16"] = p.float().tolist()
+    p = param(torch.full((2, 2), rank + 1.0).t())
+    dist.broadcast(p, src=1)
+    out["broadcast"] = p.tolist()
+    outs = [param(torch.zeros(2)) for _ in range(world)]
+    with torch.no_grad():
+        dist.all_gather(outs, torch.full((2,), float(rank)))
+    out["allgather"] = [o.tolist() for o in outs]
+    out["require grad"] = all(o.requires_grad for o in outs)
+    dist.destroy_process_group()
+    return out
+
+
+def test_collectives_write_into_tensors_that_require_grad(tmp_path: Path) -> None:
+    out = run_ranks(_into_tensors_that_require_grad, 2, (2, str(tmp_path)), timeout_s=60)
+    for r in range(2):
+        assert out[r].ok, out[r].value
+        assert out[r].value == {
+            "in place": [3.0] * 3,
+            "strided": [[3.0] * 3] * 2,
+            "bf16": [1.5] * 3,
+            "broadcast": [[2.0] * 2] * 2,
+            "allgather": [[0.0] * 2, [1.0] * 2],
+            "require grad": True,
+        }, (r, out[r].value)

@@ -75,7 +75,7 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 acc = per_rank[0][i].clone()
                 for r in range(1, self._world):
                     acc = _LOCAL_OPS[op](acc, per_rank[r][i])
-                t.copy_(acc)
+                t.detach().copy_(acc)
             return tensors
 
         return self._work(handle, lambda: finish(_decode(buf, self._world, payload.size)))
@@ -90,7 +90,7 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         def finish() -> list[torch.Tensor]:
             for t, s in zip(tensors, staged, strict=True):
                 if s.data_ptr() != t.data_ptr():
-                    t.copy_(s)
+                    t.detach().copy_(s)
             return tensors
 
         return self._work(handle, finish)
@@ -107,7 +107,7 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             words = _decode(buf, self._world, payload.size)
             for r in range(self._world):
                 for outs, part in zip(output_tensors, _split(words[r], input_tensors), strict=True):
-                    outs[r].copy_(part.view(outs[r].shape))
+                    outs[r].detach().copy_(part.view(outs[r].shape))
             return output_tensors
 
         return self._work(handle, finish)
@@ -131,8 +131,9 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
         def finish() -> list[torch.Tensor]:
             for t, s in zip(tensors, staged, strict=True):
-                if s is not t:
-                    t.copy_(s)
+                if s.data_ptr() != t.data_ptr():  # a copy: averaged in place otherwise
+                    # Through detach(): no_grad is the caller thread's, not this one's.
+                    t.detach().copy_(s)
             return tensors
 
         return self._work(handle, finish)
