@@ -396,3 +396,48 @@ def test_collectives_write_into_tensors_that_require_grad(tmp_path: Path) -> Non
             "allgather": [[0.0] * 2, [1.0] * 2],
             "require grad": True,
         }, (r, out[r].value)
+
+
+def _shape_of(value: Any) -> Any:
+    """A future's value or a work's result: its nesting, with each tensor's values."""
+    if isinstance(value, list):
+        return [_shape_of(v) for v in value]
+    return value.tolist() if isinstance(value, torch.Tensor) else repr(value)
+
+
+def _futures_and_results(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Each async collective's future value and work result, over gradsync and gloo."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import gradsync.torch  # noqa: F401, PLC0415
+
+    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
+    init = f"file://{os.path.join(tmp, 'store')}"
+    dist.init_process_group("gradsync", init_method=init, rank=rank, world_size=world)
+    groups = {"gradsync": None, "gloo": dist.new_group(backend="gloo")}
+    out: dict[str, Any] = {}
+    for name, group in groups.items():
+        x = torch.full((2,), rank + 1.0)
+        works = {
+            "allreduce": dist.all_reduce(x.clone(), async_op=True, group=group),
+            "allreduce int": dist.all_reduce(x.long(), async_op=True, group=group),
+            "broadcast": dist.broadcast(x.clone(), src=1, async_op=True, group=group),
+            "allgather": dist.all_gather(
+                [torch.zeros(2) for _ in range(world)], x, async_op=True, group=group
+            ),
+            "barrier": dist.barrier(async_op=True, group=group),
+        }
+        for op, work in works.items():
+            value = work.get_future().wait()
+            out[f"{name} {op}"] = (_shape_of(value), _shape_of(work.result()))
+    dist.destroy_process_group()
+    return out
+
+
+def test_async_futures_and_results_hold_what_gloos_hold(tmp_path: Path) -> None:
+    out = run_ranks(_futures_and_results, 2, (2, str(tmp_path)), timeout_s=60)
+    for r in range(2):
+        assert out[r].ok, out[r].value
+        got = out[r].value
+        for op in ("allreduce", "allreduce int", "broadcast", "allgather", "barrier"):
+            assert got[f"gradsync {op}"] == got[f"gloo {op}"], (r, op, got)

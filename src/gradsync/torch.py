@@ -69,16 +69,15 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         payload = _bytes_of(tensors)
         handle, buf = self._exchange(payload, slot=self._rank, slots=self._world)
 
-        def finish(words: list[np.ndarray]) -> list[torch.Tensor]:
+        def finish(words: list[np.ndarray]) -> None:
             per_rank = [_split(words[r], tensors) for r in range(self._world)]
             for i, t in enumerate(tensors):
                 acc = per_rank[0][i].clone()
                 for r in range(1, self._world):
                     acc = _LOCAL_OPS[op](acc, per_rank[r][i])
                 t.detach().copy_(acc)
-            return tensors
 
-        return self._work(handle, lambda: finish(_decode(buf, self._world, payload.size)))
+        return self._work(handle, tensors, lambda: finish(_decode(buf, self._world, payload.size)))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
         """The root's tensors, bit for bit, on every rank: a gradsync broadcast of their
@@ -87,13 +86,12 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         staged = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
         handle = self.sync._broadcast_async([_byte_view(s) for s in staged], opts.rootRank)
 
-        def finish() -> list[torch.Tensor]:
+        def finish() -> None:
             for t, s in zip(tensors, staged, strict=True):
                 if s.data_ptr() != t.data_ptr():
                     t.detach().copy_(s)
-            return tensors
 
-        return self._work(handle, finish)
+        return self._work(handle, tensors, finish)
 
     def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any
@@ -103,18 +101,19 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         payload = _bytes_of(input_tensors)
         handle, buf = self._exchange(payload, slot=self._rank, slots=self._world)
 
-        def finish() -> list[list[torch.Tensor]]:
+        def finish() -> None:
             words = _decode(buf, self._world, payload.size)
             for r in range(self._world):
                 for outs, part in zip(output_tensors, _split(words[r], input_tensors), strict=True):
                     outs[r].detach().copy_(part.view(outs[r].shape))
-            return output_tensors
 
-        return self._work(handle, finish)
+        # As gloo's: one input's outputs as a list of tensors, several inputs' as lists.
+        outputs = output_tensors[0] if len(output_tensors) == 1 else output_tensors
+        return self._work(handle, outputs, finish)
 
     def barrier(self, opts: Any) -> Any:  # type: ignore[override]
         """A step of one float32 zero: every rank has called it when it completes."""
-        return self._work(self.sync._average_exact_async([np.zeros(1, np.float32)]), list)
+        return self._work(self.sync._average_exact_async([np.zeros(1, np.float32)]), [])
 
     def shutdown(self) -> None:
         """Leave the gradsync job (``destroy_process_group`` calls it)."""
@@ -129,14 +128,13 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         arrays = [s.numpy() for s in staged]
         handle = self.sync._submit(lambda: self.sync._average(arrays, None, None, None, scale))
 
-        def finish() -> list[torch.Tensor]:
+        def finish() -> None:
             for t, s in zip(tensors, staged, strict=True):
                 if s.data_ptr() != t.data_ptr():  # a copy: averaged in place otherwise
                     # Through detach(): no_grad is the caller thread's, not this one's.
                     t.detach().copy_(s)
-            return tensors
 
-        return self._work(handle, finish)
+        return self._work(handle, tensors, finish)
 
     def _exchange(
         self, payload: np.ndarray, slot: int, slots: int
@@ -146,21 +144,25 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         buf = _encode(payload, slot, slots)
         return self.sync._average_exact_async([buf]), buf
 
-    def _work(self, handle: StepHandle, finish: Callable[[], Any]) -> Any:
-        """A torch Work whose future completes, from gradsync's thread, with ``finish()``."""
+    def _work(
+        self, handle: StepHandle, outputs: list[Any], finish: Callable[[], None] | None = None
+    ) -> Any:
+        """A torch Work whose future completes, from gradsync's thread, with ``outputs``
+        once ``finish()`` has run."""
         future: torch.futures.Future[Any] = _PlacedFuture(self.sync._background)
 
         def complete(done: StepHandle) -> None:
             try:
                 done.wait()
-                result = finish()
+                if finish is not None:
+                    finish()
             except BaseException as exc:
                 future.set_exception(exc)
             else:
-                future.set_result(result)
+                future.set_result(outputs)
 
         handle.add_done_callback(complete)
-        return _Work(future)
+        return _Work(future, outputs)
 
 
 class _PlacedFuture(torch.futures.Future):  # type: ignore[type-arg]
@@ -187,9 +189,10 @@ class _PlacedFuture(torch.futures.Future):  # type: ignore[type-arg]
 class _Work(dist.Work):  # type: ignore[misc]
     """A collective's work: waiting for it waits for its future, raising its error."""
 
-    def __init__(self, future: torch.futures.Future[Any]) -> None:
+    def __init__(self, future: torch.futures.Future[Any], outputs: list[Any]) -> None:
         super().__init__()
         self._future = future
+        self._outputs = outputs
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         self._future.wait()
@@ -200,6 +203,19 @@ class _Work(dist.Work):  # type: ignore[misc]
 
     def get_future(self) -> torch.futures.Future[Any]:
         return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        """The output tensors, as gloo's: only once complete, and not a list of lists."""
+        if not self.is_completed():
+            raise RuntimeError(
+                "Work needs to be completed before calling result(). "
+                "Should call wait() before result()."
+            )
+        if any(isinstance(o, list) for o in self._outputs):
+            raise RuntimeError(
+                "work result does not support list of lists, use .getFuture() and value()"
+            )
+        return self._outputs
 
 
 def _check_cpu(tensors: Sequence[torch.Tensor]) -> None:
