@@ -441,3 +441,50 @@ def test_async_futures_and_results_hold_what_gloos_hold(tmp_path: Path) -> None:
         got = out[r].value
         for op in ("allreduce", "allreduce int", "broadcast", "allgather", "barrier"):
             assert got[f"gradsync {op}"] == got[f"gloo {op}"], (r, op, got)
+
+
+def _wait_with_a_timeout(rank: int, world: int, tmp: str) -> Any:
+    """Rank 0 waits 0.5 s for an allreduce that rank 1 starts only once told (a file)."""
+    import datetime  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import gradsync.torch  # noqa: F401, PLC0415
+
+    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
+    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    go = Path(tmp, "go")
+    x = torch.full((2,), rank + 1.0)
+    if rank == 1:
+        deadline = time.monotonic() + 30
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dist.all_reduce(x)
+        dist.destroy_process_group()
+        return x.tolist()
+    work = dist.all_reduce(x, async_op=True)
+    start = time.monotonic()
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=0.5))
+    except RuntimeError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    else:
+        outcome = "returned"
+    elapsed = time.monotonic() - start
+    go.touch()
+    waited = work.wait(timeout=datetime.timedelta(0))  # torch's default: no timeout
+    dist.destroy_process_group()
+    return outcome, elapsed, waited, x.tolist()
+
+
+def test_wait_raises_once_its_timeout_passes_and_the_work_goes_on(tmp_path: Path) -> None:
+    out = run_ranks(_wait_with_a_timeout, 2, (2, str(tmp_path)), timeout_s=60)
+    assert out[1].ok, out[1].value
+    assert out[1].value == [3.0, 3.0]
+    assert out[0].ok, out[0].value
+    outcome, elapsed, waited, value = out[0].value
+    assert outcome.startswith("RuntimeError: Operation timed out!"), outcome
+    assert "0.5 s" in outcome, outcome
+    assert elapsed < 30, elapsed
+    assert (waited, value) == (True, [3.0, 3.0])

@@ -13,6 +13,7 @@ dtype. See docs/pytorch-backend.md.
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -150,6 +151,7 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         """A torch Work whose future completes, from gradsync's thread, with ``outputs``
         once ``finish()`` has run."""
         future: torch.futures.Future[Any] = _PlacedFuture(self.sync._background)
+        finished = threading.Event()
 
         def complete(done: StepHandle) -> None:
             try:
@@ -157,12 +159,15 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 if finish is not None:
                     finish()
             except BaseException as exc:
+                finished.set()
                 future.set_exception(exc)
             else:
+                # Before the future's callbacks run: the work is done while they do.
+                finished.set()
                 future.set_result(outputs)
 
         handle.add_done_callback(complete)
-        return _Work(future, outputs)
+        return _Work(future, outputs, finished)
 
 
 class _PlacedFuture(torch.futures.Future):  # type: ignore[type-arg]
@@ -189,12 +194,22 @@ class _PlacedFuture(torch.futures.Future):  # type: ignore[type-arg]
 class _Work(dist.Work):  # type: ignore[misc]
     """A collective's work: waiting for it waits for its future, raising its error."""
 
-    def __init__(self, future: torch.futures.Future[Any], outputs: list[Any]) -> None:
+    def __init__(
+        self, future: torch.futures.Future[Any], outputs: list[Any], finished: threading.Event
+    ) -> None:
         super().__init__()
         self._future = future
         self._outputs = outputs
+        self._finished = finished
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Wait for the work, raising its error; a timeout other than None or zero (torch's
+        default: no timeout) raises RuntimeError, as gloo's does, if it is not done by then."""
+        if timeout and not self._finished.wait(timeout.total_seconds()):
+            raise RuntimeError(
+                f"Operation timed out! gradsync: the collective did not complete within "
+                f"the wait's timeout of {timeout.total_seconds():g} s (it goes on)"
+            )
         self._future.wait()
         return True
 
