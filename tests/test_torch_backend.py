@@ -243,9 +243,12 @@ def test_float_sum_is_the_mean_times_the_world_size_on_every_rank(
     world = len(ranks)
     for name, dtype in (("f32", np.float32), ("f16", np.float16)):
         inputs = [np.frombuffer(ranks[r][f"sum {name} in"], dtype) for r in range(world)]
-        whole = gradsync.average_host_grads([[a.copy()] for a in inputs])[0] * dtype(world)
-        every_other = gradsync.average_host_grads([[a[::2].copy()] for a in inputs])[0]
-        want = (whole.astype(dtype).tobytes(), (every_other * dtype(world)).astype(dtype).tobytes())
+        # float16: the mean and its product in float32, rounded once to float16.
+        wide = [a.astype(np.float32) for a in inputs]
+        whole = gradsync.average_host_grads([[a.copy()] for a in wide])[0] * np.float32(world)
+        every_other = gradsync.average_host_grads([[a[::2].copy()] for a in wide])[0]
+        every_other *= np.float32(world)
+        want = (whole.astype(dtype).tobytes(), every_other.astype(dtype).tobytes())
         for out in ranks.values():
             assert out[f"sum {name}"] == want, name
 
@@ -488,3 +491,32 @@ def test_wait_raises_once_its_timeout_passes_and_the_work_goes_on(tmp_path: Path
     assert "0.5 s" in outcome, outcome
     assert elapsed < 30, elapsed
     assert (waited, value) == (True, [3.0, 3.0])
+
+
+def _sixteen_bit_sums(rank: int, world: int, tmp: str) -> dict[str, list[float]]:
+    """SUMs of 16-bit floats whose mean rounds away in the 16-bit type (subnormals)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import gradsync.torch  # noqa: F401, PLC0415
+
+    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
+    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    out = {}
+    for name, dtype, unit in (("f16", torch.float16, 2**-24), ("bf16", torch.bfloat16, 2**-133)):
+        x = torch.tensor([1.0, 3.0, 5.0]).mul(unit).to(dtype) * (rank == 0)
+        strided = torch.stack([x, x], 1)[:, 0]  # not contiguous
+        dist.all_reduce(x)
+        dist.all_reduce(strided)
+        out[name] = [v / unit for v in x.tolist()]
+        out[f"{name} strided"] = [v / unit for v in strided.tolist()]
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_16_bit_float_sum_rounds_once_as_gloos_does(tmp_path: Path) -> None:
+    # Rank 0's values and rank 1's zeros: gloo's sum is rank 0's values exactly.
+    out = run_ranks(_sixteen_bit_sums, 2, (2, str(tmp_path)), timeout_s=60)
+    for r in range(2):
+        assert out[r].ok, out[r].value
+        for name in ("f16", "f16 strided", "bf16", "bf16 strided"):
+            assert out[r].value[name] == [1.0, 3.0, 5.0], (r, name, out[r].value)

@@ -4,10 +4,10 @@ third-party backend is): ``import gradsync.torch`` registers it.
 Every collective is one gradsync step, started on the GradSync's background thread in
 the order it was called (the same on every rank, as torch requires of every backend);
 its work's future completes from that thread. Float allreduce (SUM, AVG) is gradsync's
-mean (times the world size for SUM); everything else (broadcast, allgather, integer or
-MIN/MAX/PRODUCT/bitwise allreduce, barrier) travels as bytes encoded exactly in
-float64 steps, or (broadcast) as a gradsync broadcast of bytes, so it is bit-exact for any
-dtype. See docs/pytorch-backend.md.
+mean (times the world size for SUM; 16-bit floats summed in float32, rounded once);
+everything else (broadcast, allgather, integer or MIN/MAX/PRODUCT/bitwise allreduce,
+barrier) travels as bytes encoded exactly in float64 steps, or (broadcast) as a gradsync
+broadcast of bytes, so it is bit-exact for any dtype. See docs/pytorch-backend.md.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["BACKEND", "GradSyncProcessGroup"]
 
 BACKEND = "gradsync"
 
-# Torch dtypes averaged in place, as numpy sees them; bfloat16 is averaged in float32.
+# Torch dtypes averaged in place, as numpy sees them; bfloat16 (and a float16 SUM) in float32.
 _NATIVE = {torch.float16, torch.float32, torch.float64}
 _FLOATS = {*_NATIVE, torch.bfloat16}
 
@@ -124,7 +124,7 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self.sync.close()
 
     def _float_allreduce(self, tensors: list[torch.Tensor], scale: int | None) -> Any:
-        staged = [_staging(t) for t in tensors]
+        staged = [_staging(t, summed=scale is not None) for t in tensors]
         # SUM: the mean times W, written in the pass that writes the mean back.
         arrays = [s.numpy() for s in staged]
         handle = self.sync._submit(lambda: self.sync._average(arrays, None, None, None, scale))
@@ -239,12 +239,14 @@ def _check_cpu(tensors: Sequence[torch.Tensor]) -> None:
             raise ValueError(f"gradsync: only CPU tensors are supported, got one on {t.device}")
 
 
-def _staging(t: torch.Tensor) -> torch.Tensor:
+def _staging(t: torch.Tensor, summed: bool) -> torch.Tensor:
     """``t`` itself where numpy can average it in place; else a contiguous copy
-    (float32 for bfloat16)."""
-    if t.dtype in _NATIVE and t.is_contiguous():
+    (float32 for bfloat16, and for float16 ``summed``)."""
+    # A float16 mean rounded before the times W loses what rounds away in the halving.
+    wide = t.dtype == torch.bfloat16 or (summed and t.dtype == torch.float16)
+    if t.dtype in _NATIVE and t.is_contiguous() and not wide:
         return t.detach()
-    dtype = torch.float32 if t.dtype == torch.bfloat16 else t.dtype
+    dtype = torch.float32 if wide else t.dtype
     return t.detach().to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
 
 
