@@ -520,3 +520,43 @@ def test_a_16_bit_float_sum_rounds_once_as_gloos_does(tmp_path: Path) -> None:
         assert out[r].ok, out[r].value
         for name in ("f16", "f16 strided", "bf16", "bf16 strided"):
             assert out[r].value[name] == [1.0, 3.0, 5.0], (r, name, out[r].value)
+
+
+def _back_to_back(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Two async allreduces of one tensor, then one more op on it: each reads what the one
+    before wrote, for every dtype and layout."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import gradsync.torch  # noqa: F401, PLC0415
+
+    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
+    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        t = torch.tensor([rank + 1], dtype=dtype)
+        strided = torch.tensor([[rank + 1] * 2] * 2, dtype=dtype).t()  # not contiguous
+        works = [dist.all_reduce(x, async_op=True) for x in (t, t, strided, strided)]
+        works.append(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
+        gathered = [torch.zeros(1, dtype=dtype) for _ in range(world)]
+        works.append(dist.all_gather(gathered, t, async_op=True))
+        works.append(dist.all_reduce(strided, op=dist.ReduceOp.MIN, async_op=True))
+        works.append(dist.broadcast(strided, src=0, async_op=True))
+        for w in works:
+            w.wait()
+        out[str(dtype)] = {
+            "t": t.tolist(),
+            "strided": strided.tolist(),
+            "gathered": [g.tolist() for g in gathered],
+        }
+    dist.destroy_process_group()
+    return out
+
+
+def test_async_collectives_on_one_tensor_read_it_in_the_order_called(tmp_path: Path) -> None:
+    # 1 and 2 summed twice: 3, then 6; every later collective reads 6 on both ranks.
+    out = run_ranks(_back_to_back, 2, (2, str(tmp_path)), timeout_s=60)
+    for r in range(2):
+        assert out[r].ok, out[r].value
+        for dtype in ("torch.float32", "torch.bfloat16", "torch.int64"):
+            want = {"t": [6], "strided": [[6, 6]] * 2, "gathered": [[6], [6]]}
+            assert out[r].value[dtype] == want, (r, dtype, out[r].value)

@@ -1,13 +1,14 @@
 """A ``torch.distributed`` backend named "gradsync" (experimental in torch, as every
 third-party backend is): ``import gradsync.torch`` registers it.
 
-Every collective is one gradsync step, started on the GradSync's background thread in
-the order it was called (the same on every rank, as torch requires of every backend);
-its work's future completes from that thread. Float allreduce (SUM, AVG) is gradsync's
-mean (times the world size for SUM; 16-bit floats summed in float32, rounded once);
-everything else (broadcast, allgather, integer or MIN/MAX/PRODUCT/bitwise allreduce,
-barrier) travels as bytes encoded exactly in float64 steps, or (broadcast) as a gradsync
-broadcast of bytes, so it is bit-exact for any dtype. See docs/pytorch-backend.md.
+Every collective is one gradsync step, run on the GradSync's background thread in the
+order it was called (the same on every rank, as torch requires of every backend): it
+reads its inputs there, when it runs, and its work's future completes from that thread.
+Float allreduce (SUM, AVG) is gradsync's mean (times the world size for SUM; 16-bit
+floats summed in float32, rounded once); everything else (broadcast, allgather, integer
+or MIN/MAX/PRODUCT/bitwise allreduce, barrier) travels as bytes encoded exactly in
+float64 steps, or (broadcast) as a gradsync broadcast of bytes, so it is bit-exact for
+any dtype. See docs/pytorch-backend.md.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from ._api import GradSync
 from ._async import Background, StepHandle
 from ._config import FileGradSyncConfig
+from ._stats import StepStats
 
 __all__ = ["BACKEND", "GradSyncProcessGroup"]
 
@@ -67,50 +69,51 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             return self._float_allreduce(tensors, scale=self._world if op == _R.SUM else None)
         if op == _R.AVG or op not in _LOCAL_OPS:
             raise ValueError(f"gradsync: allreduce {op} of {tensors[0].dtype} is not supported")
-        payload = _bytes_of(tensors)
-        handle, buf = self._exchange(payload, slot=self._rank, slots=self._world)
 
-        def finish(words: list[np.ndarray]) -> None:
+        def run() -> StepStats:
+            stats, words = self._exchange(tensors)
             per_rank = [_split(words[r], tensors) for r in range(self._world)]
             for i, t in enumerate(tensors):
                 acc = per_rank[0][i].clone()
                 for r in range(1, self._world):
                     acc = _LOCAL_OPS[op](acc, per_rank[r][i])
                 t.detach().copy_(acc)
+            return stats
 
-        return self._work(handle, tensors, lambda: finish(_decode(buf, self._world, payload.size)))
+        return self._work(self.sync._submit(run), tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
         """The root's tensors, bit for bit, on every rank: a gradsync broadcast of their
         bytes."""
         _check_cpu(tensors)
-        staged = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
-        handle = self.sync._broadcast_async([_byte_view(s) for s in staged], opts.rootRank)
+        root = opts.rootRank
 
-        def finish() -> None:
+        def run() -> StepStats:
+            staged = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+            stats = self.sync._broadcast([_byte_view(s) for s in staged], root)
             for t, s in zip(tensors, staged, strict=True):
                 if s.data_ptr() != t.data_ptr():
                     t.detach().copy_(s)
+            return stats
 
-        return self._work(handle, tensors, finish)
+        return self._work(self.sync._submit(run), tensors)
 
     def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any
     ) -> Any:
         """Every rank's input tensors, bit for bit, in each rank's slot of the outputs."""
         _check_cpu(input_tensors)
-        payload = _bytes_of(input_tensors)
-        handle, buf = self._exchange(payload, slot=self._rank, slots=self._world)
 
-        def finish() -> None:
-            words = _decode(buf, self._world, payload.size)
+        def run() -> StepStats:
+            stats, words = self._exchange(input_tensors)
             for r in range(self._world):
                 for outs, part in zip(output_tensors, _split(words[r], input_tensors), strict=True):
                     outs[r].detach().copy_(part.view(outs[r].shape))
+            return stats
 
         # As gloo's: one input's outputs as a list of tensors, several inputs' as lists.
         outputs = output_tensors[0] if len(output_tensors) == 1 else output_tensors
-        return self._work(handle, outputs, finish)
+        return self._work(self.sync._submit(run), outputs)
 
     def barrier(self, opts: Any) -> Any:  # type: ignore[override]
         """A step of one float32 zero: every rank has called it when it completes."""
@@ -124,40 +127,36 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self.sync.close()
 
     def _float_allreduce(self, tensors: list[torch.Tensor], scale: int | None) -> Any:
-        staged = [_staging(t, summed=scale is not None) for t in tensors]
-        # SUM: the mean times W, written in the pass that writes the mean back.
-        arrays = [s.numpy() for s in staged]
-        handle = self.sync._submit(lambda: self.sync._average(arrays, None, None, None, scale))
-
-        def finish() -> None:
+        def run() -> StepStats:
+            staged = [_staging(t, summed=scale is not None) for t in tensors]
+            # SUM: the mean times W, written in the pass that writes the mean back.
+            stats = self.sync._average([s.numpy() for s in staged], None, None, None, scale)
             for t, s in zip(tensors, staged, strict=True):
                 if s.data_ptr() != t.data_ptr():  # a copy: averaged in place otherwise
                     # Through detach(): no_grad is the caller thread's, not this one's.
                     t.detach().copy_(s)
+            return stats
 
-        return self._work(handle, tensors, finish)
+        return self._work(self.sync._submit(run), tensors)
 
-    def _exchange(
-        self, payload: np.ndarray, slot: int, slots: int
-    ) -> tuple[StepHandle, np.ndarray]:
-        """Start the step that carries ``payload`` exactly (never compressed); its handle
-        and array."""
-        buf = _encode(payload, slot, slots)
-        return self.sync._average_exact_async([buf]), buf
+    def _exchange(self, tensors: Sequence[torch.Tensor]) -> tuple[StepStats, list[np.ndarray]]:
+        """Each rank's bytes of ``tensors``, carried exactly (never compressed): the step's
+        stats and the bytes of each rank. Runs on gradsync's thread, so inputs are read
+        when the collective runs, after those called before it."""
+        payload = _bytes_of(tensors)
+        buf = _encode(payload, self._rank, self._world)
+        stats = self.sync._average([buf], None, None, None, None, exact=True)
+        return stats, _decode(buf, self._world, payload.size)
 
-    def _work(
-        self, handle: StepHandle, outputs: list[Any], finish: Callable[[], None] | None = None
-    ) -> Any:
+    def _work(self, handle: StepHandle, outputs: list[Any]) -> Any:
         """A torch Work whose future completes, from gradsync's thread, with ``outputs``
-        once ``finish()`` has run."""
+        once ``handle``'s step (which wrote them) is over."""
         future: torch.futures.Future[Any] = _PlacedFuture(self.sync._background)
         finished = threading.Event()
 
         def complete(done: StepHandle) -> None:
             try:
                 done.wait()
-                if finish is not None:
-                    finish()
             except BaseException as exc:
                 finished.set()
                 future.set_exception(exc)
