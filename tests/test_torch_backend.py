@@ -560,3 +560,62 @@ def test_async_collectives_on_one_tensor_read_it_in_the_order_called(tmp_path: P
         for dtype in ("torch.float32", "torch.bfloat16", "torch.int64"):
             want = {"t": [6], "strided": [[6, 6]] * 2, "gathered": [[6], [6]]}
             assert out[r].value[dtype] == want, (r, dtype, out[r].value)
+
+
+def _uneven_inputs(rank: int, world: int, tmp: str) -> dict[str, str]:
+    """Exact collectives of inputs that differ between the ranks (but pad to as many
+    32-bit words), or of different ops: what each raised."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import gradsync.torch  # noqa: F401, PLC0415
+
+    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
+    os.environ["GRADSYNC_MAX_WAIT_S"] = "30"
+    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    longer = torch.arange(5 + rank, dtype=torch.uint8)  # 5 and 6 bytes: 2 words each
+    other = torch.ones(1, dtype=torch.int64) if rank == 0 else torch.ones(2, dtype=torch.int32)
+    calls = {
+        "sizes": lambda: dist.all_reduce(longer.clone()),
+        "dtypes": lambda: dist.all_reduce(other.clone(), op=dist.ReduceOp.MAX),
+        "allgather": lambda: dist.all_gather([longer.clone() for _ in range(world)], longer),
+        "ops": lambda: dist.all_reduce(
+            torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.MIN if rank else dist.ReduceOp.MAX
+        ),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            out[name] = "no error"
+    alike = torch.full((2,), rank + 1, dtype=torch.int64)
+    dist.all_reduce(alike)  # then alike ones still work
+    out["after"] = str(alike.tolist())
+    try:  # as many words as bytes differ: the step's own check (which fails the group)
+        dist.all_reduce(torch.ones(1 + 2 * rank, dtype=torch.int64))
+    except Exception as exc:
+        out["words"] = f"{type(exc).__name__}: {exc}"
+    dist.destroy_process_group()
+    return out
+
+
+def test_exact_collectives_of_inputs_that_differ_raise_on_every_rank(tmp_path: Path) -> None:
+    # Exchanged silently, each rank read its own layout into the others' bytes.
+    out = run_ranks(_uneven_inputs, 2, (2, str(tmp_path)), timeout_s=90)
+    what = {
+        "sizes": "byte counts, dtypes and shapes",
+        "dtypes": "(dtypes and shapes)",
+        "allgather": "byte counts, dtypes and shapes",
+        "ops": "(collectives)",
+    }
+    for r in range(2):
+        assert out[r].ok, out[r].value
+        got = out[r].value
+        for name, differ in what.items():
+            assert got[name].startswith("MismatchError: "), (r, name, got[name])
+            assert differ in got[name], (r, name, got[name])
+        assert "input bytes 5 (rank 0), 6 (rank 1)" in got["sizes"], got["sizes"]
+        assert got["after"] == "[3, 3]"
+        assert got["words"].startswith("MismatchError: "), (r, got["words"])

@@ -14,6 +14,8 @@ any dtype. See docs/pytorch-backend.md.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from ._api import GradSync
 from ._async import Background, StepHandle
 from ._config import FileGradSyncConfig
+from ._errors import MismatchError
 from ._stats import StepStats
 
 __all__ = ["BACKEND", "GradSyncProcessGroup"]
@@ -71,7 +74,7 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             raise ValueError(f"gradsync: allreduce {op} of {tensors[0].dtype} is not supported")
 
         def run() -> StepStats:
-            stats, words = self._exchange(tensors)
+            stats, words = self._exchange(tensors, f"allreduce {op.name}")
             per_rank = [_split(words[r], tensors) for r in range(self._world)]
             for i, t in enumerate(tensors):
                 acc = per_rank[0][i].clone()
@@ -105,7 +108,7 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         _check_cpu(input_tensors)
 
         def run() -> StepStats:
-            stats, words = self._exchange(input_tensors)
+            stats, words = self._exchange(input_tensors, "allgather")
             for r in range(self._world):
                 for outs, part in zip(output_tensors, _split(words[r], input_tensors), strict=True):
                     outs[r].detach().copy_(part.view(outs[r].shape))
@@ -139,14 +142,22 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
         return self._work(self.sync._submit(run), tensors)
 
-    def _exchange(self, tensors: Sequence[torch.Tensor]) -> tuple[StepStats, list[np.ndarray]]:
+    def _exchange(
+        self, tensors: Sequence[torch.Tensor], call: str
+    ) -> tuple[StepStats, list[np.ndarray]]:
         """Each rank's bytes of ``tensors``, carried exactly (never compressed): the step's
         stats and the bytes of each rank. Runs on gradsync's thread, so inputs are read
-        when the collective runs, after those called before it."""
-        payload = _bytes_of(tensors)
+        when the collective runs, after those called before it.
+
+        Raises MismatchError on every rank if the ranks' inputs differ in size, dtypes or
+        shapes, or the ranks made different collectives (``call``)."""
+        head = _descriptor(tensors, call)
+        payload = np.concatenate([head, _bytes_of(tensors)])
         buf = _encode(payload, self._rank, self._world)
         stats = self.sync._average([buf], None, None, None, None, exact=True)
-        return stats, _decode(buf, self._world, payload.size)
+        slots = _decode(buf, self._world, payload.size)
+        _check_alike([s[: head.size] for s in slots], tensors, call, stats.step)
+        return stats, [s[head.size :] for s in slots]
 
     def _work(self, handle: StepHandle, outputs: list[Any]) -> Any:
         """A torch Work whose future completes, from gradsync's thread, with ``outputs``
@@ -272,6 +283,47 @@ def _split(data: np.ndarray, like: Sequence[torch.Tensor]) -> list[torch.Tensor]
         out.append(chunk.view(t.dtype).reshape(t.shape))
         at += n
     return out
+
+
+def _descriptor(tensors: Sequence[torch.Tensor], call: str) -> np.ndarray:
+    """The bytes heading a rank's slot: its inputs' byte count, then digests of their
+    dtypes and shapes and of the collective."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    head = struct.pack("<Q", nbytes) + _digest(_layout(tensors)) + _digest(call)
+    return np.frombuffer(head, np.uint8)
+
+
+def _layout(tensors: Sequence[torch.Tensor]) -> str:
+    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=8).digest()
+
+
+def _check_alike(
+    heads: list[np.ndarray], tensors: Sequence[torch.Tensor], call: str, step: int
+) -> None:
+    """Raise MismatchError where the ranks' descriptors differ: every rank sees them all,
+    so every rank raises."""
+    others = [r for r, h in enumerate(heads) if h.tobytes() != heads[0].tobytes()]
+    if not others:
+        return
+    parts = {
+        "byte counts": slice(0, 8),
+        "dtypes and shapes": slice(8, 16),
+        "collectives": slice(16, 24),
+    }
+    differ = [name for name, at in parts.items() if len({h[at].tobytes() for h in heads}) > 1]
+    counts = ", ".join(
+        f"{struct.unpack('<Q', h[:8].tobytes())[0]} (rank {r})" for r, h in enumerate(heads)
+    )
+    raise MismatchError(
+        f"step {step}: {call}: the ranks' inputs or collectives differ ({', '.join(differ)}): "
+        f"input bytes {counts}; this rank's inputs: {_layout(tensors) or 'none'}",
+        step=step,
+        ranks=[0, *others],
+    )
 
 
 def _encode(payload: np.ndarray, slot: int, slots: int) -> np.ndarray:
