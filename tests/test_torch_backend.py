@@ -432,7 +432,9 @@ def _futures_and_results(rank: int, world: int, tmp: str) -> dict[str, Any]:
         }
         for op, work in works.items():
             value = work.get_future().wait()
+            work.wait()  # gloo marks its work complete after its future
             out[f"{name} {op}"] = (_shape_of(value), _shape_of(work.result()))
+    dist.barrier()  # no rank tears gloo down while the other still reads from it
     dist.destroy_process_group()
     return out
 
