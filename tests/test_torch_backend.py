@@ -7,6 +7,7 @@ below check parts of what the ranks returned.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 from pathlib import Path
 from typing import Any
@@ -89,10 +90,14 @@ def _collectives(rank: int, world: int, dist: Any) -> dict[str, Any]:
         dist.all_gather(gathered, t)
         out[f"allgather {name}"] = [_bits(g) for g in gathered]
     ints = torch.tensor([rank + 1, -(2**40) * rank, 7], dtype=torch.int64)
-    for op in ("SUM", "MAX", "MIN", "PRODUCT"):
+    for op in ("SUM", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR"):
         r = ints.clone()
         dist.all_reduce(r, op=getattr(dist.ReduceOp, op))
         out[f"allreduce {op}"] = r.tolist()
+    try:
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)
+    except ValueError as exc:  # at the call, on every rank, before any step
+        out["float BAND"] = str(exc)
     avg = torch.from_numpy(rng.standard_normal(6, np.float32))
     out["avg in"] = avg.numpy().tobytes()
     dist.all_reduce(avg, op=dist.ReduceOp.AVG)
@@ -216,10 +221,14 @@ def test_integer_allreduces_are_exact(ranks: dict[int, dict[str, Any]]) -> None:
         "MAX": [max(c) for c in zip(*rows, strict=True)],
         "MIN": [min(c) for c in zip(*rows, strict=True)],
         "PRODUCT": [int(np.prod(c)) for c in zip(*rows, strict=True)],
+        "BAND": [functools.reduce(operator.and_, c) for c in zip(*rows, strict=True)],
+        "BOR": [functools.reduce(operator.or_, c) for c in zip(*rows, strict=True)],
+        "BXOR": [functools.reduce(operator.xor, c) for c in zip(*rows, strict=True)],
     }
     for out in ranks.values():
         for op, values in want.items():
             assert out[f"allreduce {op}"] == values, op
+        assert out["float BAND"] == "gradsync: allreduce BAND needs integer or bool tensors"
 
 
 def test_avg_is_gradsyncs_mean_and_async_works_complete(

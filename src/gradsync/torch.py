@@ -39,6 +39,7 @@ _NATIVE = {torch.float16, torch.float32, torch.float64}
 _FLOATS = {*_NATIVE, torch.bfloat16}
 
 _R = dist.ReduceOp
+_BITWISE = {_R.BAND, _R.BOR, _R.BXOR}
 _LOCAL_OPS: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     _R.SUM: torch.add,
     _R.PRODUCT: torch.mul,
@@ -72,6 +73,8 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             return self._float_allreduce(tensors, scale=self._world if op == _R.SUM else None)
         if op == _R.AVG or op not in _LOCAL_OPS:
             raise ValueError(f"gradsync: allreduce {op} of {tensors[0].dtype} is not supported")
+        if op in _BITWISE and any(t.is_floating_point() or t.is_complex() for t in tensors):
+            raise ValueError(f"gradsync: allreduce {op.name} needs integer or bool tensors")
 
         def run() -> StepStats:
             stats, words = self._exchange(tensors, f"allreduce {op.name}")
