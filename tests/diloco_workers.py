@@ -102,3 +102,37 @@ def frozen(rank: int, world: int, sync_dir: str, syncs: int) -> list[bytes]:
         for _ in range(syncs):
             assert dl.step()
     return [p.tobytes() for p in params]
+
+
+def settings_apart(rank: int, world: int, sync_dir: str, which: str) -> str:
+    """Rank 1 gives ``which`` (every, outer_lr, outer_momentum) another value."""
+    kw: dict[str, Any] = {"every": 2, "outer_lr": 0.7, "outer_momentum": 0.9}
+    if rank == 1:
+        kw[which] = {"every": 3, "outer_lr": 0.5, "outer_momentum": 0.8}[which]
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        try:
+            gradsync.DiLoCo(start_params(), gs, **kw)
+        except gradsync.MismatchError as exc:
+            return str(exc)
+    return "no error"
+
+
+def restore_apart(rank: int, world: int, sync_dir: str) -> str:
+    """A resume in which rank 1 restores another last synced state: the next sync fails."""
+    params = start_params()
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        dl = gradsync.DiLoCo(params, gs, every=2)
+        for step in range(3):
+            inner_step(params, rank, step)
+            dl.step()
+        saved = dl.state_dict()
+        if rank == 1:
+            saved["last"][0] += 1
+        dl = gradsync.DiLoCo(params, gs, every=2, check_start=False)
+        dl.load_state_dict(saved)
+        try:
+            inner_step(params, rank, 3)
+            dl.step()
+        except gradsync.MismatchError as exc:
+            return str(exc)
+    return "no error"

@@ -36,6 +36,18 @@ def test_outer_step_is_nesterov_on_the_pseudo_gradient(solo: gradsync.GradSync) 
     assert (dl.calls, dl.syncs) == (4, 2)
 
 
+def test_a_0d_param_takes_the_outer_step_like_the_others(solo: gradsync.GradSync) -> None:
+    # A 0-d param (a scalar torch Parameter's view) failed the sync halfway through.
+    w, t = np.array([1.0, -2.0]), np.array(1.0)
+    dl = gradsync.DiLoCo([w, t], solo, every=1, outer_lr=0.7, outer_momentum=0.9)
+    w -= 0.2
+    t -= 0.2
+    assert dl.step()
+    np.testing.assert_allclose(w, [0.734, -2.266], rtol=1e-12)
+    np.testing.assert_allclose(t, 0.734, rtol=1e-12)
+    assert t.shape == ()
+
+
 def test_without_momentum_and_unit_lr_a_sync_keeps_the_params(solo: gradsync.GradSync) -> None:
     p = np.arange(4, dtype=np.float64)
     dl = gradsync.DiLoCo([p], solo, every=1, outer_lr=1.0, outer_momentum=0.0)
@@ -97,6 +109,23 @@ def test_ranks_that_start_apart_all_get_a_mismatch_error(tmp_path: Path) -> None
     for r in range(2):
         assert results[r].ok, results[r].value
         assert "parameters differ at the start" in results[r].value
+
+
+@pytest.mark.parametrize("which", ["every", "outer_lr", "outer_momentum"])
+def test_ranks_with_other_settings_all_get_a_mismatch_error(tmp_path: Path, which: str) -> None:
+    results = run_ranks(diloco_workers.settings_apart, 2, (2, str(tmp_path), which))
+    for r in range(2):
+        assert results[r].ok, results[r].value
+        assert "settings differ" in results[r].value, results[r].value
+        assert "rank 1 differs from rank 0" in results[r].value, results[r].value
+
+
+def test_ranks_that_restore_other_states_all_get_a_mismatch_error(tmp_path: Path) -> None:
+    results = run_ranks(diloco_workers.restore_apart, 2, (2, str(tmp_path)))
+    for r in range(2):
+        assert results[r].ok, results[r].value
+        assert "restored states differ" in results[r].value, results[r].value
+        assert "rank 1 differs from rank 0" in results[r].value, results[r].value
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,9 @@ from ._errors import ConfigError, InvalidGradsError, MismatchError
 
 __all__ = ["DiLoCo"]
 
+_START = "parameters differ at the start (values, shapes or dtypes)"
+_SAME_START = "initialize them identically (same seed, or load the same checkpoint) on every rank"
+
 _DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 _DIGEST_BYTES = 16  # of the start check's hash of the params
 
@@ -34,9 +37,10 @@ class DiLoCo:
     parameters are identical, bit for bit, on every rank (given one numpy version).
     Momentum is kept in the parameter's dtype, float32 for float16 parameters.
 
-    The parameters must start identical on every rank: the constructor checks it
-    (with ``check_start``) by broadcasting rank 0's digest of them and averaging each
-    rank's verdict, uncompressed: collective calls that every rank makes.
+    The parameters and settings must start identical on every rank: the constructor
+    checks it (with ``check_start``) by broadcasting rank 0's digest of them and
+    averaging each rank's verdict, uncompressed: collective calls that every rank makes.
+    The first sync after :meth:`load_state_dict` checks the restored state the same way.
     If a sync fails, the parameters are as before it and ``gs`` is unusable.
     """
 
@@ -78,8 +82,9 @@ class DiLoCo:
         self._last = [p.copy() for p in self.params]
         self._momentum = [np.zeros(p.shape, _state_dtype(p.dtype)) for p in self.params]
         self._delta: list[np.ndarray] | None = None  # shared buffers, made at the first sync
+        self._check_state = False  # set by load_state_dict: checked at the next sync
         if check_start:
-            self._check_identical_start()
+            self._check_same(self.params, _START, _SAME_START)
 
     def __repr__(self) -> str:
         return (
@@ -101,7 +106,18 @@ class DiLoCo:
         return True
 
     def sync(self) -> None:
-        """Average the pseudo-gradient now and take the outer step (collective)."""
+        """Average the pseudo-gradient now and take the outer step (collective).
+
+        Raises:
+            GradSyncError: as :meth:`step`.
+            MismatchError: the first sync after :meth:`load_state_dict` found the
+                ranks' restored states or settings different.
+        """
+        if self._check_state:
+            state = [*self._last, *self._momentum, np.array([self.syncs], np.int64)]
+            what = "restored states differ (last synced params, momentum or sync count)"
+            self._check_same(state, what, "restore the same checkpoint on every rank")
+            self._check_state = False
         if self._delta is None:
             # Unwatched: a zero delta is written here, not left stale (frozen params, lr 0).
             self._delta = self.gs._buffers_like(self.params, watch=False)
@@ -112,7 +128,7 @@ class DiLoCo:
         for last, p, d, v in zip(self._last, self.params, self._delta, self._momentum, strict=True):
             np.multiply(v, mu, out=v)
             np.add(v, d, out=v)
-            update = np.multiply(v, mu)
+            update = np.multiply(v, mu, out=np.empty_like(v))  # an array for 0-d params too
             np.add(update, d, out=update)
             np.multiply(update, lr, out=update)
             np.subtract(last, update, out=p, casting="same_kind")
@@ -151,29 +167,37 @@ class DiLoCo:
         for dst, src in zip([*self._last, *self._momentum], [*last, *momentum], strict=True):
             np.copyto(dst, src)
         self.calls, self.syncs = calls, syncs
+        self._check_state = True
 
-    def _check_identical_start(self) -> None:
-        # Rank 0's digest by broadcast (bit-exact); each rank's verdict on it by average.
-        h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-        for p in self.params:
-            h.update(str((p.dtype.str, p.shape)).encode())
-            h.update(p.tobytes())
-        mine = np.frombuffer(h.digest(), dtype=np.uint8)
+    def _check_same(self, arrays: list[np.ndarray], what: str, advice: str) -> None:
+        """Raise MismatchError on every rank if a rank's settings or ``arrays`` differ
+        from rank 0's: rank 0's digests by broadcast (bit-exact), verdicts by average."""
+        settings = repr((self.every, self.outer_lr, self.outer_momentum)).encode()
+        mine = np.stack([_digest([np.frombuffer(settings, np.uint8)]), _digest(arrays)])
         first = mine.copy()
         self.gs.broadcast([first])  # from rank 0
-        # One slot per rank names the ranks that differ; averaged exactly (never compressed).
-        differs = np.zeros(self.gs.world_size, dtype=np.float64)
-        differs[self.gs.rank] = float(not np.array_equal(mine, first))
+        # Per rank: whether its settings, its arrays differ; averaged exactly (uncompressed).
+        differs = np.zeros((2, self.gs.world_size), dtype=np.float64)
+        differs[:, self.gs.rank] = (mine != first).any(axis=1)
         self.gs._average_exact_async([differs]).wait()
-        ranks = [int(r) for r in np.flatnonzero(differs)]
+        if differs[0].any():
+            what = "settings differ (every, outer_lr or outer_momentum)"
+            advice = "give every rank the same"
+        ranks = [int(r) for r in np.flatnonzero(differs[0] if differs[0].any() else differs[1])]
         if ranks:
             raise MismatchError(
-                f"DiLoCo: the ranks' parameters differ at the start: rank "
-                f"{', '.join(map(str, ranks))} {'has' if len(ranks) == 1 else 'have'} other "
-                "values, shapes or dtypes than rank 0; initialize them identically (same "
-                "seed, or load the same checkpoint) on every rank",
+                f"DiLoCo: the ranks' {what}: rank {', '.join(map(str, ranks))} "
+                f"{'differs' if len(ranks) == 1 else 'differ'} from rank 0; {advice}",
                 ranks=ranks,
             )
+
+
+def _digest(arrays: list[np.ndarray]) -> np.ndarray:
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    for a in arrays:
+        h.update(str((a.dtype.str, a.shape)).encode())
+        h.update(a.tobytes())
+    return np.frombuffer(h.digest(), dtype=np.uint8)
 
 
 def _real(x: object) -> bool:
