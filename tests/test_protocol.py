@@ -769,6 +769,7 @@ _INT64 = "param 0 has dtype int64; gradsync averages only float16, float32, floa
         ("average", "InvalidGradsError", _INT64),
         ("buffers_like", "InvalidGradsError", _INT64),
         ("step", "ConfigError", "step must be an int, got 0.5"),
+        ("unforeseen", "RuntimeError", "RuntimeError: these flags cannot be read"),
     ],
 )
 def test_bad_input_in_a_first_call_fails_the_peers_fast(
@@ -778,7 +779,8 @@ def test_bad_input_in_a_first_call_fails_the_peers_fast(
     results = run_ranks(workers.bad_first_call, 2, (2, str(tmp_path), how))
     assert results[1].error_type == error_type
     # Its own error names the step of the call (buffers_like has none); its peers' does too.
-    assert results[1].message == (f"step 0: {message}" if how == "average" else message)
+    own = {"average": f"step 0: {message}", "unforeseen": "these flags cannot be read"}
+    assert results[1].message == own.get(how, message)
     assert results[0].error_type == "PeerAbortedError", results[0].message
     assert re.fullmatch(
         rf"step 0: rank 1 \(pid \d+ on \S+\) gave up on this step: {re.escape(message)}",

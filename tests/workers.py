@@ -1059,11 +1059,20 @@ def many_params(rank: int, world: int, sync_dir: str, kw: dict[str, Any]) -> Any
     return out
 
 
+class _FlagsRaise(np.ndarray):
+    @property
+    def flags(self) -> Any:
+        raise RuntimeError("these flags cannot be read")
+
+
 def bad_first_call(rank: int, world: int, sync_dir: str, how: str) -> Any:
     """The last rank's first call is bad; the others' are fine. ``how``: int64 gradients
-    in ``average`` or in ``buffers_like``, or ``"step"``: a step of 0.5."""
+    in ``average`` or in ``buffers_like``, ``"step"``: a step of 0.5, or ``"unforeseen"``:
+    an array whose checks raise an error gradsync does not know (a RuntimeError)."""
     bad = rank == world - 1
-    like = [np.zeros(3, np.int64 if bad and how != "step" else np.float32)]
+    like = [np.zeros(3, np.int64 if bad and how not in ("step", "unforeseen") else np.float32)]
+    if bad and how == "unforeseen":
+        like = [like[0].view(_FlagsRaise)]
     with gradsync.GradSync(config(rank, world, sync_dir, max_wait_s=30.0)) as gs:
         if how == "buffers_like":
             like = gs.buffers_like(like)

@@ -379,13 +379,14 @@ class GradSync(CallGuard):
     @contextlib.contextmanager
     def _before_step(self) -> Iterator[None]:
         """Work of a call before its step: a failure tells the peers, which would wait
-        ``max_wait_s`` for this rank otherwise. In a first call, bad input still meets
-        them (for up to ``TELL_WAIT_S``), to tell them; an interrupt there does not."""
+        ``max_wait_s`` for this rank otherwise. In a first call, an error (bad input, or
+        one gradsync did not foresee) still meets them (for up to ``TELL_WAIT_S``), to
+        tell them; an interrupt there does not."""
         try:
             yield
         except BaseException as exc:
             if self.cfg.enabled and (
-                self._session.engine is not None or isinstance(exc, GradSyncError)
+                self._session.engine is not None or isinstance(exc, Exception)
             ):
                 try:
                     self._started(max_wait_s=fixed_wait(TELL_WAIT_S)).give_up(exc)
