@@ -169,6 +169,18 @@ def test_dash_dash_before_script_and_module_flag() -> None:
     assert env_reports(out)["[rank 0]"]["argv"] == ["-m", "--nproc"]
 
 
+def test_a_directory_with_main_runs_as_python_runs_it(tmp_path: Path) -> None:
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text((SCRIPTS / "print_env.py").read_text())
+    code, out, err, _ = run_launch(["--nproc", "2", str(app), "x"])
+    assert (code, unannounced(err)) == (0, "")
+    assert {k: v["argv"] for k, v in env_reports(out).items()} == {
+        "[rank 0]": ["x"],
+        "[rank 1]": ["x"],
+    }
+
+
 def test_nnodes_node_rank_arithmetic(tmp_path: Path) -> None:
     sync_dir = tmp_path / "shared" / "sync"
     code, out, err, _ = run_launch(
@@ -1022,7 +1034,8 @@ def test_missing_or_nonexistent_script(tmp_path: Path, capsys: pytest.CaptureFix
     missing = str(tmp_path / "nope.py")
     assert main(["launch", "--nproc", "1", missing]) == 2
     assert capsys.readouterr().err.endswith(
-        f"gradsync launch: error: SCRIPT {missing!r} is not a file\n"
+        f"gradsync launch: error: SCRIPT {missing!r} is not a file, nor a directory with "
+        "__main__.py\n"
     )
 
 

@@ -87,8 +87,9 @@ def _check_command(script_argv: list[str], python: str, *, module: bool) -> None
     if module:
         if not script or script.startswith("-"):
             raise ConfigError(f"SCRIPT must be a module name with --module, got {script!r}")
-    elif not os.path.isfile(script):
-        raise ConfigError(f"SCRIPT {script!r} is not a file")
+    elif not os.path.isfile(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
+        # python runs a directory (or zip) holding __main__.py as it runs a script.
+        raise ConfigError(f"SCRIPT {script!r} is not a file, nor a directory with __main__.py")
 
 
 def rank_envs(
