@@ -203,3 +203,12 @@ def test_a_state_of_other_shapes_is_refused(solo: gradsync.GradSync) -> None:
         other.load_state_dict(state)
     with pytest.raises(gradsync.ConfigError, match="every=2"):
         gradsync.DiLoCo([np.zeros(3)], solo, every=5).load_state_dict(state)
+
+
+def test_a_state_of_fractional_counts_is_refused(solo: gradsync.GradSync) -> None:
+    dl = gradsync.DiLoCo([np.zeros(3)], solo, every=2)
+    state = {**dl.state_dict(), "calls": 3.7}
+    with pytest.raises(gradsync.ConfigError, match="not a DiLoCo state_dict"):
+        dl.load_state_dict(state)
+    dl.load_state_dict({**state, "calls": np.int64(3)})  # as a numpy archive gives it back
+    assert dl.calls == 3

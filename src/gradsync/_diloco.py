@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -153,7 +154,8 @@ class DiLoCo:
                 or with other shapes or dtypes.
         """
         try:
-            calls, syncs, every = int(state["calls"]), int(state["syncs"]), int(state["every"])
+            # operator.index: a count, never a float truncated (3.7 is not 3 calls).
+            calls, syncs, every = (operator.index(state[k]) for k in ("calls", "syncs", "every"))
             last, momentum = list(state["last"]), list(state["momentum"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"not a DiLoCo state_dict: {exc!r}") from exc
