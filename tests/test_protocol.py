@@ -529,6 +529,8 @@ SETTINGS = [
     # A peer beating every 20 s was declared lost by one waiting 15 s for a beat.
     ("heartbeat_interval_s", [1.0, 2.0], ("1.0", "2.0")),
     ("heartbeat_timeout_s", [15.0, 60.0], ("15.0", "60.0")),
+    # Whichever rank decides a re-form applies its own: below another's minimum, silently.
+    ("min_world_size", [1, 2], ("1", "2")),
 ]
 
 

@@ -804,7 +804,8 @@ def rendezvous_world(rank: int, world: int, sync_dir: str, worlds: list[int]) ->
 
 
 def rendezvous_settings(rank: int, world: int, sync_dir: str, key: str, values: list[Any]) -> Any:
-    cfg = config(rank, world, sync_dir, max_wait_s=8.0, **{key: values[rank]})
+    elastic = {"elastic": True} if key == "min_world_size" else {}
+    cfg = config(rank, world, sync_dir, max_wait_s=8.0, **{key: values[rank]}, **elastic)
     with gradsync.GradSync(cfg) as gs:
         gs.average(grads_for(rank, 0, SHAPES_BIG), step=0)
 

@@ -148,8 +148,9 @@ def settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
     compression, compress_local), the maths (wide_sum), what a reader can check, which
     only its publisher can make possible (check_finite: the publisher flags NaN/Inf;
     checksums: it writes the CRCs), and when a silent peer counts as lost: a rank that
-    beats every 20 s was declared lost by a peer waiting 15 s for a beat; and whether
-    the job is elastic. The rest may differ between ranks."""
+    beats every 20 s was declared lost by a peer waiting 15 s for a beat; whether the
+    job is elastic, and the fewest ranks it goes on with (whichever rank decides a
+    re-form). The rest may differ between ranks."""
     return {
         "strategy": cfg.strategy,
         "wide_sum": cfg.wide_sum,
@@ -159,7 +160,7 @@ def settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
         "heartbeat_interval_s": cfg.heartbeat_interval_s,
         "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
         **({"compress_local": True} if _compress_local(cfg) else {}),
-        **({"elastic": True} if cfg.elastic else {}),
+        **({"elastic": True, "min_world_size": cfg.min_world_size} if cfg.elastic else {}),
     }
 
 
