@@ -630,3 +630,27 @@ def test_exact_collectives_of_inputs_that_differ_raise_on_every_rank(tmp_path: P
         assert "input bytes 5 (rank 0), 6 (rank 1)" in got["sizes"], got["sizes"]
         assert got["after"] == "[3, 3]"
         assert got["words"].startswith("MismatchError: "), (r, got["words"])
+
+
+def _elastic_group(rank: int, world: int, tmp: str) -> str:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import gradsync.torch  # noqa: F401, PLC0415
+
+    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
+    os.environ["GRADSYNC_ELASTIC"] = "1"
+    try:
+        dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    except Exception as exc:  # whatever torch makes of it
+        return f"{type(exc).__name__}: {exc}"
+    return "formed"
+
+
+def test_an_elastic_job_is_refused_rather_than_averaged_by_the_first_world_size(
+    tmp_path: Path,
+) -> None:
+    # After a lost rank, SUM was the survivors' mean times the first world size.
+    out = run_ranks(_elastic_group, 2, (2, str(tmp_path)), timeout_s=60)
+    for r in range(2):
+        assert out[r].ok, out[r].value
+        assert out[r].value.startswith("ConfigError: gradsync: the torch backend runs no elastic")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ._api import GradSync
 from ._async import Background, StepHandle
 from ._config import FileGradSyncConfig
-from ._errors import MismatchError
+from ._errors import ConfigError, MismatchError
 from ._stats import StepStats
 
 __all__ = ["BACKEND", "GradSyncProcessGroup"]
@@ -58,6 +58,14 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         super().__init__(rank, world_size)  # type: ignore[call-arg]
         if cfg is None:
             cfg = FileGradSyncConfig.from_env(world_size=world_size, rank=rank)
+        if cfg.elastic:
+            # DDP divides by the group's size, fixed at its creation: after a lost rank
+            # every SUM would be off by world_size / survivors.
+            raise ConfigError(
+                "gradsync: the torch backend runs no elastic job (GRADSYNC_ELASTIC is set): "
+                "a torch process group keeps its size, so a job that lost a rank would "
+                "average wrongly; use GradSync or DiLoCo for an elastic job"
+            )
         self._world = world_size
         self._rank = rank
         self.sync = GradSync(cfg)
