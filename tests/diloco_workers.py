@@ -129,10 +129,22 @@ def restore_apart(rank: int, world: int, sync_dir: str) -> str:
         if rank == 1:
             saved["last"][0] += 1
         dl = gradsync.DiLoCo(params, gs, every=2, check_start=False)
-        dl.load_state_dict(saved)
         try:
-            inner_step(params, rank, 3)
-            dl.step()
+            dl.load_state_dict(saved)
         except gradsync.MismatchError as exc:
             return str(exc)
     return "no error"
+
+
+def load_on_one_rank(rank: int, world: int, sync_dir: str) -> list[bytes]:
+    """Rank 1 alone reloads its own state unchecked (as a joiner takes the state the
+    members broadcast); the syncs go on; the params after the last."""
+    params = start_params()
+    with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
+        dl = gradsync.DiLoCo(params, gs, every=2)
+        for step in range(6):
+            if rank == 1 and step == 3:
+                dl.load_state_dict(dl.state_dict(), check=False)
+            inner_step(params, rank, step)
+            dl.step()
+    return [p.tobytes() for p in params]

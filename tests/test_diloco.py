@@ -120,6 +120,13 @@ def test_ranks_with_other_settings_all_get_a_mismatch_error(tmp_path: Path, whic
         assert "rank 1 differs from rank 0" in results[r].value, results[r].value
 
 
+def test_a_state_loaded_unchecked_on_one_rank_takes_no_collective_call(tmp_path: Path) -> None:
+    results = run_ranks(diloco_workers.load_on_one_rank, 2, (2, str(tmp_path)))
+    for r in range(2):
+        assert results[r].ok, results[r].value
+    assert results[0].value == results[1].value
+
+
 def test_ranks_that_restore_other_states_all_get_a_mismatch_error(tmp_path: Path) -> None:
     results = run_ranks(diloco_workers.restore_apart, 2, (2, str(tmp_path)))
     for r in range(2):

@@ -16,6 +16,7 @@ from ._errors import ConfigError, InvalidGradsError, MismatchError
 __all__ = ["DiLoCo"]
 
 _START = "parameters differ at the start (values, shapes or dtypes)"
+_SETTINGS = "settings differ (every, outer_lr or outer_momentum)"
 _SAME_START = "initialize them identically (same seed, or load the same checkpoint) on every rank"
 
 _DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -41,7 +42,7 @@ class DiLoCo:
     The parameters and settings must start identical on every rank: the constructor
     checks it (with ``check_start``) by broadcasting rank 0's digest of them and
     averaging each rank's verdict, uncompressed: collective calls that every rank makes.
-    The first sync after :meth:`load_state_dict` checks the restored state the same way.
+    :meth:`load_state_dict` checks the restored state the same way.
     If a sync fails, the parameters are as before it and ``gs`` is unusable.
     """
 
@@ -83,7 +84,6 @@ class DiLoCo:
         self._last = [p.copy() for p in self.params]
         self._momentum = [np.zeros(p.shape, _state_dtype(p.dtype)) for p in self.params]
         self._delta: list[np.ndarray] | None = None  # shared buffers, made at the first sync
-        self._check_state = False  # set by load_state_dict: checked at the next sync
         if check_start:
             self._check_same(self.params, _START, _SAME_START)
 
@@ -107,18 +107,7 @@ class DiLoCo:
         return True
 
     def sync(self) -> None:
-        """Average the pseudo-gradient now and take the outer step (collective).
-
-        Raises:
-            GradSyncError: as :meth:`step`.
-            MismatchError: the first sync after :meth:`load_state_dict` found the
-                ranks' restored states or settings different.
-        """
-        if self._check_state:
-            state = [*self._last, *self._momentum, np.array([self.syncs], np.int64)]
-            what = "restored states differ (last synced params, momentum or sync count)"
-            self._check_same(state, what, "restore the same checkpoint on every rank")
-            self._check_state = False
+        """Average the pseudo-gradient now and take the outer step (collective)."""
         if self._delta is None:
             # Unwatched: a zero delta is written here, not left stale (frozen params, lr 0).
             self._delta = self.gs._buffers_like(self.params, watch=False)
@@ -146,12 +135,18 @@ class DiLoCo:
             "momentum": [a.copy() for a in self._momentum],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, check: bool = True) -> None:
         """Restore what :meth:`state_dict` gave (the parameters themselves are the caller's).
+
+        With ``check`` a collective call, as the constructor's start check: every rank
+        must restore the same state. ``check=False`` where only some ranks load one (a
+        joiner taking the state that the members broadcast).
 
         Raises:
             ConfigError: a key is missing, or the state was saved with another ``every``
                 or with other shapes or dtypes.
+            MismatchError: (``check``) the ranks restored other states or settings.
+            GradSyncError: a call of ``check`` failed.
         """
         try:
             # operator.index: a count, never a float truncated (3.7 is not 3 calls).
@@ -166,10 +161,13 @@ class DiLoCo:
             ("momentum", self._momentum, momentum),
         ):
             _check_like(name, mine, theirs)
+        if check:
+            restored = [*last, *momentum, np.array([syncs], np.int64)]
+            what = "restored states differ (last synced params, momentum or sync count)"
+            self._check_same(restored, what, "restore the same checkpoint on every rank")
         for dst, src in zip([*self._last, *self._momentum], [*last, *momentum], strict=True):
             np.copyto(dst, src)
         self.calls, self.syncs = calls, syncs
-        self._check_state = True
 
     def _check_same(self, arrays: list[np.ndarray], what: str, advice: str) -> None:
         """Raise MismatchError on every rank if a rank's settings or ``arrays`` differ
@@ -182,10 +180,10 @@ class DiLoCo:
         differs = np.zeros((2, self.gs.world_size), dtype=np.float64)
         differs[:, self.gs.rank] = (mine != first).any(axis=1)
         self.gs._average_exact_async([differs]).wait()
+        found = differs[1]
         if differs[0].any():
-            what = "settings differ (every, outer_lr or outer_momentum)"
-            advice = "give every rank the same"
-        ranks = [int(r) for r in np.flatnonzero(differs[0] if differs[0].any() else differs[1])]
+            what, advice, found = _SETTINGS, "give every rank the same values", differs[0]
+        ranks = [int(r) for r in np.flatnonzero(found)]
         if ranks:
             raise MismatchError(
                 f"DiLoCo: the ranks' {what}: rank {', '.join(map(str, ranks))} "
