@@ -262,14 +262,21 @@ def test_float_sum_is_the_mean_times_the_world_size_on_every_rank(
             assert out[f"sum {name}"] == want, name
 
 
-def _one_rank_dies(rank: int, world: int, tmp: str) -> str:
-    """Rank 1 dies after one allreduce; rank 0's next one fails (its work's wait raises)."""
+def _join(rank: int, world: int, tmp: str, **env: str) -> Any:
+    """torch.distributed with this rank in a "gradsync" default group (its sync dir
+    under ``tmp``, ``env`` set first)."""
     import torch.distributed as dist  # noqa: PLC0415
 
     import gradsync.torch  # noqa: F401, PLC0415
 
-    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
+    os.environ.update(GRADSYNC_SYNC_DIR=os.path.join(tmp, "sync"), **env)
     dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    return dist
+
+
+def _one_rank_dies(rank: int, world: int, tmp: str) -> str:
+    """Rank 1 dies after one allreduce; rank 0's next one fails (its work's wait raises)."""
+    dist = _join(rank, world, tmp)
     dist.all_reduce(torch.ones(4))
     if rank == 1:
         os._exit(3)
@@ -289,18 +296,15 @@ def test_a_dead_peer_fails_the_collective_instead_of_hanging(tmp_path: Path) -> 
 
 def _compressed_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """:func:`_collectives` with every float step int8-compressed, and empty tensors."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    import gradsync.torch  # noqa: F401, PLC0415
-
-    os.environ.update(
-        GRADSYNC_SYNC_DIR=os.path.join(tmp, "sync"),
+    torch.set_num_threads(1)
+    dist = _join(
+        rank,
+        world,
+        tmp,
         GRADSYNC_COMPRESSION="int8",
         GRADSYNC_COMPRESS_LOCAL="1",
         GRADSYNC_ERROR_FEEDBACK="1",
     )
-    torch.set_num_threads(1)
-    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
     out = _collectives(rank, world, dist)
     empty = torch.empty(0, dtype=torch.int64)
     dist.all_reduce(empty, op=dist.ReduceOp.MAX)
@@ -327,12 +331,7 @@ def _then_added_after_a_later_collective(rank: int, world: int, tmp: str) -> lis
     adds it while a waits for rank 1, rank 1 once a is over: c must follow b on both."""
     import time  # noqa: PLC0415
 
-    import torch.distributed as dist  # noqa: PLC0415
-
-    import gradsync.torch  # noqa: F401, PLC0415
-
-    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
-    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    dist = _join(rank, world, tmp)
     a, b, c = (torch.full((4,), k * (rank + 1)) for k in (1.0, 10.0, 100.0))
     dist.barrier()
     if rank == 1:
@@ -366,12 +365,7 @@ def test_a_collective_a_late_then_callback_starts_follows_the_ones_called_before
 
 def _into_tensors_that_require_grad(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Collectives writing into parameters (tensors that require grad), as over gloo."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    import gradsync.torch  # noqa: F401, PLC0415
-
-    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
-    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    dist = _join(rank, world, tmp)
     param = torch.nn.Parameter
     out: dict[str, Any] = {}
     p = param(torch.full((3,), rank + 1.0))
@@ -462,12 +456,7 @@ def _wait_with_a_timeout(rank: int, world: int, tmp: str) -> Any:
     import datetime  # noqa: PLC0415
     import time  # noqa: PLC0415
 
-    import torch.distributed as dist  # noqa: PLC0415
-
-    import gradsync.torch  # noqa: F401, PLC0415
-
-    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
-    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    dist = _join(rank, world, tmp)
     go = Path(tmp, "go")
     x = torch.full((2,), rank + 1.0)
     if rank == 1:
@@ -506,12 +495,7 @@ def test_wait_raises_once_its_timeout_passes_and_the_work_goes_on(tmp_path: Path
 
 def _sixteen_bit_sums(rank: int, world: int, tmp: str) -> dict[str, list[float]]:
     """SUMs of 16-bit floats whose mean rounds away in the 16-bit type (subnormals)."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    import gradsync.torch  # noqa: F401, PLC0415
-
-    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
-    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    dist = _join(rank, world, tmp)
     out = {}
     for name, dtype, unit in (("f16", torch.float16, 2**-24), ("bf16", torch.bfloat16, 2**-133)):
         x = torch.tensor([1.0, 3.0, 5.0]).mul(unit).to(dtype) * (rank == 0)
@@ -536,12 +520,7 @@ def test_a_16_bit_float_sum_rounds_once_as_gloos_does(tmp_path: Path) -> None:
 def _back_to_back(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Two async allreduces of one tensor, then one more op on it: each reads what the one
     before wrote, for every dtype and layout."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    import gradsync.torch  # noqa: F401, PLC0415
-
-    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
-    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    dist = _join(rank, world, tmp)
     out: dict[str, Any] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         t = torch.tensor([rank + 1], dtype=dtype)
@@ -576,13 +555,7 @@ def test_async_collectives_on_one_tensor_read_it_in_the_order_called(tmp_path: P
 def _uneven_inputs(rank: int, world: int, tmp: str) -> dict[str, str]:
     """Exact collectives of inputs that differ between the ranks (but pad to as many
     32-bit words), or of different ops: what each raised."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    import gradsync.torch  # noqa: F401, PLC0415
-
-    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
-    os.environ["GRADSYNC_MAX_WAIT_S"] = "30"
-    dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+    dist = _join(rank, world, tmp, GRADSYNC_MAX_WAIT_S="30")
     longer = torch.arange(5 + rank, dtype=torch.uint8)  # 5 and 6 bytes: 2 words each
     other = torch.ones(1, dtype=torch.int64) if rank == 0 else torch.ones(2, dtype=torch.int32)
     calls = {
@@ -633,14 +606,8 @@ def test_exact_collectives_of_inputs_that_differ_raise_on_every_rank(tmp_path: P
 
 
 def _elastic_group(rank: int, world: int, tmp: str) -> str:
-    import torch.distributed as dist  # noqa: PLC0415
-
-    import gradsync.torch  # noqa: F401, PLC0415
-
-    os.environ["GRADSYNC_SYNC_DIR"] = os.path.join(tmp, "sync")
-    os.environ["GRADSYNC_ELASTIC"] = "1"
     try:
-        dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+        _join(rank, world, tmp, GRADSYNC_ELASTIC="1")
     except Exception as exc:  # whatever torch makes of it
         return f"{type(exc).__name__}: {exc}"
     return "formed"
