@@ -404,6 +404,45 @@ def test_collectives_write_into_tensors_that_require_grad(tmp_path: Path) -> Non
         }, (r, out[r].value)
 
 
+def _allgather_into_wrong_outputs(rank: int, world: int, tmp: str) -> dict[str, str]:
+    """Outputs that cannot hold the inputs as they are, then a right allgather."""
+    dist = _join(rank, world, tmp)
+    x = torch.arange(6.0) + rank
+    wrong = {
+        "shape": [torch.empty(2, 3) for _ in range(world)],
+        "size": [torch.empty(5) for _ in range(world)],
+        "count": [torch.empty(6) for _ in range(world + 1)],
+        "leaf": [torch.zeros(6, requires_grad=True) for _ in range(world)],
+    }
+    out: dict[str, str] = {}
+    for name, outs in wrong.items():
+        try:
+            dist.all_gather(outs, x)
+            out[name] = f"filled {[o.tolist() for o in outs]}"
+        except ValueError as exc:
+            out[name] = str(exc)
+    outs = [torch.empty(6) for _ in range(world)]
+    dist.all_gather(outs, x)
+    out["after"] = str([o.tolist() for o in outs])
+    dist.destroy_process_group()
+    return out
+
+
+def test_allgather_refuses_outputs_unlike_its_input_at_the_call_as_gloo_does(
+    tmp_path: Path,
+) -> None:
+    # Before, a (2, 3) output of a 6-element input was filled reshaped, without a word.
+    out = run_ranks(_allgather_into_wrong_outputs, 2, (2, str(tmp_path)), timeout_s=60)
+    for r in range(2):
+        assert out[r].ok, out[r].value
+        got = out[r].value
+        assert "is torch.float32[2, 3] on cpu, expected torch.float32[6]" in got["shape"]
+        assert "output 0[0] is torch.float32[5]" in got["size"], got["size"]
+        assert "output list 0 holds 3 tensors, expected the world size 2" in got["count"]
+        assert "leaf tensor that requires grad" in got["leaf"], got["leaf"]
+        assert got["after"] == str([[float(i + q) for i in range(6)] for q in range(2)])
+
+
 def _shape_of(value: Any) -> Any:
     """A future's value or a work's result: its nesting, with each tensor's values."""
     if isinstance(value, list):

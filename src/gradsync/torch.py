@@ -117,12 +117,13 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     ) -> Any:
         """Every rank's input tensors, bit for bit, in each rank's slot of the outputs."""
         _check_cpu(input_tensors)
+        _check_gather_outputs(output_tensors, input_tensors, self._world)
 
         def run() -> StepStats:
             stats, words = self._exchange(input_tensors, "allgather")
             for r in range(self._world):
                 for outs, part in zip(output_tensors, _split(words[r], input_tensors), strict=True):
-                    outs[r].detach().copy_(part.view(outs[r].shape))
+                    outs[r].detach().copy_(part)
             return stats
 
         # As gloo's: one input's outputs as a list of tensors, several inputs' as lists.
@@ -258,6 +259,33 @@ def _check_cpu(tensors: Sequence[torch.Tensor]) -> None:
     for t in tensors:
         if t.device.type != "cpu":
             raise ValueError(f"gradsync: only CPU tensors are supported, got one on {t.device}")
+
+
+def _check_gather_outputs(
+    outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor], world: int
+) -> None:
+    """Refuse, at the call as gloo does, outputs that cannot take every rank's inputs."""
+    if len(outputs) != len(inputs):
+        raise ValueError(
+            f"gradsync: allgather: {len(outputs)} output lists for {len(inputs)} input tensors"
+        )
+    for i, (outs, t) in enumerate(zip(outputs, inputs, strict=True)):
+        if len(outs) != world:
+            raise ValueError(
+                f"gradsync: allgather: output list {i} holds {len(outs)} tensors, "
+                f"expected the world size {world}"
+            )
+        for r, o in enumerate(outs):
+            if o.shape != t.shape or o.dtype != t.dtype or o.device.type != "cpu":
+                raise ValueError(
+                    f"gradsync: allgather: output {i}[{r}] is {o.dtype}{list(o.shape)} on "
+                    f"{o.device}, expected {t.dtype}{list(t.shape)} on cpu like its input"
+                )
+            if o.requires_grad and o.is_leaf and torch.is_grad_enabled():
+                # An in-place write autograd forbids; gloo refuses it too (not under no_grad).
+                raise ValueError(
+                    f"gradsync: allgather: output {i}[{r}] is a leaf tensor that requires grad"
+                )
 
 
 def _staging(t: torch.Tensor, summed: bool) -> torch.Tensor:
