@@ -936,18 +936,33 @@ def test_a_stale_view_is_given_max_wait_s_from_when_the_marker_was_seen(
     _assert_three_calls_averaged(run_ranks(workers.stale_view, 2, args))
 
 
-def test_a_view_that_stays_stale_fails_the_step_naming_the_file(tmp_path: Path) -> None:
-    results = run_ranks(workers.stale_view, 2, (2, str(tmp_path / "sync"), 10**9, 1.0))
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "local"])
+def test_a_view_that_stays_stale_fails_the_step_naming_the_file(
+    tmp_path: Path, shared: bool
+) -> None:
+    # On a shared filesystem only after max_wait_s; on a local one at once: nothing there
+    # shows a file late, so it was overwritten (before, the local one waited max_wait_s).
+    wait_s = 1.0 if shared else 20.0
+    args = (2, str(tmp_path / "sync"), 10**9, wait_s, 0.0, 0.0, False, 30.0, shared)
+    results = run_ranks(workers.stale_view, 2, args)
     out = results[1]
     assert out.error_type == "CorruptFileError", out.value
     path = re.escape(str(out.attrs["path"]))
-    assert out.attrs["path"].endswith("/d-0-c3.in")  # shared by default: a file per call
-    assert re.fullmatch(
-        rf"step 2: rank 0's file {path} still holds call 1, not call 3, 1.0 s after rank 1 "
-        r"first saw its marker of call 3 \(ranks \[0\]\): rank 1's host is shown stale "
-        r"contents of the shared filesystem",
-        out.message,
-    ), out.message
+    assert out.attrs["path"].endswith("/d-0-c3.in" if shared else "/d-0.in")
+    if shared:
+        assert re.fullmatch(
+            rf"step 2: rank 0's file {path} still holds call 1, not call 3, 1.0 s after rank 1 "
+            r"first saw its marker of call 3 \(ranks \[0\]\): rank 1's host is shown stale "
+            r"contents of the shared filesystem",
+            out.message,
+        ), out.message
+    else:
+        assert re.fullmatch(
+            rf"step 2: rank 0's file {path} holds call 1 behind its marker of call 3: "
+            r"something overwrote it \(a host-local filesystem shows no file late\)",
+            out.message,
+        ), out.message
+        assert out.elapsed_s < wait_s / 2
     assert (out.attrs["step"], out.attrs["ranks"]) == (2, (0,))
     assert not results[0].ok
 

@@ -332,9 +332,18 @@ class PeerFiles:
         kind = kind_taken(kind, header.kind)
         ours = (header.kind, header.rank, header.generation) == (kind, rank, self.gen.header_id)
         if ours and header.seq < seq:
+            reader.close()
+            if not self._transport.shared:
+                # Nothing on a host-local filesystem shows a file late: it was overwritten.
+                raise unusable(
+                    step,
+                    rank,
+                    path,
+                    f"{path} holds call {header.seq} behind its marker of call {seq}: something "
+                    "overwrote it (a host-local filesystem shows no file late)",
+                )
             # Its marker of call seq is there, so it wrote this file before: what this
             # host sees is older than the filesystem (the caller looks again).
-            reader.close()
             raise StaleError(path, header.seq)
         problem = header_problem(
             header,
