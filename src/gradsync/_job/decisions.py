@@ -145,7 +145,8 @@ def decide_confirmation(
 
 def settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
     """The config fields every rank must share: they decide the file layout (strategy,
-    compression, compress_local), the maths (wide_sum), what a reader can check, which
+    compression, compress_local), the maths (wide_sum, error_feedback: where every rank
+    reduces all, each encodes the mean with its own residual), what a reader can check, which
     only its publisher can make possible (check_finite: the publisher flags NaN/Inf;
     checksums: it writes the CRCs), and when a silent peer counts as lost: a rank that
     beats every 20 s was declared lost by a peer waiting 15 s for a beat; whether the
@@ -160,12 +161,17 @@ def settings(cfg: FileGradSyncConfig) -> dict[str, Any]:
         "heartbeat_interval_s": cfg.heartbeat_interval_s,
         "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
         **({"compress_local": True} if _compress_local(cfg) else {}),
+        **({"error_feedback": True} if _error_feedback(cfg) else {}),
         **({"elastic": True, "min_world_size": cfg.min_world_size} if cfg.elastic else {}),
     }
 
 
 def _compress_local(cfg: FileGradSyncConfig) -> bool:
     return cfg.compress_local and cfg.compression is not None
+
+
+def _error_feedback(cfg: FileGradSyncConfig) -> bool:
+    return cfg.error_feedback and cfg.compression is not None
 
 
 def disagreement(
@@ -189,6 +195,7 @@ def disagreement(
     theirs = {
         "elastic": False,
         "compress_local": False,
+        "error_feedback": False,
         **theirs,
         "world_size": data.get("world_size"),
     }
@@ -196,6 +203,7 @@ def disagreement(
         "world_size": cfg.world_size,
         **mine,
         "compress_local": _compress_local(cfg),
+        "error_feedback": _error_feedback(cfg),
         "elastic": cfg.elastic,
     }
     for key, value in ours.items():
