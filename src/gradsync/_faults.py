@@ -13,6 +13,7 @@ process interrupts itself, as Ctrl-C does, the first time only). Phases, in orde
     after_output     reduced shard published, peers' shards not yet read
     mid_gather       some of the mean copied into the arrays
     mid_decide       (elastic) the next membership claimed, not yet written down
+    after_decide     (elastic) the next membership written down, the running job not yet named
 
 Read once, at import: with the variable unset, each phase point costs one
 dictionary lookup.
@@ -33,6 +34,7 @@ PHASES = (
     "after_output",
     "mid_gather",
     "mid_decide",
+    "after_decide",
 )
 _ACTIONS = ("sigkill", "sigstop", "exit", "sigint")
 

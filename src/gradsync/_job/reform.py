@@ -187,6 +187,7 @@ class Reformer:
                 note = notes.dump({"calls": 0, "ended": standings[q].gone or ""})
                 notes.write_note(self.gen.path / left_name(q), note)
         notes.write_json(self.gen.path / NEXT, data, "deciding the next membership in")
+        fault_point("after_decide", self.gen.rank, self.completed + 1)
         notes.write_json(job_pointer(self.cfg), {"gen": gen_id}, "naming the running job in")
 
     def _claim(self, fd: int, standings: tuple[Standing, ...]) -> bool:
