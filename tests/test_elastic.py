@@ -54,7 +54,8 @@ def _check_means(results: dict[int, Any], big: bool = False) -> dict[int, tuple[
     for step, recs in sorted(by_step.items()):
         members = recs[0]["members"]
         assert all(r["members"] == members for r in recs), step
-        seeds = {r["members"][r["rank"]]: r["seed"] for r in recs}
+        # Keyed by the rank each was started as: gs.rank after a re-form is a new one.
+        seeds = {r["seed"][0]: r["seed"] for r in recs}
         inputs = [grads_for(*seeds.get(launch, (launch, step)), shapes) for launch in members]
         want = [a.tobytes() for a in gradsync.average_host_grads(inputs)]
         for r in recs:
@@ -139,6 +140,42 @@ def test_a_late_joiner_comes_in_at_a_step_boundary_and_averages_with_the_others(
     assert boundary[0]["joined"] == (3,)
     assert boundary[0]["members"] == (0, 1, 2)  # the call itself ran without the joiner
     assert boundary[0]["step"] + 1 == first["step"]
+
+
+@pytest.mark.parametrize("phase", ["after_decide"])
+def test_a_decider_killed_while_admitting_a_joiner_is_replaced_and_the_others_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str
+) -> None:
+    # Rank 0 decides the change that admits process 3 and dies after writing it, before
+    # naming the new generation the running job (after_decide).
+    late = {3: (3, 1.5)}
+    kw = {**FAST, "max_wait_s": 10.0}
+    with fault(f"{phase}@0=sigkill", monkeypatch):
+        results = run_ranks(
+            elastic_workers.train,
+            4,
+            (3, str(tmp_path), 40, kw, False, 0.05, late),
+            expect=[1, 2, 3],
+            timeout_s=60,
+        )
+    for proc in (1, 2):
+        assert results[proc].ok, results[proc].value
+        recs = results[proc].value["records"]
+        slowest = max(recs, key=lambda r: r["elapsed_s"])
+        assert slowest["elapsed_s"] < FAST["heartbeat_timeout_s"], {**slowest, "after": None}
+    parts = _check_means(results)
+    assert parts[39] == (1, 2, 3)
+    for proc in (1, 2):
+        recs = results[proc].value["records"]
+        (at,) = [i for i, r in enumerate(recs) if r["joined"]]
+        assert recs[at]["joined"] == (3,)
+        assert recs[at]["members"] == (0, 1, 2)
+        assert recs[at]["lost"] == ()  # rank 0's input is in this call's mean
+        after = recs[at + 1]
+        assert after["members"] == (1, 2, 3)
+        (why,) = after["lost"]
+        assert why.startswith("rank 0 "), why
+    assert results[3].value["records"][0]["members"] == (1, 2, 3)
 
 
 def test_a_late_joiner_comes_into_a_compressed_job_at_a_step_boundary(tmp_path: Path) -> None:

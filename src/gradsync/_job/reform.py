@@ -236,7 +236,17 @@ class Reformer:
                 ranks=[self.gen.rank],
                 path=self.gen.path,
             )
+        self._name_running(found.gen.gen_id)
         return found
+
+    def _name_running(self, gen_id: str) -> None:
+        """Name generation ``gen_id`` the running job where the note still names the one
+        being left: its decider died between deciding and naming it."""
+        pointer = job_pointer(self.cfg)
+        named = notes.load(pointer)
+        if named is not None and named.get("gen") == self.gen.gen_id:
+            # Else its joiners never find it and its members wait max_wait_s for them.
+            notes.write_json(pointer, {"gen": gen_id}, "naming the running job in")
 
     def _failure(self, standings: tuple[Standing, ...], joiners: int) -> PeerLostError:
         # The ranks whose loss is why: not those that stayed and gave up or died since.
