@@ -82,13 +82,28 @@ def run_elastic(
     took_part = session.membership
     assert took_part is not None
     joined: tuple[int, ...] = ()
-    if next_step is not None and session.engine is not None and session.engine.joins_due:
-        new = session.reform(cfg, closing, admit=True, next_step=next_step)
-        joined, lost = new.joined, lost + list(new.lost)
-        _log.info("gradsync elastic: ranks %s joined; %d ranks now", joined, len(new.launch))
+    if next_step is not None:
+        # Lost while joiners came in after the last averaging call: this one is without them.
+        lost, session.lost_since = session.lost_since + lost, []
+        joined = _admit_joiners(session, cfg, closing, next_step)
     return dataclasses.replace(
         stats, members=took_part.launch, epoch=took_part.epoch, lost=tuple(lost), joined=joined
     )
+
+
+def _admit_joiners(
+    session: Session, cfg: FileGradSyncConfig, closing: threading.Event, next_step: int
+) -> tuple[int, ...]:
+    """The joiners admitted after this averaging call, if rank 0 marked it for them."""
+    if session.engine is None or not session.engine.joins_due:
+        return ()
+    new = session.reform(cfg, closing, admit=True, next_step=next_step)
+    # Those lost meanwhile took part in this call (its mean holds their input): the next says so.
+    session.lost_since = list(new.lost)
+    _log.info("gradsync elastic: ranks %s joined; %d ranks now", new.joined, len(new.launch))
+    for why in new.lost:
+        _log.warning("gradsync elastic: %s; %d ranks go on", why, len(new.launch))
+    return new.joined
 
 
 class MembershipView:
