@@ -164,7 +164,8 @@ def test_a_decider_killed_while_admitting_a_joiner_is_replaced_and_the_others_go
         recs = results[proc].value["records"]
         (at,) = [i for i, r in enumerate(recs) if r["joined"]]
         slowest = max(recs[at:], key=lambda r: r["elapsed_s"])
-        assert slowest["elapsed_s"] < FAST["heartbeat_timeout_s"], {**slowest, "after": None}
+        # Not max_wait_s (10 s): a stall waiting for the joiner took that long.
+        assert slowest["elapsed_s"] < 2 * FAST["heartbeat_timeout_s"], {**slowest, "after": None}
         assert recs[at]["joined"] == (3,)
         assert recs[at]["members"] == (0, 1, 2)
         assert recs[at]["lost"] == ()  # rank 0's input is in this call's mean
