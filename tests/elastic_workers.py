@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -154,3 +155,29 @@ def broadcast_from_a_second_rank_1(proc: int, world: int, sync_dir: str, kw: dic
         state = np.full(8, 100.0 + proc)
         gs.broadcast([state], root=3)
         return {"rank": gs.rank, "members": gs.members, "state": float(state[0])}
+
+
+def members_killed_while_one_waits_to_join(proc: int, sync_dir: str, kw: dict[str, Any]) -> Any:
+    """Processes 0 and 1 average once as a job of 2, then SIGKILL themselves once process
+    2 (started as rank 1) asks to join it; process 3 then starts as rank 0. Processes 2
+    and 3 average once: the rank, world size and members, the mean, and how long it took."""
+    root = Path(sync_dir)
+    if proc < 2:
+        with gradsync.GradSync(config(proc, 2, sync_dir, elastic=True, **kw)) as gs:
+            gs.average(grads_for(proc, 0))
+            (root / f"done-{proc}").touch()
+            while not list((root / "rdzv").glob("ejoin-*")):
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+    while not all((root / f"done-{r}").exists() for r in (0, 1)):
+        time.sleep(0.01)
+    if proc == 3:
+        while not list((root / "rdzv").glob("ejoin-*")):
+            time.sleep(0.01)
+        time.sleep(0.5)  # the members are gone by then
+    start, as_rank = time.monotonic(), 3 - proc
+    grads = grads_for(as_rank, 0)
+    with gradsync.GradSync(config(as_rank, 2, sync_dir, elastic=True, **kw)) as gs:
+        gs.average(grads)
+        seen = (gs.rank, gs.world_size, gs.members)
+    return {"seen": seen, "after": [g.tobytes() for g in grads], "s": time.monotonic() - start}

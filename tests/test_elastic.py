@@ -401,6 +401,29 @@ def test_a_joiner_is_told_at_once_that_the_job_ended_before_admitting_it(
     assert not list((tmp_path / "rdzv").glob("ejoin-*"))
 
 
+def test_a_joiner_whose_job_was_killed_forms_a_new_one_with_a_fresh_rank_0(
+    tmp_path: Path,
+) -> None:
+    # Every member SIGKILLed: the note naming the job stays, and nobody would admit the
+    # joiner; it forms a job of world_size ranks with the next rank 0 instead.
+    kw = {**FAST, "max_wait_s": 10.0}
+    args = (str(tmp_path), kw)
+    results = run_ranks(
+        elastic_workers.members_killed_while_one_waits_to_join,
+        4,
+        args,
+        expect=[2, 3],
+        timeout_s=40,
+    )
+    assert all(results[p].ok for p in (2, 3)), results
+    want = [a.tobytes() for a in gradsync.average_host_grads([grads_for(r, 0) for r in (0, 1)])]
+    for proc in (2, 3):
+        assert results[proc].value["seen"] == (3 - proc, 2, (0, 1))
+        assert results[proc].value["after"] == want
+        assert results[proc].value["s"] < 5  # not max_wait_s (10 s)
+    assert not list((tmp_path / "rdzv").glob("ejoin-*"))
+
+
 def _launch_rejoin(tmp_path: Path, nproc: int, *script_args: str) -> list[tuple[str, ...]]:
     """Run tests/scripts/elastic_rejoin.py under ``gradsync launch --elastic
     --max-restarts 1``: each process's (rank, restart, world, digest) at the end."""

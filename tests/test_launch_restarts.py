@@ -157,3 +157,35 @@ def test_what_a_restarted_ranks_failed_process_started_is_stopped(tmp_path: Path
     except FileNotFoundError:
         state = "gone"
     assert state in ("gone", "Z"), f"the failed process's child still runs ({state})"
+
+
+# First lives: both average once; rank 1 then dies, and rank 0 once rank 1's new process
+# waits to join. Second lives average once and print the world size.
+BOTH_KILLED = """\
+import os, pathlib, signal, time
+import numpy as np
+import gradsync
+cfg = gradsync.FileGradSyncConfig.from_env()
+with gradsync.GradSync(cfg) as gs:
+    gs.average([np.ones(4, "float32")])
+    if os.environ["GRADSYNC_RESTART_COUNT"] == "0":
+        while cfg.rank == 0 and not list(pathlib.Path(cfg.sync_dir, "rdzv").glob("ejoin-*")):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    print("WORLD", gs.world_size, flush=True)
+"""
+
+
+def test_both_ranks_killed_in_turn_are_restarted_and_form_a_new_job(tmp_path: Path) -> None:
+    # Restarted rank 1 waits to join a job whose members are all dead; restarted rank 0
+    # forms a new one: rank 1 joins that, not waiting out --max-wait-s for the dead job.
+    script = tmp_path / "both_killed.py"
+    script.write_text(BOTH_KILLED)
+    sync_dir = tmp_path / "sync"
+    args = ["--nproc", "2", "--elastic", "--max-restarts", "1", "--max-wait-s", "12"]
+    start = time.monotonic()
+    code, out, err = run_launch([*args, "--sync-dir", str(sync_dir), str(script)])
+    assert code == 0, err
+    assert sorted(line.partition("] ")[2] for line in out.splitlines()) == ["WORLD 2"] * 2
+    assert "restarted (times): rank 0 (1), rank 1 (1)" in err
+    assert time.monotonic() - start < 10  # not --max-wait-s (12 s)

@@ -32,7 +32,16 @@ _REFORMABLE = (PeerLostError, PeerTimeoutError, PeerAbortedError)
 def start_elastic(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Membership:
     """Join this run's running job if there is one; else form it as every job forms."""
     if running_job(cfg) is not None:
-        return join_running(cfg, closing)
+        joined = join_running(cfg, closing)
+        if joined is not None:
+            return joined
+        _log.warning(
+            "gradsync elastic: rank %d: every member of the job it waited to join in %s is "
+            "gone; forming a new job of %d ranks",
+            cfg.rank,
+            cfg.sync_dir,
+            cfg.world_size,
+        )
     gen = rendezvous(cfg, closing)
     if gen.rank == 0:
         notes.write_json(job_pointer(cfg), {"gen": gen.gen_id}, "naming the running job in")

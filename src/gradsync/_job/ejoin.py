@@ -153,9 +153,10 @@ def forget_job(cfg: FileGradSyncConfig, gen: Generation) -> None:
         notes.unlink(pointer)
 
 
-def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Membership:
+def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Membership | None:
     """Ask to join this run's running job and wait (``max_wait_s``) to be admitted at
-    one of its step boundaries.
+    one of its step boundaries; None once no member of it is alive (all killed: its
+    note stays), for the caller to form a job as if none had been running.
 
     Raises:
         PeerTimeoutError: not admitted within ``max_wait_s``.
@@ -172,7 +173,7 @@ def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Me
     }
     notes.write_json(request, data, "asking to join in")
     start = looked_s = time.monotonic()
-    gone_looks = 0  # the job's note missing on this many looks in a row
+    gone_looks = dead_looks = 0  # the note missing, or naming no live member, on looks in a row
     try:
         while time.monotonic() - start < cfg.max_wait_s:
             if closing is not None and closing.is_set():
@@ -185,9 +186,13 @@ def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Me
                 return found
             if time.monotonic() - looked_s >= _ENDED_EVERY_S:
                 looked_s = time.monotonic()
-                gone_looks = 0 if _job_named(cfg) else gone_looks + 1
+                named = _job_named(cfg)
+                gone_looks = 0 if named else gone_looks + 1
+                dead_looks = dead_looks + 1 if named and running_job(cfg) is None else 0
                 if gone_looks == 2:  # twice: one failed look is no proof
                     raise _ended(cfg, me)
+                if dead_looks == 2:  # twice: a clean end removes the note between looks
+                    return None
             time.sleep(_LOOK_EVERY_S)
     finally:
         with contextlib.suppress(OSError):
