@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -197,3 +198,40 @@ def test_a_second_rank_0_fails_a_job_still_forming(tmp_path: Path) -> None:
             f"{socket.gethostname()}) with run_id None is running in {tmp_path}; give each job "
             "its own sync_dir or run_id (or, within one job, each node its own --node-rank)"
         )
+
+
+def _job_then_a_rank_2_of_3(index: int, base: str, formed: Any, tried: Any) -> Any:
+    """Processes 0 and 1 form a job of 2 and stay in it until process 2, rank 2 of a job
+    of 3 in the same sync dir and run, has tried to join: what it raised, how soon."""
+    if index < 2:
+        with gradsync.GradSync(gradsync.FileGradSyncConfig(2, index, base)) as gs:
+            gs.average([np.ones(4)])
+            formed.set()
+            tried.wait(30)
+            return {"pid": os.getpid()}
+    formed.wait(30)
+    start = time.monotonic()
+    try:
+        with gradsync.GradSync(gradsync.FileGradSyncConfig(3, 2, base, max_wait_s=10.0)) as gs:
+            gs.average([np.ones(4)])
+    except gradsync.GradSyncError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "s": time.monotonic() - start}
+    finally:
+        tried.set()
+    return {}
+
+
+def test_a_rank_outside_a_running_job_of_fewer_ranks_fails_at_once(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    args = (str(tmp_path), ctx.Event(), ctx.Event())
+    results = run_ranks(_job_then_a_rank_2_of_3, 3, args, timeout_s=60.0)
+    late = results[2].value
+    assert re.fullmatch(
+        rf"RendezvousError: rendezvous: a job of 2 ranks with run_id None \(rank 0: pid "
+        rf"{results[0].value['pid']} on {re.escape(socket.gethostname())}\) is running in "
+        rf"{re.escape(str(tmp_path))}/gen-[0-9a-f]+; this process \(pid \d+ on \S+\) was "
+        r"started as rank 2 of 3; give each job its own sync_dir or run_id, and every rank "
+        r"of one job the same world size \(with gradsync launch .*\)",
+        late["error"],
+    ), late["error"]
+    assert late["s"] < 5  # not max_wait_s (10 s)

@@ -35,6 +35,7 @@ __all__ = [
     "held_here",
     "join_timeout",
     "leader_lost",
+    "other_world",
     "rival",
     "taken",
     "unjoined_ends",
@@ -77,6 +78,20 @@ def taken(rank: int, holder: MemberInfo, me: MemberInfo, gen_path: Path) -> Rend
         f"this process ({me.describe()}) claimed the same rank; give each job its own "
         f"sync_dir or run_id{NODE_RANK_HINT}",
         ranks=[rank],
+        path=gen_path,
+    )
+
+
+def other_world(
+    cfg: FileGradSyncConfig, leader: MemberInfo, world: int, me: MemberInfo, gen_path: Path
+) -> RendezvousError:
+    """A running job of ``world`` ranks, fewer than rank ``cfg.rank`` needs, of our run id."""
+    return RendezvousError(
+        f"rendezvous: a job of {world} ranks with run_id {cfg.run_id!r} (rank 0: "
+        f"{leader.describe()}) is running in {gen_path}; this process ({me.describe()}) was "
+        f"started as rank {cfg.rank} of {cfg.world_size}; give each job its own sync_dir or "
+        f"run_id, and every rank of one job the same world size{WORLD_SIZE_HINT}",
+        ranks=[cfg.rank],
         path=gen_path,
     )
 

@@ -296,7 +296,8 @@ def _unlink_all(*paths: Path) -> None:
 
 
 def check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWatch) -> None:
-    """Fail if a running job with our run id already has a live process as our rank.
+    """Fail if a running job with our run id already has a live process as our rank,
+    or is smaller than our rank (a job of another world size).
 
     Its rank 0 stopped admitting ranks when its roster was complete, so without this
     check a duplicate rank would wait out ``max_wait_s`` for an offer.
@@ -313,24 +314,35 @@ def check_not_taken(cfg: FileGradSyncConfig, me: MemberInfo, watch: HeartbeatWat
         # The last rank to leave a job unlinks its leader file before the rest: a job
         # without one is being removed (its "left" files may be gone already).
         registered = file_below(notes.leader_file(cfg.sync_dir, gen_id_of(name) or ""))
-        alive = all(judge(m, watch, gen_path / heartbeat_name(m.nonce)).alive for m in holders)
-        if alive and registered:
-            raise failures.taken(cfg.rank, holders[1], me, gen_path)
+        leader, holder, world = holders
+        named = [m for m in (leader, holder) if m is not None]
+        alive = all(judge(m, watch, gen_path / heartbeat_name(m.nonce)).alive for m in named)
+        if not (alive and registered):
+            continue
+        if holder is None:
+            raise failures.other_world(cfg, leader, world, me, gen_path)
+        raise failures.taken(cfg.rank, holder, me, gen_path)
 
 
-def _holders(cfg: FileGradSyncConfig, gen_path: Path) -> tuple[MemberInfo, MemberInfo] | None:
-    """Rank 0 and the holder of rank ``cfg.rank`` in the roster at ``gen_path``, if it
-    is one of ``cfg.run_id`` and names them."""
+def _holders(
+    cfg: FileGradSyncConfig, gen_path: Path
+) -> tuple[MemberInfo, MemberInfo | None, int] | None:
+    """Rank 0, the holder of rank ``cfg.rank`` (None: the job has fewer ranks) and the
+    number of ranks, in the roster at ``gen_path``, if it is one of ``cfg.run_id``."""
     roster = notes.load(gen_path / ROSTER)
     if roster is None or roster.get("run_id") != cfg.run_id:
         return None
     members = roster.get("members")
-    if not isinstance(members, list) or len(members) <= cfg.rank:
+    if not isinstance(members, list) or not members:
         return None
+    if len(members) <= cfg.rank and "launch" in roster:
+        return None  # an elastic job's re-formed roster: its ranks were renumbered
     try:
-        return MemberInfo.from_json(members[0]), MemberInfo.from_json(members[cfg.rank])
+        leader = MemberInfo.from_json(members[0])
+        holder = MemberInfo.from_json(members[cfg.rank]) if cfg.rank < len(members) else None
     except (KeyError, TypeError, ValueError):
         return None
+    return leader, holder, len(members)
 
 
 def check_leader(
