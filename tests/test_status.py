@@ -198,6 +198,49 @@ def test_ranks_waiting_for_a_rank_0_not_started_are_shown(tmp_path: Path) -> Non
     assert [r["alive"] for r in run["ranks"]] == [True, True]
 
 
+def _a_job_and_a_joiner(proc: int, sync_dir: str) -> object:
+    """Processes 0 and 1 average once as an elastic job of 2, then again once the test
+    has read the status (at most 30 s), and once more; process 2, started as rank 1, asks
+    to join meanwhile and is admitted at that second call. The world size each ends with."""
+    cfg = gradsync.FileGradSyncConfig(2, min(proc, 1), sync_dir, elastic=True, max_wait_s=20.0)
+    if proc == 2:
+        while not Path(f"{sync_dir}.done-formed").exists():
+            time.sleep(0.01)
+    with gradsync.GradSync(cfg) as gs:
+        gs.average(workers.grads_for(proc, 0))
+        if proc == 0:
+            workers.mark_done(sync_dir, "formed")
+        if proc < 2:
+            workers.linger(sync_dir, ["status"], 30.0)
+            gs.average(workers.grads_for(proc, 1))
+            gs.average(workers.grads_for(proc, 2))  # the joiner's first call
+        return gs.world_size
+
+
+def test_processes_waiting_to_join_a_running_elastic_job_are_shown(tmp_path: Path) -> None:
+    box: dict[int, object] = {}
+    args = (str(tmp_path),)
+    thread = threading.Thread(target=lambda: box.update(run_ranks(_a_job_and_a_joiner, 3, args)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not list((tmp_path / "rdzv").glob("ejoin-*")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        result = _status(tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert "  no run id: asking to join the running elastic job\n" in result.stdout
+        assert re.search(r"\n    rank 1: pid \d+ on \S+, alive\n", result.stdout), result.stdout
+        assert "    ranks [1] are waiting for its rank 0 to admit them" in result.stdout
+        (run,) = json.loads(_status(tmp_path, "--json").stdout)["joining"]
+        assert run["elastic"] is True
+        assert run["waiting"] == {"for": [0], "by": [1], "what": "admission"}
+        assert [r["alive"] for r in run["ranks"]] == [True]
+    finally:
+        workers.mark_done(str(tmp_path), "status")
+        thread.join(timeout=60)
+    assert {p: o.value for p, o in box.items()} == {0: 3, 1: 3, 2: 3}  # type: ignore[attr-defined]
+
+
 def test_jobs_sharing_a_directory_are_shown_with_their_run_ids(tmp_path: Path) -> None:
     # A running job (its roster names its run id) beside one in its rendezvous (its
     # leader file does); a job without a run id shows none.

@@ -1,5 +1,6 @@
-"""A sync dir's state: every job in it, its remote ranks' heartbeats sampled, and ranks
-waiting for a rank 0 that has not started their rendezvous."""
+"""A sync dir's state: every job in it, its remote ranks' heartbeats sampled, ranks
+waiting for a rank 0 that has not started their rendezvous, and processes waiting to
+join a running elastic job."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradsync._job.liveness import judge, read_counter
+from gradsync._job.liveness import MemberInfo, judge, read_counter
 from gradsync._job.notes import load, member_of
-from gradsync._names import RDZV, gen_id_of, join_nonce, offer_name
+from gradsync._names import EJOIN_PREFIX, RDZV, gen_id_of, join_nonce, offer_name
 from gradsync._store.dirs import is_own_dir
 
 from .generation import Listdir, disk_bytes, last_call, list_dir, names, read_generation, step_names
@@ -53,7 +54,8 @@ def describe(
         _settle(job)
     report = {"sync_dir": str(sync_dir), "disk_bytes": disk_bytes(sync_dir), "jobs": jobs}
     try:
-        report["joining"] = _joins_without_rank_0(sync_dir, jobs, listdir)
+        joining = _joins_without_rank_0(sync_dir, jobs, listdir)
+        report["joining"] = joining + _elastic_joins(sync_dir, listdir)
     except OSError as exc:
         report["joining"] = []
         report["error"] = f"cannot read {exc.filename or sync_dir / RDZV}: {exc.strerror or exc}"
@@ -145,17 +147,46 @@ def _joins_without_rank_0(
         run = runs.setdefault(run_id, {"run_id": run_id, "ranks": []})
         if isinstance(data.get("world_size"), int):
             run["world_size"] = data["world_size"]
-        entry: dict[str, Any] = {
-            "rank": member.rank,
-            "host": member.hostname,
-            "pid": member.pid,
-            "same_host": member.same_host,
-        }
-        if member.same_host:
-            entry["alive"] = judge(member).alive is True
-        run["ranks"].append(entry)
+        run["ranks"].append(_entry(member))
+    return _waiting(runs, "rank 0")
+
+
+def _elastic_joins(sync_dir: Path, listdir: Listdir) -> list[dict[str, Any]]:
+    """Processes waiting to be admitted into a running elastic job of their run (their
+    ``ejoin-`` files), one entry per run id."""
+    runs: dict[str | None, dict[str, Any]] = {}
+    for name in sorted(names(listdir, sync_dir, RDZV)):
+        if not name.startswith(EJOIN_PREFIX):
+            continue
+        data = load(sync_dir / RDZV / name)
+        member = member_of(data)
+        if data is None or member is None:
+            continue
+        run_id = data.get("run_id")
+        if not (run_id is None or isinstance(run_id, str)):
+            continue
+        runs.setdefault(run_id, {"run_id": run_id, "elastic": True, "ranks": []})
+        runs[run_id]["ranks"].append(_entry(member))
+    return _waiting(runs, "admission")
+
+
+def _entry(member: MemberInfo) -> dict[str, Any]:
+    """A waiting process as status shows it: whether it lives, where that can be told."""
+    entry: dict[str, Any] = {
+        "rank": member.rank,
+        "host": member.hostname,
+        "pid": member.pid,
+        "same_host": member.same_host,
+    }
+    if member.same_host:
+        entry["alive"] = judge(member).alive is True
+    return entry
+
+
+def _waiting(runs: dict[str | None, dict[str, Any]], what: str) -> list[dict[str, Any]]:
+    """``runs``, each saying which of its ranks still wait (for rank 0, to be admitted)."""
     for run in runs.values():
         waiting = [r["rank"] for r in run["ranks"] if not r["same_host"] or r["alive"]]
         if waiting:
-            run["waiting"] = {"for": [0], "by": sorted(waiting), "what": "rank 0"}
+            run["waiting"] = {"for": [0], "by": sorted(waiting), "what": what}
     return list(runs.values())

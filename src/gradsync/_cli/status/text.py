@@ -65,12 +65,13 @@ def _life(job: dict[str, Any], r: dict[str, Any]) -> str:
 
 def _joining_lines(run: dict[str, Any]) -> list[str]:
     name = f"run id {run['run_id']!r}" if run["run_id"] is not None else "no run id"
-    lines = [f"  {name}: no rendezvous yet"]
+    elastic = run.get("elastic", False)
+    state = "asking to join the running elastic job" if elastic else "no rendezvous yet"
+    lines = [f"  {name}: {state}"]
     for r in run["ranks"]:
         life = ("alive" if r["alive"] else "DEAD") if r["same_host"] else "on another host"
         lines.append(f"    rank {r['rank']}: pid {r['pid']} on {r['host']}, {life}")
     if run.get("waiting"):
-        lines.append(
-            f"    ranks {run['waiting']['by']} are waiting for rank 0 to start the rendezvous"
-        )
+        what = "its rank 0 to admit them" if elastic else "rank 0 to start the rendezvous"
+        lines.append(f"    ranks {run['waiting']['by']} are waiting for {what}")
     return lines
