@@ -209,6 +209,35 @@ def test_compressed_steps_across_hosts_give_one_hosts_bits(cluster: Cluster, cod
 
 
 @pytest.mark.parametrize("codec", [None, "int8"])
+def test_a_payload_every_rank_reduces_across_hosts_gives_one_hosts_bits(
+    cluster: Cluster, codec: str | None
+) -> None:
+    """1 MiB and a bit: across hosts (W=4) under 4 MiB / (W - 1), so every rank reduces
+    all of it and publishes no shard; on one host (tmpfs) over 256 KiB, so sharded."""
+    seed, steps, layout = 7, 3, "f32:262400"
+    mount = os.environ.get("MH_MOUNT", MOUNT)
+    args = ["--seed", str(seed), "--steps", str(steps), "--raw", "--layout", layout, *HB]
+    args += [] if codec is None else ["--compression", codec]
+    outs = []
+    for placement, nproc, root, more in (
+        (TWO_HOSTS, 2, mount, []),
+        ({"h1": 0}, 4, "/dev/shm", [] if codec is None else ["--compress-local"]),
+    ):
+        out = _out(cluster, f"replicated-{codec}")
+        run_id = _unique(f"replicated-{codec}")
+        job = cluster.launch(placement, nproc, f"{root}/{run_id}", run_id, args + more, out)
+        _run(cluster, job)
+        outs.append(out)
+    exact = _expected(seed, steps, layout)
+    for s in range(steps):
+        got = {(outs[0] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
+        assert got == {(outs[1] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
+        assert len(got) == 1, f"step {s}: ranks differ"
+        if codec is None:
+            assert got == {exact[s][0].tobytes()}
+
+
+@pytest.mark.parametrize("codec", [None, "int8"])
 def test_a_file_per_shard_across_hosts_gives_one_hosts_bits(
     cluster: Cluster, codec: str | None
 ) -> None:

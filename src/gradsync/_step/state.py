@@ -48,6 +48,10 @@ __all__ = ["EngineState", "one_slot", "others"]
 # Below this many bytes per rank every rank reduces all of it: reading W small inputs
 # costs less than a second round of files, waiting and gathering.
 REPLICATE_BELOW_BYTES = 256 * 1024
+# Across hosts, or over a shared filesystem, a round of files costs round trips to its
+# servers: every rank reduces all while reading the other W - 1 inputs stays within
+# this (benchmarks/RESULTS.md, 2026-12-07).
+REPLICATE_READ_BYTES_SHARED = 4 << 20
 # Across hosts an input is a file per shard from this many bytes a shard: below it the
 # files' own costs (create, open, remove) outweigh the blocks a whole file's readers
 # fetch beyond their range (benchmarks/RESULTS.md, 2026-12-06).
@@ -117,7 +121,9 @@ class EngineState:
             gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s
         )
         local_ranks = sum(1 for m in gen.members if m.same_host)
-        self.codec = _wire_codec(cfg, gen, local and local_ranks == self.world)
+        one_host = local and local_ranks == self.world  # every rank judges alike
+        self.codec = _wire_codec(cfg, gen, one_host)
+        self._replicate_below = _replicate_below(self.world, one_host)
         self.workers = Workers(cfg.threads or auto_threads(local_ranks))
 
     def close(self) -> None:
@@ -139,7 +145,7 @@ class EngineState:
                 layout,
                 self.world,
                 self.cfg.strategy == "root",
-                replicate_below=REPLICATE_BELOW_BYTES,
+                replicate_below=self._replicate_below,
                 codec=codec,
             )
             if len(self._plans) >= _PLANS_KEPT:
@@ -278,6 +284,13 @@ def others(group: Group, rank: int) -> list[tuple[int, int]]:
     """The element ranges of ``group`` outside ``rank``'s shard."""
     lo, hi = group.shards[rank]
     return [(a, b) for a, b in ((0, lo), (hi, group.size)) if a < b]
+
+
+def _replicate_below(world: int, one_host: bool) -> int:
+    """The payload bytes below which every rank reduces all of a call's payload."""
+    if one_host or world < 2:
+        return REPLICATE_BELOW_BYTES
+    return max(REPLICATE_BELOW_BYTES, REPLICATE_READ_BYTES_SHARED // (world - 1))
 
 
 def _wire_codec(cfg: FileGradSyncConfig, gen: Generation, one_host: bool) -> Codec | None:
