@@ -48,10 +48,10 @@ __all__ = ["EngineState", "one_slot", "others"]
 # Below this many bytes per rank every rank reduces all of it: reading W small inputs
 # costs less than a second round of files, waiting and gathering.
 REPLICATE_BELOW_BYTES = 256 * 1024
-# Across hosts, or over a shared filesystem, a round of files costs round trips to its
-# servers: every rank reduces all while reading the other W - 1 inputs stays within
-# this (benchmarks/RESULTS.md, 2026-12-07).
-REPLICATE_READ_BYTES_SHARED = 4 << 20
+# Across hosts a round of files costs round trips to the shared filesystem's servers:
+# every rank reduces all while reading the other W - 1 inputs stays within this
+# (benchmarks/RESULTS.md, 2026-12-07).
+REPLICATE_READ_BYTES_ACROSS_HOSTS = 4 << 20
 # Across hosts an input is a file per shard from this many bytes a shard: below it the
 # files' own costs (create, open, remove) outweigh the blocks a whole file's readers
 # fetch beyond their range (benchmarks/RESULTS.md, 2026-12-06).
@@ -121,9 +121,10 @@ class EngineState:
             gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s
         )
         local_ranks = sum(1 for m in gen.members if m.same_host)
-        one_host = local and local_ranks == self.world  # every rank judges alike
-        self.codec = _wire_codec(cfg, gen, one_host)
-        self._replicate_below = _replicate_below(self.world, one_host)
+        self.codec = _wire_codec(cfg, gen, local and local_ranks == self.world)
+        # By the roster alone, which every rank reads alike (ranks of one host may judge
+        # its filesystem differently, as an NFS server's own ranks do).
+        self._replicate_below = _replicate_below(self.world, local_ranks < self.world)
         self.workers = Workers(cfg.threads or auto_threads(local_ranks))
 
     def close(self) -> None:
@@ -286,11 +287,11 @@ def others(group: Group, rank: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in ((0, lo), (hi, group.size)) if a < b]
 
 
-def _replicate_below(world: int, one_host: bool) -> int:
+def _replicate_below(world: int, across_hosts: bool) -> int:
     """The payload bytes below which every rank reduces all of a call's payload."""
-    if one_host or world < 2:
+    if not across_hosts:
         return REPLICATE_BELOW_BYTES
-    return max(REPLICATE_BELOW_BYTES, REPLICATE_READ_BYTES_SHARED // (world - 1))
+    return max(REPLICATE_BELOW_BYTES, REPLICATE_READ_BYTES_ACROSS_HOSTS // (world - 1))
 
 
 def _wire_codec(cfg: FileGradSyncConfig, gen: Generation, one_host: bool) -> Codec | None:
