@@ -181,3 +181,28 @@ def members_killed_while_one_waits_to_join(proc: int, sync_dir: str, kw: dict[st
         gs.average(grads)
         seen = (gs.rank, gs.world_size, gs.members)
     return {"seen": seen, "after": [g.tobytes() for g in grads], "s": time.monotonic() - start}
+
+
+def joiner_with_other_settings(proc: int, sync_dir: str, kw: dict[str, Any]) -> Any:
+    """Processes 0 and 1 average as an elastic job until process 2, started as rank 2
+    with wide_sum on, is done trying to join: its error, and how long it took."""
+    root = Path(sync_dir)
+    if proc < 2:
+        with gradsync.GradSync(config(proc, 2, sync_dir, elastic=True, **kw)) as gs:
+            gs.average(grads_for(proc, 0))  # the first call forms the job
+            (root / f"formed-{proc}").touch()
+            while not (root / "tried").exists():
+                gs.average(grads_for(proc, 0))
+                time.sleep(0.02)
+            return gs.world_size
+    while not all((root / f"formed-{r}").exists() for r in (0, 1)):
+        time.sleep(0.01)
+    start = time.monotonic()
+    try:
+        with gradsync.GradSync(config(2, 3, sync_dir, elastic=True, wide_sum=True, **kw)) as gs:
+            gs.average(grads_for(2, 0))
+        return "admitted"
+    except gradsync.GradSyncError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "s": time.monotonic() - start}
+    finally:
+        (root / "tried").touch()

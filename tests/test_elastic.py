@@ -424,6 +424,23 @@ def test_a_joiner_whose_job_was_killed_forms_a_new_one_with_a_fresh_rank_0(
     assert not list((tmp_path / "rdzv").glob("ejoin-*"))
 
 
+def test_a_joiner_with_other_settings_fails_at_once_naming_them(tmp_path: Path) -> None:
+    # Before, rank 0 only logged that it would not admit it, and it waited max_wait_s.
+    kw = {**FAST, "max_wait_s": 20.0}
+    results = run_ranks(
+        elastic_workers.joiner_with_other_settings, 3, (str(tmp_path), kw), timeout_s=60
+    )
+    assert all(results[p].ok for p in range(3)), results
+    assert results[0].value == results[1].value == 2
+    got = results[2].value
+    assert got["s"] < 5, got  # not max_wait_s (20 s)
+    assert re.fullmatch(
+        r"MismatchError: rank 2 \(pid \d+ on \S+\) cannot join the running job in \S+: "
+        r"it has wide_sum False \(this process: True\); every rank must use the same settings",
+        got["error"],
+    ), got["error"]
+
+
 def _launch_rejoin(tmp_path: Path, nproc: int, *script_args: str) -> list[tuple[str, ...]]:
     """Run tests/scripts/elastic_rejoin.py under ``gradsync launch --elastic
     --max-restarts 1``: each process's (rank, restart, world, digest) at the end."""

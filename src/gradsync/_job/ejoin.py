@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync._config import FileGradSyncConfig
-from gradsync._errors import GradSyncError, PeerTimeoutError, RendezvousError
+from gradsync._errors import GradSyncError, MismatchError, PeerTimeoutError, RendezvousError
 from gradsync._names import EJOIN_PREFIX, RDZV, ROSTER, current_name, ejoin_name, gen_name
 from gradsync._store.read import file_below, names_below
 
@@ -159,11 +159,13 @@ def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Me
     note stays), for the caller to form a job as if none had been running.
 
     Raises:
+        MismatchError: the running job's settings are not this process's.
         PeerTimeoutError: not admitted within ``max_wait_s``.
         RendezvousError: the running job ended (its last member closed) first.
         GradSyncError: ``closing`` was set.
     """
     me = MemberInfo.for_self(cfg.rank, secrets.token_hex(8))
+    _check_settings(cfg, me)
     request = cfg.sync_dir / RDZV / ejoin_name(me.nonce)
     data = {
         "member": me.to_json(),
@@ -203,6 +205,29 @@ def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Me
         ranks=[cfg.rank],
         path=cfg.sync_dir,
     )
+
+
+def _check_settings(cfg: FileGradSyncConfig, me: MemberInfo) -> None:
+    """Raise MismatchError where the running job's roster shows settings other than
+    this process's: its rank 0 would never admit it."""
+    pointer = notes.load(job_pointer(cfg))
+    if pointer is None or not isinstance(pointer.get("gen"), str):
+        return
+    gen_path = cfg.sync_dir / gen_name(pointer["gen"])
+    roster = notes.load(gen_path / ROSTER)
+    theirs = roster.get("settings") if roster is not None else None
+    if not isinstance(theirs, dict):
+        return  # written by a gradsync that kept none there: rank 0 judges
+    mine = settings(cfg)
+    differ = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
+    if differ:
+        shown = ", ".join(f"{k} {theirs.get(k)!r} (this process: {mine.get(k)!r})" for k in differ)
+        raise MismatchError(
+            f"rank {cfg.rank} ({me.describe()}) cannot join the running job in {gen_path}: "
+            f"it has {shown}; every rank must use the same settings",
+            ranks=[cfg.rank],
+            path=gen_path,
+        )
 
 
 def _job_named(cfg: FileGradSyncConfig) -> bool:

@@ -39,6 +39,7 @@ from .decisions import (
     decide_admit,
     decide_confirmation,
     disagreement,
+    settings,
 )
 from .generation import Generation
 from .joiner import CHECK_EVERY_S
@@ -191,6 +192,7 @@ class Leader:
             "members": [m.to_json() for m in members],
             "world_size": self.cfg.world_size,
             "run_id": self.cfg.run_id,
+            "settings": settings(self.cfg),  # for an elastic joiner to check its own against
         }
         notes.write_json(self.gen_path / ROSTER, roster, "publishing the roster to")
         # A rank that gave up after confirming, as the roster was written, left a note

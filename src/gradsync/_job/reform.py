@@ -38,6 +38,7 @@ from gradsync._store.dirs import dir_below, make_own_dir
 from gradsync._store.read import names_below
 
 from . import notes
+from .decisions import settings
 from .ejoin import Membership, decision, job_pointer, join_requests
 from .liveness import HeartbeatWatch, judge
 from .membership import Reform, ReformLook, Standing, decide_reform, refusal, survivors
@@ -173,6 +174,7 @@ class Reformer:
             "joined": launch[len(going) :],
             "world_size": len(members),
             "run_id": self.cfg.run_id,
+            "settings": settings(self.cfg),
         }
         new_path = self.cfg.sync_dir / gen_name(gen_id)
         # As a rank 0 forming a job registers it: a generation without one is taken
