@@ -179,32 +179,44 @@ def test_compression_applies_across_hosts_and_not_on_one_host(
         assert {g["compression"] for g in steps_of(runs["int8-one"], r)} == {None}
 
 
+def _across_hosts_and_on_one(
+    cluster: Cluster, tag: str, seed: int, steps: int, layout: str, codec: str | None
+) -> list[bytes]:
+    """Each step's mean of ``layout`` over 2 hosts x 2 ranks (the shared volume) and over
+    one host x 4 (tmpfs, compress_local): the same bytes on all 8 ranks, returned."""
+    mount = os.environ.get("MH_MOUNT", MOUNT)
+    args = ["--seed", str(seed), "--steps", str(steps), "--raw", "--layout", layout, *HB]
+    args += [] if codec is None else ["--compression", codec]
+    outs = []
+    for placement, nproc, root, more in (
+        (TWO_HOSTS, 2, mount, []),
+        ({"h1": 0}, 4, "/dev/shm", [] if codec is None else ["--compress-local"]),
+    ):
+        out = _out(cluster, f"{tag}-{codec}")
+        run_id = _unique(f"{tag}-{codec}")
+        job = cluster.launch(placement, nproc, f"{root}/{run_id}", run_id, args + more, out)
+        _run(cluster, job)
+        outs.append(out)
+    means = []
+    for s in range(steps):
+        got = {(outs[0] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
+        assert got == {(outs[1] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
+        assert len(got) == 1, f"step {s}: ranks differ"
+        means.append(got.pop())
+    return means
+
+
 @pytest.mark.parametrize("codec", ["bf16", "int8"])
 def test_compressed_steps_across_hosts_give_one_hosts_bits(cluster: Cluster, codec: str) -> None:
     """Across hosts a rank's input is a file for each peer, holding what that peer
     reduces, read by pread; on one host (tmpfs, compress_local) files are mapped and
     written whole: same bits."""
-    seed, steps = 3, 3
-    mount = os.environ.get("MH_MOUNT", MOUNT)
-    args = ["--seed", str(seed), "--steps", str(steps), "--raw", "--compression", codec]
     # 1 MiB and a bit of float32: sharded, and the last shard ends the payload unpadded.
-    args += ["--layout", "f32:1049600", *HB]
-    outs = []
-    for placement, nproc, root, more in (
-        (TWO_HOSTS, 2, mount, []),
-        ({"h1": 0}, 4, "/dev/shm", ["--compress-local"]),
-    ):
-        out = _out(cluster, f"compressed-{codec}")
-        run_id = _unique(codec)
-        job = cluster.launch(placement, nproc, f"{root}/{run_id}", run_id, args + more, out)
-        _run(cluster, job)
-        outs.append(out)
-    exact = _expected(seed, steps, "f32:1049600")
-    for s in range(steps):
-        got = {(outs[0] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
-        assert got == {(outs[1] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
-        assert len(got) == 1, f"step {s}: ranks differ"
-        mean = np.frombuffer(got.pop(), dtype=np.float32)
+    seed, steps, layout = 3, 3, "f32:1049600"
+    means = _across_hosts_and_on_one(cluster, "compressed", seed, steps, layout, codec)
+    exact = _expected(seed, steps, layout)
+    for s, raw in enumerate(means):
+        mean = np.frombuffer(raw, dtype=np.float32)
         assert np.allclose(mean, exact[s][0], rtol=0, atol=0.05 * np.abs(exact[s][0]).max())
 
 
@@ -215,26 +227,9 @@ def test_a_payload_every_rank_reduces_across_hosts_gives_one_hosts_bits(
     """1 MiB and a bit: across hosts (W=4) under 4 MiB / (W - 1), so every rank reduces
     all of it and publishes no shard; on one host (tmpfs) over 256 KiB, so sharded."""
     seed, steps, layout = 7, 3, "f32:262400"
-    mount = os.environ.get("MH_MOUNT", MOUNT)
-    args = ["--seed", str(seed), "--steps", str(steps), "--raw", "--layout", layout, *HB]
-    args += [] if codec is None else ["--compression", codec]
-    outs = []
-    for placement, nproc, root, more in (
-        (TWO_HOSTS, 2, mount, []),
-        ({"h1": 0}, 4, "/dev/shm", [] if codec is None else ["--compress-local"]),
-    ):
-        out = _out(cluster, f"replicated-{codec}")
-        run_id = _unique(f"replicated-{codec}")
-        job = cluster.launch(placement, nproc, f"{root}/{run_id}", run_id, args + more, out)
-        _run(cluster, job)
-        outs.append(out)
-    exact = _expected(seed, steps, layout)
-    for s in range(steps):
-        got = {(outs[0] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
-        assert got == {(outs[1] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
-        assert len(got) == 1, f"step {s}: ranks differ"
-        if codec is None:
-            assert got == {exact[s][0].tobytes()}
+    means = _across_hosts_and_on_one(cluster, "replicated", seed, steps, layout, codec)
+    if codec is None:
+        assert means == [step[0].tobytes() for step in _expected(seed, steps, layout)]
 
 
 @pytest.mark.parametrize("codec", [None, "int8"])
@@ -245,26 +240,9 @@ def test_a_file_per_shard_across_hosts_gives_one_hosts_bits(
     that peer reduces (16 MiB and a bit of float32: int8's shards too); on one host
     (tmpfs) one file a rank, mapped: same bits."""
     seed, steps, layout = 5, 3, "f32:16781312"
-    mount = os.environ.get("MH_MOUNT", MOUNT)
-    args = ["--seed", str(seed), "--steps", str(steps), "--raw", "--layout", layout, *HB]
-    args += [] if codec is None else ["--compression", codec]
-    outs = []
-    for placement, nproc, root, more in (
-        (TWO_HOSTS, 2, mount, []),
-        ({"h1": 0}, 4, "/dev/shm", [] if codec is None else ["--compress-local"]),
-    ):
-        out = _out(cluster, f"shard-files-{codec}")
-        run_id = _unique(f"shards-{codec}")
-        job = cluster.launch(placement, nproc, f"{root}/{run_id}", run_id, args + more, out)
-        _run(cluster, job)
-        outs.append(out)
-    exact = _expected(seed, steps, layout)
-    for s in range(steps):
-        got = {(outs[0] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
-        assert got == {(outs[1] / f"raw-{r}-{s}").read_bytes() for r in range(W)}
-        assert len(got) == 1, f"step {s}: ranks differ"
-        if codec is None:
-            assert got == {exact[s][0].tobytes()}
+    means = _across_hosts_and_on_one(cluster, "shard-files", seed, steps, layout, codec)
+    if codec is None:
+        assert means == [step[0].tobytes() for step in _expected(seed, steps, layout)]
 
 
 def test_layout_changes_between_steps_across_hosts(cluster: Cluster) -> None:
