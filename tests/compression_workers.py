@@ -90,27 +90,6 @@ def file_sizes(
     return {**sizes, "codec": stats.compression, "mean": grads[0]}
 
 
-def compress_local_differs(rank: int, world: int, sync_dir: str) -> None:
-    """int8 on both ranks, compress_local on rank 0 only."""
-    cfg = config(rank, world, sync_dir, compression="int8", compress_local=rank == 0)
-    with gradsync.GradSync(cfg) as gs:
-        gs.average(grads_for(rank, 0, SMALL), step=0)
-
-
-def error_feedback_differs(rank: int, world: int, sync_dir: str) -> list[bytes]:
-    """bf16 on one host (compress_local), error feedback on rank 0 only: each step's mean."""
-    cfg = config(
-        rank, world, sync_dir, compression="bf16", compress_local=True, error_feedback=rank == 0
-    )
-    means = []
-    with gradsync.GradSync(cfg) as gs:
-        for step in range(3):
-            grads = grads_for(rank, step, SMALL)
-            gs.average(grads, step=step)
-            means.append(b"".join(g.tobytes() for g in grads))
-    return means
-
-
 def constant_steps(rank: int, world: int, sync_dir: str, count: int, feedback: bool) -> Any:
     """The same gradient ``count`` times under int8; the sum of the results."""
     grad = (np.random.default_rng([rank, 5]).standard_normal(100_000) * 1e-2).astype(np.float32)

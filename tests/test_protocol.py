@@ -531,6 +531,11 @@ SETTINGS = [
     ("heartbeat_timeout_s", [15.0, 60.0], ("15.0", "60.0")),
     # Whichever rank decides a re-form applies its own: below another's minimum, silently.
     ("min_world_size", [1, 2], ("1", "2")),
+    # Compression on: whether it applies on one host decides the files' layout.
+    ("compress_local", [True, False], ("True", "False")),
+    # Where every rank reduces a small payload, each encoded the mean with its own
+    # residual, or none: the ranks' means differed from the second step on.
+    ("error_feedback", [True, False], ("True", "False")),
 ]
 
 

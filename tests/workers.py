@@ -803,9 +803,18 @@ def rendezvous_world(rank: int, world: int, sync_dir: str, worlds: list[int]) ->
         gs.average(grads_for(rank, 0), step=0)
 
 
+# What a setting means something only with: elastic for min_world_size, compression for
+# compress_local and error_feedback.
+_SETTING_NEEDS: dict[str, dict[str, Any]] = {
+    "min_world_size": {"elastic": True},
+    "compress_local": {"compression": "int8"},
+    "error_feedback": {"compression": "int8"},
+}
+
+
 def rendezvous_settings(rank: int, world: int, sync_dir: str, key: str, values: list[Any]) -> Any:
-    elastic = {"elastic": True} if key == "min_world_size" else {}
-    cfg = config(rank, world, sync_dir, max_wait_s=8.0, **{key: values[rank]}, **elastic)
+    needs = _SETTING_NEEDS.get(key, {})
+    cfg = config(rank, world, sync_dir, max_wait_s=8.0, **{key: values[rank]}, **needs)
     with gradsync.GradSync(cfg) as gs:
         gs.average(grads_for(rank, 0, SHAPES_BIG), step=0)
 
