@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import operator
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -274,6 +275,17 @@ def _join(rank: int, world: int, tmp: str, **env: str) -> Any:
     return dist
 
 
+def _on_two_ranks(
+    body: Callable[[int, int, str], Any], tmp_path: Path, timeout_s: float = 60
+) -> list[tuple[int, Any]]:
+    """``body(rank, 2, tmp)`` on 2 spawned ranks, each checked to have returned: (rank,
+    value) of each."""
+    out = run_ranks(body, 2, (2, str(tmp_path)), timeout_s=timeout_s)
+    for r in range(2):
+        assert out[r].ok, out[r].value
+    return [(r, out[r].value) for r in range(2)]
+
+
 def _one_rank_dies(rank: int, world: int, tmp: str) -> str:
     """Rank 1 dies after one allreduce; rank 0's next one fails (its work's wait raises)."""
     dist = _join(rank, world, tmp)
@@ -357,10 +369,8 @@ def test_a_collective_a_late_then_callback_starts_follows_the_ones_called_before
     tmp_path: Path,
 ) -> None:
     # Rank 0 ran c before b and rank 1 after it: each averaged its c with the other's b.
-    out = run_ranks(_then_added_after_a_later_collective, 2, (2, str(tmp_path)), timeout_s=60)
-    for r in range(2):
-        assert out[r].ok, out[r].value
-        assert out[r].value == [1.5, 15.0, 150.0], (r, out[r].value)
+    for r, got in _on_two_ranks(_then_added_after_a_later_collective, tmp_path):
+        assert got == [1.5, 15.0, 150.0], (r, got)
 
 
 def _into_tensors_that_require_grad(rank: int, world: int, tmp: str) -> dict[str, Any]:
@@ -391,17 +401,15 @@ def _into_tensors_that_require_grad(rank: int, world: int, tmp: str) -> dict[str
 
 
 def test_collectives_write_into_tensors_that_require_grad(tmp_path: Path) -> None:
-    out = run_ranks(_into_tensors_that_require_grad, 2, (2, str(tmp_path)), timeout_s=60)
-    for r in range(2):
-        assert out[r].ok, out[r].value
-        assert out[r].value == {
+    for r, got in _on_two_ranks(_into_tensors_that_require_grad, tmp_path):
+        assert got == {
             "in place": [3.0] * 3,
             "strided": [[3.0] * 3] * 2,
             "bf16": [1.5] * 3,
             "broadcast": [[2.0] * 2] * 2,
             "allgather": [[0.0] * 2, [1.0] * 2],
             "require grad": True,
-        }, (r, out[r].value)
+        }, (r, got)
 
 
 def _allgather_into_wrong_outputs(rank: int, world: int, tmp: str) -> dict[str, str]:
@@ -432,10 +440,7 @@ def test_allgather_refuses_outputs_unlike_its_input_at_the_call_as_gloo_does(
     tmp_path: Path,
 ) -> None:
     # Before, a (2, 3) output of a 6-element input was filled reshaped, without a word.
-    out = run_ranks(_allgather_into_wrong_outputs, 2, (2, str(tmp_path)), timeout_s=60)
-    for r in range(2):
-        assert out[r].ok, out[r].value
-        got = out[r].value
+    for _, got in _on_two_ranks(_allgather_into_wrong_outputs, tmp_path):
         assert "is torch.float32[2, 3] on cpu, expected torch.float32[6]" in got["shape"]
         assert "output 0[0] is torch.float32[5]" in got["size"], got["size"]
         assert "output list 0 holds 3 tensors, expected the world size 2" in got["count"]
@@ -482,10 +487,7 @@ def _futures_and_results(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 
 def test_async_futures_and_results_hold_what_gloos_hold(tmp_path: Path) -> None:
-    out = run_ranks(_futures_and_results, 2, (2, str(tmp_path)), timeout_s=60)
-    for r in range(2):
-        assert out[r].ok, out[r].value
-        got = out[r].value
+    for r, got in _on_two_ranks(_futures_and_results, tmp_path):
         for op in ("allreduce", "allreduce int", "broadcast", "allgather", "barrier"):
             assert got[f"gradsync {op}"] == got[f"gloo {op}"], (r, op, got)
 
@@ -549,11 +551,9 @@ def _sixteen_bit_sums(rank: int, world: int, tmp: str) -> dict[str, list[float]]
 
 def test_a_16_bit_float_sum_rounds_once_as_gloos_does(tmp_path: Path) -> None:
     # Rank 0's values and rank 1's zeros: gloo's sum is rank 0's values exactly.
-    out = run_ranks(_sixteen_bit_sums, 2, (2, str(tmp_path)), timeout_s=60)
-    for r in range(2):
-        assert out[r].ok, out[r].value
+    for r, got in _on_two_ranks(_sixteen_bit_sums, tmp_path):
         for name in ("f16", "f16 strided", "bf16", "bf16 strided"):
-            assert out[r].value[name] == [1.0, 3.0, 5.0], (r, name, out[r].value)
+            assert got[name] == [1.0, 3.0, 5.0], (r, name, got)
 
 
 def _back_to_back(rank: int, world: int, tmp: str) -> dict[str, Any]:
@@ -583,12 +583,10 @@ def _back_to_back(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 def test_async_collectives_on_one_tensor_read_it_in_the_order_called(tmp_path: Path) -> None:
     # 1 and 2 summed twice: 3, then 6; every later collective reads 6 on both ranks.
-    out = run_ranks(_back_to_back, 2, (2, str(tmp_path)), timeout_s=60)
-    for r in range(2):
-        assert out[r].ok, out[r].value
+    for r, got in _on_two_ranks(_back_to_back, tmp_path):
         for dtype in ("torch.float32", "torch.bfloat16", "torch.int64"):
             want = {"t": [6], "strided": [[6, 6]] * 2, "gathered": [[6], [6]]}
-            assert out[r].value[dtype] == want, (r, dtype, out[r].value)
+            assert got[dtype] == want, (r, dtype, got)
 
 
 def _uneven_inputs(rank: int, world: int, tmp: str) -> dict[str, str]:
@@ -626,16 +624,13 @@ def _uneven_inputs(rank: int, world: int, tmp: str) -> dict[str, str]:
 
 def test_exact_collectives_of_inputs_that_differ_raise_on_every_rank(tmp_path: Path) -> None:
     # Exchanged silently, each rank read its own layout into the others' bytes.
-    out = run_ranks(_uneven_inputs, 2, (2, str(tmp_path)), timeout_s=90)
     what = {
         "sizes": "byte counts, dtypes and shapes",
         "dtypes": "(dtypes and shapes)",
         "allgather": "byte counts, dtypes and shapes",
         "ops": "(collectives)",
     }
-    for r in range(2):
-        assert out[r].ok, out[r].value
-        got = out[r].value
+    for r, got in _on_two_ranks(_uneven_inputs, tmp_path, timeout_s=90):
         for name, differ in what.items():
             assert got[name].startswith("MismatchError: "), (r, name, got[name])
             assert differ in got[name], (r, name, got[name])
@@ -656,7 +651,5 @@ def test_an_elastic_job_is_refused_rather_than_averaged_by_the_first_world_size(
     tmp_path: Path,
 ) -> None:
     # After a lost rank, SUM was the survivors' mean times the first world size.
-    out = run_ranks(_elastic_group, 2, (2, str(tmp_path)), timeout_s=60)
-    for r in range(2):
-        assert out[r].ok, out[r].value
-        assert out[r].value.startswith("ConfigError: gradsync: the torch backend runs no elastic")
+    for _, got in _on_two_ranks(_elastic_group, tmp_path):
+        assert got.startswith("ConfigError: gradsync: the torch backend runs no elastic")
