@@ -34,6 +34,7 @@ __all__ = [
     "Peer",
     "StaleError",
     "abort_error",
+    "behind_marker",
     "call_mismatch",
     "check_inputs",
     "check_length",
@@ -72,6 +73,23 @@ class StaleError(Exception):
     def shown(self) -> str:
         """What this host is shown of the file: ``is not there`` or ``still holds call 3``."""
         return "is not there" if self.held is None else f"still holds call {self.held}"
+
+
+def behind_marker(
+    path: Path, held: int, seq: int, step: int, rank: int, *, shared: bool
+) -> StaleError | CorruptFileError:
+    """What ``rank``'s file holding call ``held`` behind its marker of call ``seq`` means:
+    on a shared filesystem, that this host is shown it stale (the caller looks again);
+    on a host-local one, which shows no file late, that something overwrote it."""
+    if shared:
+        return StaleError(path, held)
+    return unusable(
+        step,
+        rank,
+        path,
+        f"{path} holds call {held} behind its marker of call {seq}: something "
+        "overwrote it (a host-local filesystem shows no file late)",
+    )
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ from .checks import (
     Peer,
     StaleError,
     abort_error,
+    behind_marker,
     check_inputs,
     check_length,
     header_problem,
@@ -333,18 +334,7 @@ class PeerFiles:
         ours = (header.kind, header.rank, header.generation) == (kind, rank, self.gen.header_id)
         if ours and header.seq < seq:
             reader.close()
-            if not self._transport.shared:
-                # Nothing on a host-local filesystem shows a file late: it was overwritten.
-                raise unusable(
-                    step,
-                    rank,
-                    path,
-                    f"{path} holds call {header.seq} behind its marker of call {seq}: something "
-                    "overwrote it (a host-local filesystem shows no file late)",
-                )
-            # Its marker of call seq is there, so it wrote this file before: what this
-            # host sees is older than the filesystem (the caller looks again).
-            raise StaleError(path, header.seq)
+            raise behind_marker(path, header.seq, seq, step, rank, shared=self._transport.shared)
         problem = header_problem(
             header,
             reader.size,
