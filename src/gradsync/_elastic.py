@@ -31,8 +31,9 @@ _REFORMABLE = (PeerLostError, PeerTimeoutError, PeerAbortedError)
 
 def start_elastic(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Membership:
     """Join this run's running job if there is one; else form it as every job forms."""
-    if running_job(cfg) is not None:
-        joined = join_running(cfg, closing)
+    running = running_job(cfg)
+    if running is not None:
+        joined = join_running(cfg, running, closing)
         if joined is not None:
             return joined
         _log.warning(

@@ -153,10 +153,13 @@ def forget_job(cfg: FileGradSyncConfig, gen: Generation) -> None:
         notes.unlink(pointer)
 
 
-def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Membership | None:
-    """Ask to join this run's running job and wait (``max_wait_s``) to be admitted at
-    one of its step boundaries; None once no member of it is alive (all killed: its
-    note stays), for the caller to form a job as if none had been running.
+def join_running(
+    cfg: FileGradSyncConfig, running: Path, closing: threading.Event | None
+) -> Membership | None:
+    """Ask to join this run's running job (its generation ``running``) and wait
+    (``max_wait_s``) to be admitted at one of its step boundaries; None once no member
+    of it is alive (all killed: its note stays), for the caller to form a job as if
+    none had been running.
 
     Raises:
         MismatchError: the running job's settings are not this process's.
@@ -165,7 +168,7 @@ def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Me
         GradSyncError: ``closing`` was set.
     """
     me = MemberInfo.for_self(cfg.rank, secrets.token_hex(8))
-    _check_settings(cfg, me)
+    _check_settings(cfg, me, running)
     request = cfg.sync_dir / RDZV / ejoin_name(me.nonce)
     data = {
         "member": me.to_json(),
@@ -207,13 +210,9 @@ def join_running(cfg: FileGradSyncConfig, closing: threading.Event | None) -> Me
     )
 
 
-def _check_settings(cfg: FileGradSyncConfig, me: MemberInfo) -> None:
-    """Raise MismatchError where the running job's roster shows settings other than
-    this process's: its rank 0 would never admit it."""
-    pointer = notes.load(job_pointer(cfg))
-    if pointer is None or not isinstance(pointer.get("gen"), str):
-        return
-    gen_path = cfg.sync_dir / gen_name(pointer["gen"])
+def _check_settings(cfg: FileGradSyncConfig, me: MemberInfo, gen_path: Path) -> None:
+    """Raise MismatchError where the running job's roster (at ``gen_path``) shows
+    settings other than this process's: its rank 0 would never admit it."""
     roster = notes.load(gen_path / ROSTER)
     theirs = roster.get("settings") if roster is not None else None
     if not isinstance(theirs, dict):
