@@ -212,7 +212,7 @@ def test_files_shrink_to_half_or_a_quarter(tmp_path: Path) -> None:
         assert sizes["int8"][kind] <= plain / 4 + plain / 256 + 4096
 
 
-def test_on_one_host_over_a_local_filesystem_the_step_is_not_compressed(tmp_path: Path) -> None:
+def test_on_one_host_the_step_is_not_compressed_unless_compress_local(tmp_path: Path) -> None:
     runs = {}
     for codec, local in ((None, False), ("int8", False), ("int8", True)):
         where = tmp_path / f"{codec}-{local}"
@@ -225,6 +225,20 @@ def test_on_one_host_over_a_local_filesystem_the_step_is_not_compressed(tmp_path
         assert forced[r].value["in"] < plain[r].value["in"] / 3
         assert skipped[r].value["mean"].tobytes() == plain[r].value["mean"].tobytes()
         assert forced[r].value["mean"].tobytes() != plain[r].value["mean"].tobytes()
+
+
+def test_ranks_of_one_host_that_see_its_filesystem_differently_agree_not_to_compress(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 sees the sync dir as local (an NFS server's host), the others as shared.
+    kw = {"compression": "int8", "compress_local": False, "across_hosts": True}
+    results = run_ranks(cw.steps, 3, (3, str(tmp_path), 2, False, {**kw, "local_ranks": [1]}))
+    assert all(results[r].ok for r in range(3)), [results[r].message for r in range(3)]
+    for step in range(2):
+        inputs = [results[r].value[step][0] for r in range(3)]
+        want = _bits(gradsync.average_host_grads(inputs))
+        for r in range(3):
+            assert _bits(results[r].value[step][1]) == want, (step, r)
 
 
 def test_a_compression_mismatch_fails_at_the_rendezvous(tmp_path: Path) -> None:

@@ -93,15 +93,14 @@ class FileGradSyncConfig:
             plus a float32 scale per 256 elements. Lossy; every rank still gets the
             same bits (docs/compression.md). Every rank must use the same value (the
             first call raises MismatchError otherwise). Applied where bytes leave this
-            host: a job whose ranks all run on one host with the sync dir on a local
-            filesystem (tmpfs, a local disk) averages uncompressed, where compressing
-            would only cost time, unless ``compress_local``.
+            host: a job whose ranks all run on one host averages uncompressed, where
+            compressing would only cost time, unless ``compress_local``.
         error_feedback: With ``compression``, keep what compressing this rank's
             gradient (and its shards of the mean) lost, and add it to the next call's
             before compressing, so the losses do not add up over steps. Kept per
             layout: a call with another layout starts afresh.
         compress_local: With ``compression``, compress also where every rank runs on
-            this host over a local filesystem (to try a codec's effect on one machine).
+            one host (to try a codec's effect on one machine).
             Every rank must use the same value.
         run_id: Optional name of the job. Ranks only join peers with the same run_id,
             so concurrent jobs sharing one sync_dir stay apart. ``gradsync launch`` sets

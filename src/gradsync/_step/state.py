@@ -121,9 +121,9 @@ class EngineState:
             gen.heartbeat_path(self.rank), cfg.heartbeat_interval_s
         )
         local_ranks = sum(1 for m in gen.members if m.same_host)
-        self.codec = _wire_codec(cfg, gen, local and local_ranks == self.world)
-        # By the roster alone, which every rank reads alike (ranks of one host may judge
-        # its filesystem differently, as an NFS server's own ranks do).
+        # Both by the roster alone, which every rank reads alike (ranks of one host may
+        # judge its filesystem differently, as an NFS server's own ranks do).
+        self.codec = _wire_codec(cfg, gen, local_ranks == self.world)
         self._replicate_below = _replicate_below(self.world, local_ranks < self.world)
         self.workers = Workers(cfg.threads or auto_threads(local_ranks))
 
@@ -295,16 +295,14 @@ def _replicate_below(world: int, across_hosts: bool) -> int:
 
 
 def _wire_codec(cfg: FileGradSyncConfig, gen: Generation, one_host: bool) -> Codec | None:
-    """The codec of the job's files: none where every rank runs on this host over a
-    local filesystem, unless ``compress_local`` (every rank judges alike: the hosts come
-    from the roster, and ranks on one host see one filesystem)."""
+    """The codec of the job's files: none where the roster puts every rank on this
+    host, unless ``compress_local``."""
     codec = codec_for(cfg.compression)
     if codec is not None and one_host and not cfg.compress_local:
         _log.info(
             "gradsync: compression %r not applied: every rank runs on this host "
-            "and %s is on a local filesystem (compress_local=True applies it)",
+            "(compress_local=True applies it)",
             cfg.compression,
-            gen.path.parent,
         )
         return None
     return codec
