@@ -117,8 +117,9 @@ def settings_apart(rank: int, world: int, sync_dir: str, which: str) -> str:
     return "no error"
 
 
-def restore_apart(rank: int, world: int, sync_dir: str) -> str:
-    """A resume in which rank 1 restores another last synced state: the next sync fails."""
+def restore_apart(rank: int, world: int, sync_dir: str, which: str) -> str:
+    """A resume in which rank 1 restores another state: ``which`` is "last" (another
+    last synced state) or "calls" (saved an inner step earlier, in the same sync window)."""
     params = start_params()
     with gradsync.GradSync(config(rank, world, sync_dir)) as gs:
         dl = gradsync.DiLoCo(params, gs, every=2)
@@ -126,8 +127,10 @@ def restore_apart(rank: int, world: int, sync_dir: str) -> str:
             inner_step(params, rank, step)
             dl.step()
         saved = dl.state_dict()
-        if rank == 1:
+        if rank == 1 and which == "last":
             saved["last"][0] += 1
+        if rank == 1 and which == "calls":
+            saved["calls"] -= 1
         dl = gradsync.DiLoCo(params, gs, every=2, check_start=False)
         try:
             dl.load_state_dict(saved)

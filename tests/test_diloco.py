@@ -127,8 +127,11 @@ def test_a_state_loaded_unchecked_on_one_rank_takes_no_collective_call(tmp_path:
     assert results[0].value == results[1].value
 
 
-def test_ranks_that_restore_other_states_all_get_a_mismatch_error(tmp_path: Path) -> None:
-    results = run_ranks(diloco_workers.restore_apart, 2, (2, str(tmp_path)))
+@pytest.mark.parametrize("which", ["last", "calls"])
+def test_ranks_that_restore_other_states_all_get_a_mismatch_error(
+    tmp_path: Path, which: str
+) -> None:
+    results = run_ranks(diloco_workers.restore_apart, 2, (2, str(tmp_path), which))
     for r in range(2):
         assert results[r].ok, results[r].value
         assert "restored states differ" in results[r].value, results[r].value

@@ -162,8 +162,8 @@ class DiLoCo:
         ):
             _check_like(name, mine, theirs)
         if check:
-            restored = [*last, *momentum, np.array([syncs], np.int64)]
-            what = "restored states differ (last synced params, momentum or sync count)"
+            restored = [*last, *momentum, np.array([calls, syncs], np.int64)]
+            what = "restored states differ (last synced params, momentum, call or sync count)"
             self._check_same(restored, what, "restore the same checkpoint on every rank")
         for dst, src in zip([*self._last, *self._momentum], [*last, *momentum], strict=True):
             np.copyto(dst, src)
