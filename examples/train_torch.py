@@ -13,6 +13,13 @@ RANK and WORLD_SIZE; MASTER_ADDR defaults to 127.0.0.1 and MASTER_PORT to 29500)
 
     gradsync launch --nproc 2 examples/train_torch.py --ddp
 
+or of DistributedDataParallel over the "gradsync" backend (``gradsync.torch``), under
+either launcher (torchrun needs ``GRADSYNC_SYNC_DIR``)::
+
+    gradsync launch --nproc 2 examples/train_torch.py --ddp --backend gradsync
+    GRADSYNC_SYNC_DIR=/dev/shm/my-job torchrun --standalone --nproc-per-node 2 \
+        examples/train_torch.py --ddp --backend gradsync
+
 With gradsync, after ``loss.backward()`` every ``p.grad`` is averaged in place through
 ``p.grad.numpy()``, a numpy view sharing the tensor's memory; then the optimizer steps
 as usual. Both modes shard each global batch the same way, so with the same seed they
@@ -136,12 +143,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--ddp",
         action="store_true",
-        help="average with torch DistributedDataParallel over gloo instead of gradsync",
+        help="average with torch DistributedDataParallel instead of gradsync's numpy views",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["gloo", "gradsync"],
+        default="gloo",
+        help="with --ddp, the torch.distributed backend (default gloo)",
     )
     parser.add_argument(
         "--save", type=Path, help="rank 0 writes the final parameters here (np.savez)"
     )
     args = parser.parse_args(argv)
+    if args.backend != "gloo" and not args.ddp:
+        parser.error("--backend needs --ddp")
     for name in ("steps", "batch_size", "hidden", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -159,9 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         world = _env_int(os.environ, "WORLD_SIZE", "GRADSYNC_WORLD_SIZE", default=1)
         if rank is None or world is None:
             raise SystemExit("RANK and WORLD_SIZE must be integers")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        init_ddp(args.backend, rank, world)
         try:
             ddp = nn.parallel.DistributedDataParallel(model)
             train(args, ddp, model, None, x, y, rank, world)
@@ -185,6 +198,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def init_ddp(backend: str, rank: int, world: int) -> None:
+    """The default process group: gloo meets at MASTER_ADDR; gradsync at its sync dir,
+    needing a torch store only to satisfy torch (torchrun's, or one of its own)."""
+    if backend == "gloo":
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        return
+    import gradsync.torch  # noqa: F401, PLC0415 (registers the backend)
+
+    if "MASTER_ADDR" in os.environ:  # torchrun
+        dist.init_process_group("gradsync", rank=rank, world_size=world)
+    else:
+        dist.init_process_group("gradsync", store=dist.HashStore(), rank=rank, world_size=world)
+
+
 def train(
     args: argparse.Namespace,
     net: nn.Module,
@@ -198,7 +227,7 @@ def train(
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     loss_fn = nn.CrossEntropyLoss()  # mean over the local batch; shards are equal in size
     global_batch = world * args.batch_size
-    how = "DDP/gloo" if sync is None else "gradsync"
+    how = f"DDP/{dist.get_backend()}" if sync is None else "gradsync"
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         print(

@@ -230,6 +230,35 @@ def test_torch_gradsync_matches_ddp_gloo(tmp_path: Path) -> None:
     assert printed_losses(gs_outs[0]) == printed_losses(gs_outs[1])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_torch_ddp_over_the_gradsync_backend_under_torchrun_matches_gloo(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="torch is only needed by examples/train_torch.py")
+    args = ["--steps", "20", "--batch-size", "16", "--dataset", "synthetic", "--log-every", "5"]
+    saved, outputs = {}, {}
+    for backend in ("gradsync", "gloo"):
+        saved[backend] = tmp_path / f"{backend}.npz"
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        argv = [*torchrun, "--nproc-per-node", "2", str(TORCH), *args, "--ddp"]
+        argv += ["--backend", backend, "--save", str(saved[backend])]
+        env = clean_env(GRADSYNC_SYNC_DIR=str(tmp_path / "sync"), GRADSYNC_MAX_WAIT_S="30")
+        ((code, out),) = run_all([argv], [env], tmp_path / f"{backend}-logs")
+        assert code == 0, f"torchrun with {backend} exited {code}:\n{out}"
+        assert f"DDP/{backend}: world size 2" in out, out
+        outputs[backend] = out
+    with np.load(saved["gradsync"]) as a, np.load(saved["gloo"]) as b:
+        assert sorted(a.files) == sorted(b.files)
+        assert a.files, "no parameters saved"
+        for name in a.files:
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    # Both ranks print each logged step's loss (torchrun interleaves them): one value a step.
+    losses: dict[int, set[str]] = {}
+    for m in _LOSS_LINE.finditer(outputs["gradsync"]):
+        losses.setdefault(int(m[3]), set()).add(m[4])
+    assert sorted(losses) == [0, 5, 10, 15, 19]
+    assert all(len(v) == 1 for v in losses.values()), losses
+
+
 @pytest.mark.timeout(60)
 def test_numpy_mlp_diloco_syncs_every_h_steps(tmp_path: Path) -> None:
     pytest.importorskip("sklearn", reason="the numpy MLP example trains on sklearn's digits")
