@@ -653,3 +653,43 @@ def test_an_elastic_job_is_refused_rather_than_averaged_by_the_first_world_size(
     # After a lost rank, SUM was the survivors' mean times the first world size.
     for _, got in _on_two_ranks(_elastic_group, tmp_path):
         assert got.startswith("ConfigError: gradsync: the torch backend runs no elastic")
+
+
+def _several_tensors_in_one_call(rank: int, world: int, tmp: str) -> dict[str, str]:
+    """A process group's allreduce, broadcast and allgather given several tensors at once
+    (gloo's one tensor per device), or one tensor twice; then a right allreduce."""
+    dist = _join(rank, world, tmp)
+    group = dist.group.WORLD
+    a, b = torch.full((2,), rank + 1.0), torch.full((2,), 10.0 * (rank + 1))
+    root = dist.BroadcastOptions()
+    root.rootRank = 1
+    gather_opts = dist.distributed_c10d.AllgatherOptions()
+    calls = {
+        "allreduce": lambda: group.allreduce([a, b], dist.AllreduceOptions()),
+        "twice": lambda: group.allreduce([a, a], dist.AllreduceOptions()),
+        "broadcast": lambda: group.broadcast([a, b], root),
+        "allgather": lambda: group.allgather(
+            [[torch.zeros(2) for _ in range(world)] for _ in range(2)], [a, b], gather_opts
+        ),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call().wait()
+            out[name] = f"ran: {a.tolist()}, {b.tolist()}"
+        except ValueError as exc:
+            out[name] = str(exc)
+    dist.all_reduce(a)
+    out["after"] = str(a.tolist())
+    dist.destroy_process_group()
+    return out
+
+
+def test_several_tensors_in_one_call_are_refused_at_the_call(tmp_path: Path) -> None:
+    # gloo reduces such a list together (a + b over ranks, into each) and broadcasts the
+    # root's first tensor into each; gradsync reduced and broadcast each on its own, and
+    # one tensor twice failed the step and with it every later collective.
+    for r, got in _on_two_ranks(_several_tensors_in_one_call, tmp_path):
+        for call in ("allreduce", "twice", "broadcast", "allgather"):
+            assert "of 2 tensors in one call is not supported" in got[call], (r, call, got)
+        assert got["after"] == "[3.0, 3.0]", (r, got)

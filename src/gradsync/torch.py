@@ -29,6 +29,7 @@ from ._async import Background, StepHandle
 from ._config import FileGradSyncConfig
 from ._errors import ConfigError, MismatchError
 from ._stats import StepStats
+from ._torch_args import check_gather_outputs, check_inputs
 
 __all__ = ["BACKEND", "GradSyncProcessGroup"]
 
@@ -75,7 +76,7 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
         """SUM/AVG of float tensors: gradsync's mean (times W for SUM); others exactly."""
-        _check_cpu(tensors)
+        check_inputs(tensors, "allreduce")
         op = opts.reduceOp.op  # the RedOpType (a ReduceOp compares equal only one way)
         if all(t.dtype in _FLOATS for t in tensors) and op in {_R.SUM, _R.AVG}:
             return self._float_allreduce(tensors, scale=self._world if op == _R.SUM else None)
@@ -99,7 +100,7 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
         """The root's tensors, bit for bit, on every rank: a gradsync broadcast of their
         bytes."""
-        _check_cpu(tensors)
+        check_inputs(tensors, "broadcast")
         root = opts.rootRank
 
         def run() -> StepStats:
@@ -116,8 +117,8 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any
     ) -> Any:
         """Every rank's input tensors, bit for bit, in each rank's slot of the outputs."""
-        _check_cpu(input_tensors)
-        _check_gather_outputs(output_tensors, input_tensors, self._world)
+        check_inputs(input_tensors, "allgather")
+        check_gather_outputs(output_tensors, input_tensors, self._world)
 
         def run() -> StepStats:
             stats, words = self._exchange(input_tensors, "allgather")
@@ -126,9 +127,8 @@ class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                     outs[r].detach().copy_(part)
             return stats
 
-        # As gloo's: one input's outputs as a list of tensors, several inputs' as lists.
-        outputs = output_tensors[0] if len(output_tensors) == 1 else output_tensors
-        return self._work(self.sync._submit(run), outputs)
+        # As gloo's: the one input's outputs, a list of tensors.
+        return self._work(self.sync._submit(run), output_tensors[0])
 
     def barrier(self, opts: Any) -> Any:  # type: ignore[override]
         """A step of one float32 zero: every rank has called it when it completes."""
@@ -253,39 +253,6 @@ class _Work(dist.Work):  # type: ignore[misc]
                 "work result does not support list of lists, use .getFuture() and value()"
             )
         return self._outputs
-
-
-def _check_cpu(tensors: Sequence[torch.Tensor]) -> None:
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise ValueError(f"gradsync: only CPU tensors are supported, got one on {t.device}")
-
-
-def _check_gather_outputs(
-    outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor], world: int
-) -> None:
-    """Refuse, at the call as gloo does, outputs that cannot take every rank's inputs."""
-    if len(outputs) != len(inputs):
-        raise ValueError(
-            f"gradsync: allgather: {len(outputs)} output lists for {len(inputs)} input tensors"
-        )
-    for i, (outs, t) in enumerate(zip(outputs, inputs, strict=True)):
-        if len(outs) != world:
-            raise ValueError(
-                f"gradsync: allgather: output list {i} holds {len(outs)} tensors, "
-                f"expected the world size {world}"
-            )
-        for r, o in enumerate(outs):
-            if o.shape != t.shape or o.dtype != t.dtype or o.device.type != "cpu":
-                raise ValueError(
-                    f"gradsync: allgather: output {i}[{r}] is {o.dtype}{list(o.shape)} on "
-                    f"{o.device}, expected {t.dtype}{list(t.shape)} on cpu like its input"
-                )
-            if o.requires_grad and o.is_leaf and torch.is_grad_enabled():
-                # An in-place write autograd forbids; gloo refuses it too (not under no_grad).
-                raise ValueError(
-                    f"gradsync: allgather: output {i}[{r}] is a leaf tensor that requires grad"
-                )
 
 
 def _staging(t: torch.Tensor, summed: bool) -> torch.Tensor:
