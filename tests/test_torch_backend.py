@@ -693,3 +693,48 @@ def test_several_tensors_in_one_call_are_refused_at_the_call(tmp_path: Path) -> 
         for call in ("allreduce", "twice", "broadcast", "allgather"):
             assert "of 2 tensors in one call is not supported" in got[call], (r, call, got)
         assert got["after"] == "[3.0, 3.0]", (r, got)
+
+
+def _unsupported_collectives(rank: int, world: int, tmp: str) -> dict[str, str]:
+    """Each torch.distributed collective the backend does not run: what it raised; then a
+    right allreduce."""
+    dist = _join(rank, world, tmp)
+    x = torch.full((2,), rank + 1.0)
+    pieces = [torch.full((2,), float(i)) for i in range(world)]
+    calls = {
+        "reduce": lambda: dist.reduce(x, dst=0),
+        "gather": lambda: dist.gather(x, pieces if rank == 0 else None, dst=0),
+        "scatter": lambda: dist.scatter(x, pieces if rank == 0 else None, src=0),
+        "reduce_scatter": lambda: dist.reduce_scatter(x, pieces),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(x, torch.zeros(2 * world)),
+        "all_to_all": lambda: dist.all_to_all(pieces, pieces),
+        "all_to_all_single": lambda: dist.all_to_all_single(torch.zeros(2 * world), x.repeat(2)),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.zeros(4), x),
+        "all_reduce_coalesced": lambda: dist.all_reduce_coalesced([x, x.clone()]),
+        "send": lambda: dist.send(x, dst=1 - rank),
+        "recv": lambda: dist.recv(x, src=1 - rank),
+        "gather_object": lambda: dist.gather_object(rank, [None] * world if rank == 0 else None),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "ran"
+        except RuntimeError as exc:  # NotImplementedError is one, as torch's own refusals
+            out[name] = f"{type(exc).__name__}: {exc}"
+    dist.all_reduce(x)
+    out["after"] = str(x.tolist())
+    dist.destroy_process_group()
+    return out
+
+
+def test_unsupported_collectives_raise_naming_themselves_at_the_call(tmp_path: Path) -> None:
+    # Before, each raised "No backend type associated with device type cpu".
+    for r, got in _on_two_ranks(_unsupported_collectives, tmp_path):
+        for name, value in got.items():
+            if name == "after":
+                assert value == "[3.0, 3.0]", (r, got)
+                continue
+            assert value.startswith("NotImplementedError: gradsync: "), (r, name, value)
+            assert name in value, (r, name, value)
+            assert 'is not supported by the "gradsync" backend' in value, (r, name, value)

@@ -30,6 +30,7 @@ from ._config import FileGradSyncConfig
 from ._errors import ConfigError, MismatchError
 from ._stats import StepStats
 from ._torch_args import check_gather_outputs, check_inputs
+from ._torch_refused import RefusedCollectives
 
 __all__ = ["BACKEND", "GradSyncProcessGroup"]
 
@@ -52,8 +53,9 @@ _LOCAL_OPS: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 }
 
 
-class GradSyncProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
-    """A process group whose collectives are steps of one :class:`~gradsync.GradSync`."""
+class GradSyncProcessGroup(RefusedCollectives, dist.ProcessGroup):  # type: ignore[misc]
+    """A process group whose collectives are steps of one :class:`~gradsync.GradSync`;
+    those it does not run refuse, naming themselves, at the call."""
 
     def __init__(self, rank: int, world_size: int, cfg: FileGradSyncConfig | None = None) -> None:
         super().__init__(rank, world_size)  # type: ignore[call-arg]
