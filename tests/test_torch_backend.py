@@ -738,3 +738,40 @@ def test_unsupported_collectives_raise_naming_themselves_at_the_call(tmp_path: P
             assert value.startswith("NotImplementedError: gradsync: "), (r, name, value)
             assert name in value, (r, name, value)
             assert 'is not supported by the "gradsync" backend' in value, (r, name, value)
+
+
+def _second_groups(rank: int, world: int, tmp: str) -> dict[str, str]:
+    """A second "gradsync" group of every rank and a subgroup of rank 0, beside the
+    default one: what each raised; then the default group, and a second run's."""
+    dist = _join(rank, world, tmp)
+    calls = {
+        "second": lambda: dist.new_group(backend="gradsync"),
+        "subgroup": lambda: dist.new_group(ranks=[0]),  # the default backend: gradsync
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            group = call()
+            out[name] = "made" if group != dist.GroupMember.NON_GROUP_MEMBER else "not a member"
+        except RuntimeError as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    for run in ("default", "second run"):
+        x = torch.full((2,), rank + 1.0)
+        dist.all_reduce(x)
+        out[run] = str(x.tolist())
+        dist.destroy_process_group()
+        if run == "default":  # a second training run in this process: its own group
+            _join(rank, world, tmp)
+    return out
+
+
+def test_a_second_group_or_a_subgroup_over_gradsync_is_refused_when_made(
+    tmp_path: Path,
+) -> None:
+    # Before, both were made; their ranks met in the default group's sync dir as a
+    # second job, whose first collective, and the default group's next, then failed.
+    refused = "NotImplementedError: gradsync: a second group, or a subgroup"
+    for r, got in _on_two_ranks(_second_groups, tmp_path):
+        assert got["second"].startswith(refused), (r, got)
+        assert got["subgroup"].startswith(refused) if r == 0 else got["subgroup"] == "not a member"
+        assert (got["default"], got["second run"]) == ("[3.0, 3.0]", "[3.0, 3.0]"), (r, got)

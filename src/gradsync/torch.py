@@ -17,6 +17,7 @@ import datetime
 import hashlib
 import struct
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +52,10 @@ _LOCAL_OPS: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     _R.BOR: torch.bitwise_or,
     _R.BXOR: torch.bitwise_xor,
 }
+
+
+# The groups torch made (through _create) and has not shut down: a process runs one job.
+_OPEN: weakref.WeakSet[GradSyncProcessGroup] = weakref.WeakSet()
 
 
 class GradSyncProcessGroup(RefusedCollectives, dist.ProcessGroup):  # type: ignore[misc]
@@ -138,9 +143,11 @@ class GradSyncProcessGroup(RefusedCollectives, dist.ProcessGroup):  # type: igno
 
     def shutdown(self) -> None:
         """Leave the gradsync job (``destroy_process_group`` calls it)."""
+        _OPEN.discard(self)
         self.sync.close()
 
     def abort(self) -> None:
+        _OPEN.discard(self)
         self.sync.close()
 
     def _float_allreduce(self, tensors: list[torch.Tensor], scale: int | None) -> Any:
@@ -357,8 +364,22 @@ def _decode(mean: np.ndarray, world: int, nbytes: int) -> list[np.ndarray]:
 def _create(
     store: Any, rank: int, world_size: int, timeout: datetime.timedelta
 ) -> GradSyncProcessGroup:
-    """torch's backend constructor; the store and timeout are unused (see the docs)."""
-    return GradSyncProcessGroup(rank, world_size)
+    """torch's backend constructor; the store and timeout are unused (see the docs).
+
+    Raises NotImplementedError for a second open "gradsync" group in this process, or one
+    of part of the world (``new_group``, subgroups): its ranks would meet in the sync dir as
+    a second job, and fail (or wait out GRADSYNC_MAX_WAIT_S) at its first collective and
+    the other group's next."""
+    partial = dist.is_initialized() and world_size != dist.get_world_size()
+    if _OPEN or partial:
+        raise NotImplementedError(
+            "gradsync: a second group, or a subgroup (new_group, new_subgroups), over the "
+            '"gradsync" backend is not supported: a process runs one gradsync job, of every '
+            'rank; make such groups with backend="gloo"'
+        )
+    group = GradSyncProcessGroup(rank, world_size)
+    _OPEN.add(group)
+    return group
 
 
 if BACKEND.upper() not in dist.Backend._plugins:
