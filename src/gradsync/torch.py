@@ -30,8 +30,8 @@ from ._async import Background, StepHandle
 from ._config import FileGradSyncConfig
 from ._errors import ConfigError, MismatchError
 from ._stats import StepStats
-from ._torch_args import check_gather_outputs, check_inputs
-from ._torch_refused import RefusedCollectives
+from ._torch.args import check_gather_outputs, check_inputs
+from ._torch.refused import RefusedCollectives
 
 __all__ = ["BACKEND", "GradSyncProcessGroup"]
 

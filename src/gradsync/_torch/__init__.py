@@ -1,0 +1,1 @@
+"""What the "gradsync" torch backend (gradsync.torch) is built from; imports torch."""
