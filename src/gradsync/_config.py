@@ -236,7 +236,7 @@ class FileGradSyncConfig:
         ``GRADSYNC_WARN_AFTER_S``, ``GRADSYNC_CHECK_FINITE``, ``GRADSYNC_USE_MMAP``,
         ``GRADSYNC_CHECKSUMS``, ``GRADSYNC_THREADS``, ``GRADSYNC_WIDE_SUM``,
         ``GRADSYNC_COMPRESSION`` (``none`` or empty: None), ``GRADSYNC_ERROR_FEEDBACK``,
-        ``GRADSYNC_ELASTIC``, ``GRADSYNC_MIN_WORLD_SIZE`` (flags:
+        ``GRADSYNC_COMPRESS_LOCAL``, ``GRADSYNC_ELASTIC``, ``GRADSYNC_MIN_WORLD_SIZE`` (flags:
         ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off``) and
         ``GRADSYNC_RUN_ID`` (falling back to ``TORCHELASTIC_RUN_ID``). A leading ``~``
         of the sync dir is expanded. Keyword ``overrides`` win over the environment
