@@ -4,6 +4,7 @@ shared arrays of ``buffers_like`` that are its input file."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -133,6 +134,7 @@ class Publishing(EngineState):
         """Write what each peer q reduces of this rank's input (``parts(q)``: the bytes
         of ``plan.input_spans(q)``) into a file of its own, then publish the marker.
         This rank reads its own part from memory: its file is only a header, kept here."""
+        writes: list[Callable[[], None]] = []
         for q in range(self.world):
             payload = [p.reshape(-1).view(np.uint8) for p in parts(q)]
             size = sum(len(p) for p in payload)
@@ -143,7 +145,9 @@ class Publishing(EngineState):
                 reader = DataReader(path, head, len(head) + size, None, None)
                 self.own_input = Peer(reader, decode_header(head, str(path)), path)
                 continue
-            self._write_file(path, [head, *payload], step, "in")
+            chunks: list[bytes | np.ndarray] = [head, *payload]
+            writes.append(functools.partial(self._write_file, path, chunks, step, "in"))
+        self.writers.run(writes)
         self._announce(step_dir, "in", step)
 
     def _write_file(

@@ -126,11 +126,15 @@ class EngineState:
         self.codec = _wire_codec(cfg, gen, local_ranks == self.world)
         self._replicate_below = _replicate_below(self.world, local_ranks < self.world)
         self.workers = Workers(cfg.threads or auto_threads(local_ranks))
+        # Where each call's files are new on another host's filesystem, a rank writes
+        # its files for its peers at once: each close waits for the filesystem's upload.
+        self.writers = Workers(self.world - 1 if self._per_call else 1)
 
     def close(self) -> None:
         self._heartbeat.stop()
         self._transport.close()
         self.workers.close()
+        self.writers.close()
         self._dir.close()
 
     def _plan_for(self, layout: Layout, *, exact: bool = False) -> Plan:
