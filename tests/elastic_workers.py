@@ -206,3 +206,30 @@ def joiner_with_other_settings(proc: int, sync_dir: str, kw: dict[str, Any]) -> 
         return {"error": f"{type(exc).__name__}: {exc}", "s": time.monotonic() - start}
     finally:
         (root / "tried").touch()
+
+
+def a_joiner_after_a_stale_decider(proc: int, sync_dir: str, kw: dict[str, Any], marks: str) -> Any:
+    """Processes 0-3, each as a host of its own, form a job of 4 and average until
+    process 4 is done joining; process 4, started as rank 3 once ``marks``/go exists,
+    joins: its members, or its error, and how long it took."""
+    root = Path(marks)
+    _act_as_own_host(Path(sync_dir).parent / f"host-{proc}")
+    if proc < 4:
+        with gradsync.GradSync(config(proc, 4, sync_dir, elastic=True, **kw)) as gs:
+            while not (root / "tried").exists():
+                gs.average(grads_for(proc, 0))
+                if not (root / f"pid-{proc}").exists():
+                    (root / f"pid-{proc}").write_text(str(os.getpid()))
+                time.sleep(0.02)
+            return gs.members
+    while not (root / "go").exists():
+        time.sleep(0.01)
+    start = time.monotonic()
+    try:
+        with gradsync.GradSync(config(3, 4, sync_dir, elastic=True, **kw)) as gs:
+            gs.average(grads_for(3, 0))
+            return {"members": gs.members, "s": time.monotonic() - start}
+    except gradsync.GradSyncError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "s": time.monotonic() - start}
+    finally:
+        (root / "tried").touch()

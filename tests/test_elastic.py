@@ -567,3 +567,65 @@ def test_a_broadcast_comes_from_the_process_at_the_root_rank_when_two_share_a_st
         assert results[proc].ok, results[proc].value
         assert results[proc].value["members"] == (0, 1, 2, 1)
         assert results[proc].value["state"] == 103.0, (proc, results[proc].value)
+
+
+def _state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (None once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _named_epoch(sync_dir: Path) -> int | None:
+    """The epoch of the generation ``rdzv/current.json`` names, if its roster says."""
+    try:
+        gen = json.loads((sync_dir / "rdzv" / "current.json").read_text())["gen"]
+        return int(json.loads((sync_dir / f"gen-{gen}" / "roster.json").read_text())["epoch"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _resume_the_stale_decider(sync_dir: Path, marks: Path) -> None:
+    """Once rank 0 stopped after deciding the first change and the others made the
+    second without it, resume it; once it has failed, let the joiner start."""
+    deadline = time.monotonic() + 60
+    while not (marks / "pid-0").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pid = int((marks / "pid-0").read_text())
+    while _named_epoch(sync_dir) != 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGCONT)
+    while _state(pid) not in (None, "Z") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (marks / "go").touch()
+
+
+def test_a_decider_resumed_after_a_later_change_leaves_the_job_named_for_joiners(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 3 dies in call 3; rank 0 decides the change and stops before naming the new
+    # generation. The others name it, find it silent (each is a host of its own: by its
+    # heartbeat) and go on without it (epoch 2); then rank 0 resumes. Before, it named
+    # its own generation, dead by then, as the running job (removing the note as it
+    # failed), and a joiner found no job: it waited max_wait_s.
+    sync_dir, marks = tmp_path / "sync", tmp_path / "marks"
+    marks.mkdir()
+    kw = {**FAST, "max_wait_s": 10.0}
+    resumer = threading.Thread(target=_resume_the_stale_decider, args=(sync_dir, marks))
+    resumer.start()
+    try:
+        with fault("before_publish@3@3=sigkill,after_decide@0@3=sigstop", monkeypatch):
+            results = run_ranks(
+                elastic_workers.a_joiner_after_a_stale_decider,
+                5,
+                (str(sync_dir), kw, str(marks)),
+                expect=[1, 2, 4],
+                timeout_s=90,
+            )
+    finally:
+        resumer.join(timeout=60)
+    joiner = results[4].value
+    assert "error" not in joiner, joiner
+    assert joiner["members"] == (1, 2, 3)
+    assert joiner["s"] < kw["max_wait_s"]

@@ -19,7 +19,15 @@ from typing import Any
 
 from gradsync._config import FileGradSyncConfig
 from gradsync._errors import GradSyncError, MismatchError, PeerTimeoutError, RendezvousError
-from gradsync._names import EJOIN_PREFIX, RDZV, ROSTER, current_name, ejoin_name, gen_name
+from gradsync._names import (
+    EJOIN_PREFIX,
+    NEXT,
+    RDZV,
+    ROSTER,
+    current_name,
+    ejoin_name,
+    gen_name,
+)
 from gradsync._store.read import file_below, names_below
 
 from . import notes
@@ -35,6 +43,7 @@ __all__ = [
     "join_requests",
     "join_running",
     "joins_waiting",
+    "name_running",
     "running_job",
 ]
 
@@ -80,6 +89,42 @@ def decision(data: dict[str, Any], sync_dir: Path, me: MemberInfo) -> Membership
 def job_pointer(cfg: FileGradSyncConfig) -> Path:
     """The note that names this run's running generation (``rdzv/current[-<run id>].json``)."""
     return cfg.sync_dir / RDZV / current_name(cfg.run_id)
+
+
+def name_running(cfg: FileGradSyncConfig, gen_id: str, epoch: int) -> None:
+    """Name generation ``gen_id`` (of membership ``epoch``) this run's running job,
+    unless the note names a later one already; then, where that generation was left
+    meanwhile (its ``next.json`` is there), the one it went on to, and so on.
+
+    Reading the note and writing it are two steps: a member that stalls between them
+    (or a decider stalled after deciding) writes late. Looking for ``next.json`` after
+    writing undoes that: a later change writes its decision before naming it, so either
+    this look finds it, or that change names its generation after this write did.
+
+    Raises:
+        SyncDirError: the note could not be written.
+    """
+    pointer = job_pointer(cfg)
+    while True:
+        if _named_epoch(cfg, notes.load(pointer)) < epoch:
+            notes.write_json(pointer, {"gen": gen_id, "epoch": epoch}, "naming the running job in")
+        later = notes.load(cfg.sync_dir / gen_name(gen_id) / NEXT)
+        gen, next_epoch = (later or {}).get("gen"), (later or {}).get("epoch")
+        if not isinstance(gen, str) or not isinstance(next_epoch, int) or next_epoch <= epoch:
+            return
+        gen_id, epoch = gen, next_epoch
+
+
+def _named_epoch(cfg: FileGradSyncConfig, named: dict[str, Any] | None) -> int:
+    """The membership epoch of the generation the note ``named`` names; -1 for none."""
+    if named is None or not isinstance(named.get("gen"), str):
+        return -1
+    epoch = named.get("epoch")
+    if not isinstance(epoch, int):
+        # Written as the job formed (epoch 0), or by a gradsync that wrote no epoch there.
+        roster = notes.load(cfg.sync_dir / gen_name(named["gen"]) / ROSTER) or {}
+        epoch = roster.get("epoch", 0)
+    return epoch if isinstance(epoch, int) else 0
 
 
 def join_requests(cfg: FileGradSyncConfig) -> list[dict[str, Any]]:

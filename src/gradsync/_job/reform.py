@@ -39,7 +39,7 @@ from gradsync._store.read import names_below
 
 from . import notes
 from .decisions import settings
-from .ejoin import Membership, decision, job_pointer, join_requests
+from .ejoin import Membership, decision, join_requests, name_running
 from .liveness import HeartbeatWatch, judge
 from .membership import Reform, ReformLook, Standing, decide_reform, refusal, survivors
 
@@ -190,7 +190,7 @@ class Reformer:
                 notes.write_note(self.gen.path / left_name(q), note)
         notes.write_json(self.gen.path / NEXT, data, "deciding the next membership in")
         fault_point("after_decide", self.gen.rank, self.completed + 1)
-        notes.write_json(job_pointer(self.cfg), {"gen": gen_id}, "naming the running job in")
+        name_running(self.cfg, gen_id, self.cur.epoch + 1)
 
     def _claim(self, fd: int, standings: tuple[Standing, ...]) -> bool:
         """Whether this rank won the claim of the decision: of the first attempt, or of
@@ -238,17 +238,10 @@ class Reformer:
                 ranks=[self.gen.rank],
                 path=self.gen.path,
             )
-        self._name_running(found.gen.gen_id)
+        # Where its decider died before naming it: else its joiners never find it and
+        # its members wait max_wait_s for them.
+        name_running(self.cfg, found.gen.gen_id, found.epoch)
         return found
-
-    def _name_running(self, gen_id: str) -> None:
-        """Name generation ``gen_id`` the running job where the note still names the one
-        being left: its decider died between deciding and naming it."""
-        pointer = job_pointer(self.cfg)
-        named = notes.load(pointer)
-        if named is not None and named.get("gen") == self.gen.gen_id:
-            # Else its joiners never find it and its members wait max_wait_s for them.
-            notes.write_json(pointer, {"gen": gen_id}, "naming the running job in")
 
     def _failure(self, standings: tuple[Standing, ...], joiners: int) -> PeerLostError:
         # The ranks whose loss is why: not those that stayed and gave up or died since.
