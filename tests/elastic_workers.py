@@ -97,15 +97,16 @@ def broadcast_at(
     rank: int, world: int, sync_dir: str, kw: dict[str, Any], steps: int, at: int
 ) -> dict[str, Any]:
     """Average ``steps`` steps, and broadcast a state that differs by rank after step
-    ``at``; the state then, and the membership at the end."""
+    ``at``; the state then, the membership at the end, and each call's ``lost``."""
     cfg = config(rank, world, sync_dir, elastic=True, **kw)
     state = np.full(64, float(rank + 1))
+    lost = []
     with gradsync.GradSync(cfg) as gs:
         for step in range(steps):
-            gs.average(grads_for(rank, step))
+            lost.append(gs.average(grads_for(rank, step)).lost)
             if step == at:
                 gs.broadcast([state])
-        return {"state": state.tobytes(), "members": gs.members, "epoch": gs.epoch}
+        return {"state": state.tobytes(), "members": gs.members, "epoch": gs.epoch, "lost": lost}
 
 
 def a_job_that_ends_before_admitting(rank: int, sync_dir: str, kw: dict[str, Any]) -> Any:

@@ -213,6 +213,12 @@ def test_a_rank_killed_in_a_broadcast_is_left_behind_and_the_broadcast_redone(
         assert value["state"] == np.full(64, 1.0).tobytes()  # rank 0's
         assert value["members"] == (0, 1, 3)
         assert value["epoch"] == 1
+        # broadcast() returns no StepStats: the next averaging call says who was lost
+        # (before, none did: a loop that re-shards on stats.lost never learned of it).
+        (why,) = value["lost"][3]
+        assert why.startswith("rank 2 "), why
+        assert value["lost"][:3] == [(), (), ()]
+        assert value["lost"][4] == ()
 
 
 def test_below_min_world_size_the_survivors_wait_then_fail_naming_the_lost_rank(

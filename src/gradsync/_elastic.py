@@ -93,9 +93,13 @@ def run_elastic(
     assert took_part is not None
     joined: tuple[int, ...] = ()
     if next_step is not None:
-        # Lost while joiners came in after the last averaging call: this one is without them.
+        # Lost while joiners came in after the last averaging call, or in a broadcast
+        # since: this one is without them.
         lost, session.lost_since = session.lost_since + lost, []
         joined = _admit_joiners(session, cfg, closing, next_step)
+    else:
+        # A broadcast returns no StepStats: the next averaging call's names them.
+        session.lost_since += lost
     return dataclasses.replace(
         stats, members=took_part.launch, epoch=took_part.epoch, lost=tuple(lost), joined=joined
     )

@@ -59,7 +59,8 @@ class Session:
         self.engine: StepEngine | None = None
         self.membership: Membership | None = None  # elastic only
         self._cfg: FileGradSyncConfig | None = None  # elastic only
-        self.lost_since: list[str] = []  # elastic: lost after the last call, while joiners came in
+        # Elastic: lost after the last averaging call (while joiners came in, or in a broadcast).
+        self.lost_since: list[str] = []
         self.gpu = DeviceGrads(rank)
         self.forks = _forks_seen
         self.left = False

@@ -23,9 +23,9 @@ class StepStats:
     With ``elastic``: ``members`` are the ranks that took part, each as it was started
     (``cfg.rank``), in the order of their ranks now; ``epoch`` counts the changes of
     membership so far; ``lost`` says who left during this call and why (the step was
-    then redone without them), or after the averaging call before it, while joiners
-    came in; ``joined`` lists those admitted after it (call ``broadcast`` before the
-    next step). Without ``elastic`` they stay empty.
+    then redone without them), or after the averaging call before it: while joiners
+    came in, or in a ``broadcast``; ``joined`` lists those admitted after it (call
+    ``broadcast`` before the next step). Without ``elastic`` they stay empty.
 
     ``compression`` names the codec the call's files were compressed with: None
     without ``compression``, and where it was not applied (``compress_local``).
