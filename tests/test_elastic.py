@@ -117,6 +117,8 @@ def test_a_decider_killed_mid_decision_is_replaced_and_the_others_go_on(
     warnings = " ".join(results[1].value["warnings"])
     assert "rank 0 claimed the next membership" in warnings
     assert "rank 1 decides in its place" in warnings
+    # The generation rank 0 made before dying is removed too (before, it stayed).
+    assert not list(tmp_path.glob("gen-*"))
 
 
 def test_a_late_joiner_comes_in_at_a_step_boundary_and_averages_with_the_others(

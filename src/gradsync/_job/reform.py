@@ -34,7 +34,7 @@ from gradsync._names import (
     stay_name,
 )
 from gradsync._store.api import store
-from gradsync._store.dirs import dir_below, make_own_dir
+from gradsync._store.dirs import dir_below, make_own_dir, remove_own_dir
 from gradsync._store.read import names_below
 
 from . import notes
@@ -151,7 +151,13 @@ class Reformer:
         with dir_below(self.cfg.sync_dir, self.gen.path.name) as fd:
             if not self._claim(fd, standings):
                 return
+        if self._attempt > 0:
+            if notes.load(self.gen.path / NEXT) is not None:
+                return  # the dead claimant wrote it before dying: adopt it
+            self._remove_unfinished()
         gen_id = secrets.token_hex(8)
+        # Named in the claim: a survivor that decides in place of this one, dead, removes it.
+        notes.write_note(self.gen.path / claim_name(self._attempt), gen_id.encode())
         make_own_dir(self.cfg.sync_dir, gen_name(gen_id))
         fault_point("mid_decide", self.gen.rank, self.completed + 1)
         going = survivors(standings)
@@ -220,6 +226,18 @@ class Reformer:
                 self.cur.launch[self.gen.rank],
             )
             self._attempt += 1
+
+    def _remove_unfinished(self) -> None:
+        """Remove the generations that the claimants of the attempts before this one
+        made, dead before deciding: nobody ever takes a place in them."""
+        for attempt in range(self._attempt):
+            raw = notes.read_raw(self.gen.path / claim_name(attempt)) or b""
+            gen_id = raw.decode(errors="replace")
+            if not (gen_id.isascii() and gen_id.isalnum()):
+                continue  # it died before naming one
+            with contextlib.suppress(OSError):
+                notes.unlink(notes.leader_file(self.cfg.sync_dir, gen_id))
+            remove_own_dir(self.cfg.sync_dir, gen_name(gen_id))
 
     def _adopt(self, data: dict[str, Any]) -> Membership:
         try:
