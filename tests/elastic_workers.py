@@ -234,3 +234,28 @@ def a_joiner_after_a_stale_decider(proc: int, sync_dir: str, kw: dict[str, Any],
         return {"error": f"{type(exc).__name__}: {exc}", "s": time.monotonic() - start}
     finally:
         (root / "tried").touch()
+
+
+def hosts_killed_then_a_next_run(proc: int, sync_dir: str, kw: dict[str, Any]) -> Any:
+    """Processes 0 and 1, each as a host of its own, average once as an elastic job of
+    2 and SIGKILL themselves (no launcher leaves for them); then processes 2 and 3, as
+    two more hosts, run the same job again (ranks 0 and 1): their first call's world
+    size, or error, and how long it took."""
+    root = Path(sync_dir)
+    _act_as_own_host(root.parent / f"host-{proc}")
+    rank = proc % 2
+    if proc < 2:
+        with gradsync.GradSync(config(rank, 2, sync_dir, elastic=True, **kw)) as gs:
+            gs.average(grads_for(rank, 0))
+            (root.parent / f"done-{proc}").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+    while not all((root.parent / f"done-{r}").exists() for r in (0, 1)):
+        time.sleep(0.01)
+    time.sleep(0.5)  # both killed by then
+    start = time.monotonic()
+    try:
+        with gradsync.GradSync(config(rank, 2, sync_dir, elastic=True, **kw)) as gs:
+            gs.average(grads_for(rank, 0))
+            return {"world": gs.world_size, "s": time.monotonic() - start}
+    except gradsync.GradSyncError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "s": time.monotonic() - start}

@@ -637,3 +637,23 @@ def test_a_decider_resumed_after_a_later_change_leaves_the_job_named_for_joiners
     assert "error" not in joiner, joiner
     assert joiner["members"] == (1, 2, 3)
     assert joiner["s"] < kw["max_wait_s"]
+
+
+def test_a_next_run_after_every_host_was_killed_forms_once_their_heartbeats_are_still(
+    tmp_path: Path,
+) -> None:
+    # Before, its processes took the dead job (members on other hosts, no left notes,
+    # rdzv/current.json naming it) for a running one and each waited max_wait_s to join.
+    kw = {**FAST, "heartbeat_timeout_s": 2.0, "max_wait_s": 20.0}
+    results = run_ranks(
+        elastic_workers.hosts_killed_then_a_next_run,
+        4,
+        (str(tmp_path / "sync"), kw),
+        expect=[2, 3],
+        timeout_s=60,
+    )
+    for proc in (2, 3):
+        value = results[proc].value
+        assert "error" not in value, value
+        assert value["world"] == 2
+        assert value["s"] < kw["max_wait_s"] / 2

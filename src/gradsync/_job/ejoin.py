@@ -27,13 +27,14 @@ from gradsync._names import (
     current_name,
     ejoin_name,
     gen_name,
+    heartbeat_name,
 )
 from gradsync._store.read import file_below, names_below
 
 from . import notes
 from .decisions import settings
 from .generation import Generation
-from .liveness import MemberInfo, judge
+from .liveness import HeartbeatWatch, MemberInfo, judge
 
 __all__ = [
     "Membership",
@@ -168,8 +169,10 @@ def joins_waiting(cfg: FileGradSyncConfig) -> bool:
     return bool(join_requests(cfg))
 
 
-def running_job(cfg: FileGradSyncConfig) -> Path | None:
-    """The generation of this run that still has a live member, if the run is going."""
+def running_job(cfg: FileGradSyncConfig, watch: HeartbeatWatch | None = None) -> Path | None:
+    """The generation of this run that still has a live member, if the run is going.
+    A member on another host counts as live unless ``watch`` has seen its heartbeat
+    still for its timeout."""
     pointer = notes.load(job_pointer(cfg))
     if pointer is None or not isinstance(pointer.get("gen"), str):
         return None
@@ -182,7 +185,11 @@ def running_job(cfg: FileGradSyncConfig) -> Path | None:
             member = MemberInfo.from_json(raw)
         except ValueError:
             continue
-        if not notes.has_left(gen_path, member.rank) and judge(member).alive is not False:
+        beat = gen_path / heartbeat_name(member.nonce)
+        if (
+            not notes.has_left(gen_path, member.rank)
+            and judge(member, watch, beat).alive is not False
+        ):
             return gen_path
     return None
 
@@ -224,6 +231,9 @@ def join_running(
     notes.write_json(request, data, "asking to join in")
     start = looked_s = time.monotonic()
     gone_looks = dead_looks = 0  # the note missing, or naming no live member, on looks in a row
+    # Members on other hosts, all killed without a launcher to leave for them: only
+    # their heartbeats tell (else every process of a next run waits max_wait_s, fails).
+    watch = HeartbeatWatch(cfg.heartbeat_timeout_s)
     try:
         while time.monotonic() - start < cfg.max_wait_s:
             if closing is not None and closing.is_set():
@@ -238,7 +248,7 @@ def join_running(
                 looked_s = time.monotonic()
                 named = _job_named(cfg)
                 gone_looks = 0 if named else gone_looks + 1
-                dead_looks = dead_looks + 1 if named and running_job(cfg) is None else 0
+                dead_looks = dead_looks + 1 if named and running_job(cfg, watch) is None else 0
                 if gone_looks == 2:  # twice: one failed look is no proof
                     raise _ended(cfg, me)
                 if dead_looks == 2:  # twice: a clean end removes the note between looks
