@@ -127,16 +127,16 @@ def a_job_that_ends_before_admitting(rank: int, sync_dir: str, kw: dict[str, Any
     return None
 
 
-def members_and_a_stuck_joiner(
+def members_and_a_joiner(
     rank: int, sync_dir: str, kw: dict[str, Any], pid_dir: str
 ) -> dict[str, Any] | None:
-    """Processes 0 and 1 train as a job of 2 for 80 steps; process 2 asks to join it
-    with other settings (checksums), so it is never admitted, and waits to be killed."""
+    """Processes 0 and 1 train as a job of 2 for 80 steps; process 2 asks to join it.
+    Each writes its pid in ``pid_dir`` (the members after their first call)."""
     if rank < 2:
-        return train(rank, 2, sync_dir, 80, kw, pause_s=0.05)
+        return train(rank, 2, sync_dir, 80, kw, pause_s=0.05, pid_dir=pid_dir)
     time.sleep(0.5)
     (Path(pid_dir) / "pid-2").write_text(str(os.getpid()))
-    cfg = config(2, 3, sync_dir, elastic=True, checksums=True, **kw)
+    cfg = config(2, 3, sync_dir, elastic=True, **kw)
     with gradsync.GradSync(cfg) as gs:
         gs.average(grads_for(2, 0))
     return None
