@@ -123,7 +123,7 @@ class EngineState:
         local_ranks = sum(1 for m in gen.members if m.same_host)
         # Both by the roster alone, which every rank reads alike (ranks of one host may
         # judge its filesystem differently, as an NFS server's own ranks do).
-        self.codec = _wire_codec(cfg, gen, local_ranks == self.world)
+        self.codec = _wire_codec(cfg, local_ranks == self.world)
         self._replicate_below = _replicate_below(self.world, local_ranks < self.world)
         self.workers = Workers(cfg.threads or auto_threads(local_ranks))
         # Where each call's files are new on another host's filesystem, a rank writes
@@ -298,7 +298,7 @@ def _replicate_below(world: int, across_hosts: bool) -> int:
     return max(REPLICATE_BELOW_BYTES, REPLICATE_READ_BYTES_ACROSS_HOSTS // (world - 1))
 
 
-def _wire_codec(cfg: FileGradSyncConfig, gen: Generation, one_host: bool) -> Codec | None:
+def _wire_codec(cfg: FileGradSyncConfig, one_host: bool) -> Codec | None:
     """The codec of the job's files: none where the roster puts every rank on this
     host, unless ``compress_local``."""
     codec = codec_for(cfg.compression)
