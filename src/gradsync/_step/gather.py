@@ -101,22 +101,26 @@ class Gathering(EngineState):
         ranks = [q for q in range(self.world) if q != self.rank and not plan.replicated]
         done = False
 
+        def read(q: int) -> Callable[[], None]:
+            def job() -> None:
+                self._shard_pairs(plan, q, flats, shard, outs, step)
+
+            return job
+
         def copy_all() -> None:
             nonlocal done
-            for batch in (ranks, [self.rank]):
+            batches = [ranks, [self.rank]]
+            if not self._transport.mapped:
+                # Read straight into the arrays, the peers' files at once (a thread each
+                # where they are on another host's filesystem).
+                self.writers.run([read(q) for q in ranks])
+                batches = [[self.rank]]
+            for batch in batches:
                 # Mapped shards are copied by the workers, a batch at a time: the own
                 # range is only written once every peer's range is in.
-                pairs: list[tuple[np.ndarray, np.ndarray]] = []
-                for q in batch:
-                    for group in plan.groups:
-                        lo, hi = group.shards[q]
-                        whole = self._shard_source(group, q, flats, shard, outs, step)
-                        if whole is not None:  # None: read into the arrays already
-                            pairs += [
-                                (flats[param][start:stop], whole[at : at + stop - start])
-                                for param, start, stop, at in group.segments(lo, hi)
-                            ]
-                self.workers.copy(pairs)
+                self.workers.copy(
+                    [p for q in batch for p in self._shard_pairs(plan, q, flats, shard, outs, step)]
+                )
             done = self._has_mean = True
 
         try:
@@ -161,6 +165,28 @@ class Gathering(EngineState):
             self._has_mean = True
 
         to_the_end(hand_over)
+
+    def _shard_pairs(
+        self,
+        plan: Plan,
+        q: int,
+        flats: list[np.ndarray],
+        shard: np.ndarray,
+        outs: dict[int, Peer],
+        step: int,
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(array range, source) pairs of rank q's shard of the mean; an unmapped peer's
+        is read into the arrays here instead, leaving none."""
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        for group in plan.groups:
+            lo, hi = group.shards[q]
+            whole = self._shard_source(group, q, flats, shard, outs, step)
+            if whole is not None:
+                pairs += [
+                    (flats[param][start:stop], whole[at : at + stop - start])
+                    for param, start, stop, at in group.segments(lo, hi)
+                ]
+        return pairs
 
     def _shard_source(
         self,

@@ -126,8 +126,9 @@ class EngineState:
         self.codec = _wire_codec(cfg, local_ranks == self.world)
         self._replicate_below = _replicate_below(self.world, local_ranks < self.world)
         self.workers = Workers(cfg.threads or auto_threads(local_ranks))
-        # Where each call's files are new on another host's filesystem, a rank writes
-        # its files for its peers at once: each close waits for the filesystem's upload.
+        # Where each call's files are new on another host's filesystem, a rank writes its
+        # files for its peers, and reads theirs of the mean, at once: each waits on the
+        # filesystem's round trips (a close on its upload).
         self.writers = Workers(self.world - 1 if self._per_call else 1)
 
     def close(self) -> None:
