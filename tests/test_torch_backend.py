@@ -695,6 +695,43 @@ def test_several_tensors_in_one_call_are_refused_at_the_call(tmp_path: Path) -> 
         assert got["after"] == "[3.0, 3.0]", (r, got)
 
 
+def _expanded_tensors(rank: int, world: int, tmp: str) -> dict[str, str]:
+    """allreduce and broadcast into an expand()ed tensor (its elements share memory),
+    allgather from one; then a right allreduce."""
+    dist = _join(rank, world, tmp)
+    x = torch.full((1,), rank + 1.0).expand(4)
+    outs = [torch.zeros(4) for _ in range(world)]
+    calls = {
+        "allreduce": lambda: dist.all_reduce(x),
+        "broadcast": lambda: dist.broadcast(x, src=0),
+        "allgather": lambda: dist.all_gather(outs, x),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "ran"
+        except ValueError as exc:
+            out[name] = str(exc)
+    out["gathered"] = str([o.tolist() for o in outs])
+    y = torch.full((2,), rank + 1.0)
+    dist.all_reduce(y)
+    out["after"] = str(y.tolist())
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_result_into_an_expanded_tensor_is_refused_at_the_call(tmp_path: Path) -> None:
+    # Before, the step ran and wait() raised torch's error copying the result back; gloo
+    # 2.13 writes past the storage of such a tensor.
+    for r, got in _on_two_ranks(_expanded_tensors, tmp_path):
+        for name in ("allreduce", "broadcast"):
+            assert "elements share memory" in got[name], (r, name, got)
+        assert got["allgather"] == "ran", (r, got)
+        assert got["gathered"] == str([[1.0] * 4, [2.0] * 4]), (r, got)
+        assert got["after"] == "[3.0, 3.0]", (r, got)
+
+
 def _unsupported_collectives(rank: int, world: int, tmp: str) -> dict[str, str]:
     """Each torch.distributed collective the backend does not run: what it raised; then a
     right allreduce."""

@@ -83,7 +83,7 @@ class GradSyncProcessGroup(RefusedCollectives, dist.ProcessGroup):  # type: igno
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
         """SUM/AVG of float tensors: gradsync's mean (times W for SUM); others exactly."""
-        check_inputs(tensors, "allreduce")
+        check_inputs(tensors, "allreduce", written=True)
         op = opts.reduceOp.op  # the RedOpType (a ReduceOp compares equal only one way)
         if all(t.dtype in _FLOATS for t in tensors) and op in {_R.SUM, _R.AVG}:
             return self._float_allreduce(tensors, scale=self._world if op == _R.SUM else None)
@@ -107,7 +107,7 @@ class GradSyncProcessGroup(RefusedCollectives, dist.ProcessGroup):  # type: igno
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
         """The root's tensors, bit for bit, on every rank: a gradsync broadcast of their
         bytes."""
-        check_inputs(tensors, "broadcast")
+        check_inputs(tensors, "broadcast", written=True)
         root = opts.rootRank
 
         def run() -> StepStats:

@@ -9,10 +9,11 @@ from collections.abc import Sequence
 import torch
 
 
-def check_inputs(tensors: Sequence[torch.Tensor], call: str) -> None:
+def check_inputs(tensors: Sequence[torch.Tensor], call: str, *, written: bool = False) -> None:
     """Refuse anything but one CPU tensor: a list of several is, to gloo, one tensor per
     device (allreduce reduces them all together, broadcast copies the root's one into
-    each), which gradsync does not do."""
+    each), which gradsync does not do. ``written``: the result goes into it, so its
+    elements must not share memory (an ``expand``ed tensor)."""
     if len(tensors) != 1:
         raise ValueError(
             f"gradsync: {call} of {len(tensors)} tensors in one call is not supported "
@@ -21,6 +22,12 @@ def check_inputs(tensors: Sequence[torch.Tensor], call: str) -> None:
     for t in tensors:
         if t.device.type != "cpu":
             raise ValueError(f"gradsync: only CPU tensors are supported, got one on {t.device}")
+        if written and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape, strict=True)):
+            raise ValueError(
+                f"gradsync: {call} writes its result into the tensor, whose elements share "
+                f"memory (stride {tuple(t.stride())}, an expand()ed tensor): pass a "
+                f"contiguous one"
+            )
 
 
 def check_gather_outputs(
