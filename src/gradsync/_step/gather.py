@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -101,19 +102,15 @@ class Gathering(EngineState):
         ranks = [q for q in range(self.world) if q != self.rank and not plan.replicated]
         done = False
 
-        def read(q: int) -> Callable[[], None]:
-            def job() -> None:
-                self._shard_pairs(plan, q, flats, shard, outs, step)
-
-            return job
-
         def copy_all() -> None:
             nonlocal done
             batches = [ranks, [self.rank]]
             if not self._transport.mapped:
                 # Read straight into the arrays, the peers' files at once (a thread each
                 # where they are on another host's filesystem).
-                self.writers.run([read(q) for q in ranks])
+                self.writers.run(
+                    [partial(self._shard_pairs, plan, q, flats, shard, outs, step) for q in ranks]
+                )
                 batches = [[self.rank]]
             for batch in batches:
                 # Mapped shards are copied by the workers, a batch at a time: the own

@@ -68,8 +68,8 @@ class Workers:
         """How many pieces a job of ``nbytes`` is worth cutting into."""
         return max(1, min(self.threads, nbytes // MIN_PIECE_BYTES))
 
-    def run(self, jobs: Sequence[Callable[[], None]]) -> None:
-        """Run every job; return when all have finished.
+    def run(self, jobs: Sequence[Callable[[], object]]) -> None:
+        """Run every job (what it returns is dropped); return when all have finished.
 
         Raises:
             The first job's exception (by position), after every job has stopped, so
@@ -81,7 +81,7 @@ class Workers:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="gradsync")
-        futures: list[Future[None]] = [self._pool.submit(job) for job in jobs[1:]]
+        futures: list[Future[object]] = [self._pool.submit(job) for job in jobs[1:]]
         first: BaseException | None = None
         try:
             jobs[0]()
