@@ -655,6 +655,18 @@ def test_an_elastic_job_is_refused_rather_than_averaged_by_the_first_world_size(
         assert got.startswith("ConfigError: gradsync: the torch backend runs no elastic")
 
 
+def _outcomes(calls: dict[str, Callable[[], object]], caught: type[Exception]) -> dict[str, str]:
+    """What each call did: "ran", or the type and message of the ``caught`` it raised."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "ran"
+        except caught as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def _several_tensors_in_one_call(rank: int, world: int, tmp: str) -> dict[str, str]:
     """A process group's allreduce, broadcast and allgather given several tensors at once
     (gloo's one tensor per device), or one tensor twice; then a right allreduce."""
@@ -665,20 +677,14 @@ def _several_tensors_in_one_call(rank: int, world: int, tmp: str) -> dict[str, s
     root.rootRank = 1
     gather_opts = dist.distributed_c10d.AllgatherOptions()
     calls = {
-        "allreduce": lambda: group.allreduce([a, b], dist.AllreduceOptions()),
-        "twice": lambda: group.allreduce([a, a], dist.AllreduceOptions()),
-        "broadcast": lambda: group.broadcast([a, b], root),
+        "allreduce": lambda: group.allreduce([a, b], dist.AllreduceOptions()).wait(),
+        "twice": lambda: group.allreduce([a, a], dist.AllreduceOptions()).wait(),
+        "broadcast": lambda: group.broadcast([a, b], root).wait(),
         "allgather": lambda: group.allgather(
             [[torch.zeros(2) for _ in range(world)] for _ in range(2)], [a, b], gather_opts
-        ),
+        ).wait(),
     }
-    out = {}
-    for name, call in calls.items():
-        try:
-            call().wait()
-            out[name] = f"ran: {a.tolist()}, {b.tolist()}"
-        except ValueError as exc:
-            out[name] = str(exc)
+    out = _outcomes(calls, ValueError)
     dist.all_reduce(a)
     out["after"] = str(a.tolist())
     dist.destroy_process_group()
@@ -706,13 +712,7 @@ def _expanded_tensors(rank: int, world: int, tmp: str) -> dict[str, str]:
         "broadcast": lambda: dist.broadcast(x, src=0),
         "allgather": lambda: dist.all_gather(outs, x),
     }
-    out = {}
-    for name, call in calls.items():
-        try:
-            call()
-            out[name] = "ran"
-        except ValueError as exc:
-            out[name] = str(exc)
+    out = _outcomes(calls, ValueError)
     out["gathered"] = str([o.tolist() for o in outs])
     y = torch.full((2,), rank + 1.0)
     dist.all_reduce(y)
@@ -752,13 +752,7 @@ def _unsupported_collectives(rank: int, world: int, tmp: str) -> dict[str, str]:
         "recv": lambda: dist.recv(x, src=1 - rank),
         "gather_object": lambda: dist.gather_object(rank, [None] * world if rank == 0 else None),
     }
-    out = {}
-    for name, call in calls.items():
-        try:
-            call()
-            out[name] = "ran"
-        except RuntimeError as exc:  # NotImplementedError is one, as torch's own refusals
-            out[name] = f"{type(exc).__name__}: {exc}"
+    out = _outcomes(calls, RuntimeError)  # NotImplementedError is one, as torch's refusals
     dist.all_reduce(x)
     out["after"] = str(x.tolist())
     dist.destroy_process_group()
